@@ -1,0 +1,45 @@
+"""lightning-dpmp: data parallel x tensor model parallel training for PyTorch Lightning, with no plan to write.
+
+Example:
+    >>> import lightning as L
+    >>> from lightning_dpmp import DPMPStrategy
+    >>> trainer = L.Trainer(accelerator="cpu", devices=4, strategy=DPMPStrategy(dp=2, mp=2))  # doctest: +SKIP
+
+Importing the package registers the strategy names ``"dpmp"`` and ``"dpmp_spawn"`` with Lightning.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_dpmp.clipping import clip_grad_norm_
+from lightning_dpmp.comm import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
+from lightning_dpmp.grid import Grid, build_grid
+from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy
+from lightning_dpmp.parallelize import consolidate, consolidated_state_dict, parallelize
+from lightning_dpmp.plan import LayerPlan, Plan, make_plan
+from lightning_dpmp.strategy import DPMPStrategy
+from lightning_dpmp.trace import trace_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinear",
+    "DPMPStrategy",
+    "Grid",
+    "LayerPlan",
+    "Plan",
+    "RowParallelLinear",
+    "SharedInputCopy",
+    "build_grid",
+    "clip_grad_norm_",
+    "consolidate",
+    "consolidated_state_dict",
+    "copy_to_group",
+    "gather_from_group",
+    "make_plan",
+    "parallelize",
+    "reduce_from_group",
+    "scatter_to_group",
+    "trace_step",
+]
+
+DPMPStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,95 @@
+"""Count the collectives a block of code issues, by operation and process group, with the bytes they move.
+
+Works like torch's ``CommDebugMode`` (a dispatch mode seeing every c10d call made from Python or autograd, forward
+and backward) without its module tracking, so it can be entered in one Lightning hook and left in another. DDP's
+C++ reducer is invisible to it, as to ``CommDebugMode``.
+
+Example:
+    >>> with CommCounter(names={"mp": grid.mp_group, "dp": grid.dp_group}) as c:   # doctest: +SKIP
+    ...     loss = model(x).sum(); loss.backward()
+    >>> c.counts                                                                    # doctest: +SKIP
+    {('mp', 'all_reduce'): 2, ('mp', 'all_gather'): 1}
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["CommCounter"]
+
+# c10d op name -> the name users know
+_OPS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "alltoall_": "all_to_all",
+}
+
+
+def _group_name(group: Any) -> Optional[str]:
+    """The c10d name of a ProcessGroup, also when the dispatcher hands it over boxed in a ScriptObject."""
+    try:
+        if isinstance(group, torch.ScriptObject):
+            if "ProcessGroup" not in str(group._type()):
+                return None
+            group = dist.ProcessGroup.unbox(group)
+        return str(group.group_name)
+    except Exception:
+        return None
+
+
+class CommCounter(TorchDispatchMode):
+    """Count c10d collectives (and payload bytes) by ``(group label, operation)``.
+
+    Args:
+        names: ``{label: process group}``; a collective on another group is labelled ``"other"``.
+    """
+
+    def __init__(self, names: Optional[dict[str, Any]] = None) -> None:
+        super().__init__()
+        self._labels = {}
+        for label, group in (names or {}).items():
+            key = _group_name(group) if group is not None else None
+            if key is not None:
+                self._labels[key] = label
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        packet = func._overloadpacket
+        op = _OPS.get(packet.__name__) if packet._qualified_op_name.split("::")[0] in ("c10d", "_c10d_functional") else None
+        if op is not None:
+            leaves = tree_leaves((args, kwargs or {}))
+            label = "other"
+            for leaf in leaves:
+                name = leaf if isinstance(leaf, str) else _group_name(leaf)
+                if name is not None and name in self._labels:
+                    label = self._labels[name]
+                    break
+            payload = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, Tensor))
+            self.counts[(label, op)] += 1
+            self.bytes[(label, op)] += payload
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict[str, int]:
+        """Flat ``{"<group>/<op>_calls": n, "<group>/<op>_bytes": b}`` for logging."""
+        out: dict[str, int] = {}
+        for (label, op), n in self.counts.items():
+            out[f"{label}/{op}_calls"] = n
+            out[f"{label}/{op}_bytes"] = self.bytes[(label, op)]
+        return out

@@ -1,0 +1,193 @@
+"""Plan a LightningModule from one traced step, parallelise it, and check the result numerically.
+
+The sequence, run by :class:`~lightning_dpmp.strategy.DPMPStrategy` at setup on every rank:
+
+1. rank 0 takes the first batch of the stage's dataloader and broadcasts it (all MP ranks must see one batch);
+2. each rank runs the step once on the dense model, recording data flow (:mod:`lightning_dpmp.trace`) and, when
+   fitting, the dense gradients;
+3. rank 0's plan (:mod:`lightning_dpmp.plan`) is broadcast so that every rank applies the same layout;
+4. the model is parallelised, and the same step is run again: loss and every gradient shard must match the dense
+   ones. Layers that disagree fall back, first to self-contained ``column_gather``, then to ``replicate``, and the
+   printout says so.
+
+Every run happens in eval mode with all RNG states saved and restored and ``self.log`` silenced, so training
+afterwards draws exactly the random numbers it would have drawn without this check.
+
+Example:
+    >>> result = plan_module(lm, grid, run_step, user_plan=None, verify=True)   # doctest: +SKIP
+    >>> print(result.plan.describe(result.dense_view))                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from torch import Tensor, nn
+
+from lightning_dpmp.comm import group_rank, group_size
+from lightning_dpmp.grid import Grid
+from lightning_dpmp.layers import shard_dims
+from lightning_dpmp.parallelize import parallelize, restore
+from lightning_dpmp.plan import Plan, make_plan
+from lightning_dpmp.trace import Trace, loss_of, trace_step
+
+__all__ = ["PlanResult", "isolated", "plan_module"]
+
+
+@dataclass
+class PlanResult:
+    """The plan applied, its printout, and notes on what was checked or fell back."""
+
+    plan: Plan
+    text: str
+    verified: Optional[bool] = None
+    max_error: float = 0.0
+
+
+@contextlib.contextmanager
+def isolated(module: nn.Module) -> Iterator[None]:
+    """Eval mode, saved RNG states and silenced ``log``/``log_dict`` for a side-effect-free extra step."""
+    rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    modes = [(m, m.training) for m in module.modules()]
+    silenced = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    module.eval()
+    for name in silenced:
+        setattr(module, name, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for name in silenced:
+            delattr(module, name)
+        for m, mode in modes:
+            m.training = mode
+        _set_rng_states(rng)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    # Relative to the largest gradient entry: summation order alone stays far below these; a wrong plan does not.
+    return {torch.float64: 1e-7, torch.float32: 1e-3}.get(dtype, 5e-2)
+
+
+def _dense_grads(module: nn.Module, run: Callable[[], Any], record: bool) -> tuple[Optional[Trace], Optional[Tensor], dict]:
+    with torch.enable_grad():
+        if record:
+            trace = trace_step(module, run)
+            out = trace.result
+        else:
+            trace, out = None, run()
+        loss = loss_of(out)
+        grads: dict[str, Tensor] = {}
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+            grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+            module.zero_grad(set_to_none=True)
+    if trace is not None:
+        trace.result = None  # drop the graph
+    return trace, (loss.detach() if loss is not None else None), grads
+
+
+def _check(module: nn.Module, run: Callable[[], Any], loss_ref: Tensor, grads_ref: dict, group: Any) -> float:
+    """Largest relative error of this rank's loss and gradient shards against the dense step."""
+    with torch.enable_grad():
+        loss = loss_of(run())
+        assert loss is not None
+        loss.backward()
+    dims = shard_dims(module)
+    n, r = group_size(group), group_rank(group)
+    err = float((loss.detach() - loss_ref).abs() / (loss_ref.abs() + 1e-12))
+    for name, p in module.named_parameters():
+        ref = grads_ref.get(name)
+        if ref is None or p.grad is None:
+            if (ref is None) != (p.grad is None):
+                err = float("inf")
+            continue
+        if name in dims:
+            ref = ref.chunk(n, dim=dims[name])[r]
+        scale = ref.abs().max().item() + 1e-12
+        err = max(err, (p.grad - ref).abs().max().item() / scale)
+    module.zero_grad(set_to_none=True)
+    return err
+
+
+def _world_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _fallback(plan: Plan, model: nn.Module, level: int) -> Plan:
+    """Level 1: every split layer self-contained (column_gather); level 2: nothing split."""
+    fb = make_plan(model, plan.mp, trace=None, user_plan={})
+    for name, lp in fb.layers.items():
+        if level == 2 or lp.style != "column_gather":
+            fb.layers[name] = type(lp)(lp.name, "replicate", lp.in_features, lp.out_features, note="fallback")
+        else:
+            fb.layers[name] = type(lp)(lp.name, lp.style, lp.in_features, lp.out_features, note="fallback")
+    fb.traced = plan.traced
+    return fb
+
+
+def plan_module(
+    module: nn.Module,
+    grid: Grid,
+    run: Optional[Callable[[], Any]],
+    user_plan: Optional[Mapping[str, str]],
+    verify: bool,
+    device: torch.device,
+    notes: Optional[list[str]] = None,
+) -> PlanResult:
+    """Trace, plan, parallelise ``module`` in place and (optionally) verify it against the dense step.
+
+    ``run`` executes one step on a fixed batch and returns its output (``None`` when no batch was available:
+    the plan then comes from ``user_plan`` and defaults alone). Collective over the world.
+    """
+    trace, loss_ref, grads_ref = None, None, {}
+    if run is not None:
+        try:
+            with isolated(module):
+                trace, loss_ref, grads_ref = _dense_grads(module, run, record=True)
+        except Exception as exc:  # a step that cannot run outside the loop (e.g. manual optimization)
+            trace, notes = None, (notes or []) + [f"could not trace the step ({type(exc).__name__}: {exc})"]
+    ok = _world_max(0.0 if trace is not None else 1.0, device) == 0.0
+    plan = make_plan(module, grid.mp, trace if ok else None, user_plan)
+    plan.notes += notes or []
+    plan = _broadcast(plan)
+    text = plan.describe(module)
+    result = PlanResult(plan, text)
+    originals = parallelize(module, plan, grid.mp_group)
+    if not (verify and ok and loss_ref is not None and grid.mp > 1):
+        return result
+    for level in (0, 1, 2):
+        with isolated(module):
+            err = _world_max(_check(module, run, loss_ref, grads_ref, grid.mp_group), device)  # type: ignore[arg-type]
+        result.max_error = err
+        if err <= _tolerance(loss_ref.dtype) or level == 2:
+            result.verified = err <= _tolerance(loss_ref.dtype)
+            break
+        restore(module, originals)
+        plan = _fallback(plan, module, level + 1)
+        plan.notes.append(
+            f"verification failed (relative error {err:.2e}); fell back to "
+            + ("self-contained column_gather layers" if level == 0 else "replicating every layer")
+        )
+        text = plan.describe(module)
+        originals = parallelize(module, plan, grid.mp_group)
+        result = PlanResult(plan, text, max_error=err)
+    status = "passed" if result.verified else "FAILED"
+    result.text += f"\n  verified against the dense step on the first batch: {status} (max relative error {result.max_error:.1e})"
+    return result

@@ -1,0 +1,46 @@
+"""Gradient clipping by the norm of the whole (dense) gradient, computed from shards.
+
+Each rank of an MP group holds 1/mp of every split parameter and all of every replicated one. The global squared
+norm is the MP-sum of the split parameters' squared norms plus the replicated parameters' squared norm counted
+once; every rank then scales by the same factor, exactly as single-process ``clip_grad_norm_`` would.
+
+Example:
+    >>> total = clip_grad_norm_(params, max_norm=1.0, split=set_of_split_params, group=grid.mp_group)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dpmp.comm import all_reduce_sum
+
+__all__ = ["clip_grad_norm_", "grad_norm"]
+
+
+def grad_norm(params: Iterable[Tensor], split: set[int], group: Any) -> Tensor:
+    """The 2-norm of the dense gradient; ``split`` holds ``id()`` of the parameters that are MP shards."""
+    grads = [(p.grad, id(p) in split) for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device, dtype = grads[0][0].device, grads[0][0].dtype
+    sq = torch.zeros(2, device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    for g, is_split in grads:
+        sq[0 if is_split else 1] += torch.linalg.vector_norm(g.detach(), 2, dtype=sq.dtype) ** 2
+    # One all-reduce for the split part only; the replicated part is identical on every MP rank.
+    sharded = all_reduce_sum(sq[:1].clone(), group)
+    return (sharded[0] + sq[1]).sqrt()
+
+
+def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, split: set[int], group: Any) -> Tensor:
+    """Scale gradients in place so that their dense 2-norm is at most ``max_norm``; returns the norm before."""
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm(params, split, group)
+    # Same formula as torch.nn.utils.clip_grad_norm_, so single-process and sharded runs clip alike.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total

@@ -1,0 +1,159 @@
+"""The 2D process grid: ``dp`` rows of data parallelism times ``mp`` columns of tensor model parallelism.
+
+Ranks are laid out with MP innermost, ``rank = dp_rank * mp + mp_rank``, so that the ``mp`` ranks of one MP
+group are consecutive and, with Lightning's node-major rank order, sit on one node::
+
+    dp=2, mp=4         mp_rank 0  1  2  3
+        dp_rank 0:  ranks      0  1  2  3   <- one MP group (same batch, 1/mp of each split weight)
+        dp_rank 1:  ranks      4  5  6  7
+                               ^ one DP group per column: {0,4}, {1,5}, {2,6}, {3,7} (gradients averaged)
+
+Nothing here is global: :func:`build_grid` returns a :class:`Grid` that callers pass on explicitly.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+__all__ = ["Grid", "build_grid", "check_parallel_size", "check_world_size", "coords_of", "group_ranks"]
+
+
+def check_parallel_size(name: str, value: Any, allow_auto: bool = False) -> None:
+    """Reject anything but a positive ``int`` (and ``"auto"`` when allowed) with a ``ValueError``.
+
+    ``bool`` is an ``int`` subclass in Python, so ``dp=True`` is caught explicitly.
+
+    Example:
+        >>> check_parallel_size("dp", 2)
+        >>> check_parallel_size("mp", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `mp` must be a positive integer, got 0 (int). For example DPMPStrategy(dp=2, mp=2).
+    """
+    if allow_auto and value == "auto" and isinstance(value, str):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        extra = ' or "auto"' if allow_auto else ""
+        raise ValueError(
+            f"`{name}` must be a positive integer{extra}, got {value!r} ({type(value).__name__})."
+            " For example DPMPStrategy(dp=2, mp=2)."
+        )
+
+
+def check_world_size(dp: int, mp: int, world_size: int, *, devices: Optional[int] = None, num_nodes: int = 1) -> None:
+    """Raise a ``ValueError`` naming every number when ``dp * mp`` does not match the processes available.
+
+    Example:
+        >>> check_world_size(2, 2, 4)
+        >>> check_world_size(2, 2, 3, devices=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: DPMPStrategy(dp=2, mp=2) needs dp*mp = 4 processes, but devices=3 x num_nodes=1 = 3. Set devices*num_nodes = 4, or choose dp and mp with dp*mp = 3.
+    """
+    if dp * mp == world_size:
+        return
+    if devices is not None:
+        have = f"devices={devices} x num_nodes={num_nodes} = {world_size}"
+        fix = f"Set devices*num_nodes = {dp * mp}"
+    else:
+        have = f"the process group has world size {world_size}"
+        fix = f"Launch {dp * mp} processes (e.g. torchrun --nproc_per_node)"
+    raise ValueError(
+        f"DPMPStrategy(dp={dp}, mp={mp}) needs dp*mp = {dp * mp} processes, but {have}."
+        f" {fix}, or choose dp and mp with dp*mp = {world_size}."
+    )
+
+
+def coords_of(rank: int, mp: int) -> tuple[int, int]:
+    """``(dp_rank, mp_rank)`` of a global rank; MP is the innermost (fastest-varying) axis.
+
+    Example:
+        >>> coords_of(5, mp=4)
+        (1, 1)
+    """
+    return divmod(rank, mp)
+
+
+def group_ranks(dp: int, mp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """All MP groups (rows) and all DP groups (columns) as lists of global ranks.
+
+    Example:
+        >>> group_ranks(2, 2)
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    mp_groups = [[d * mp + m for m in range(mp)] for d in range(dp)]
+    dp_groups = [[d * mp + m for d in range(dp)] for m in range(mp)]
+    return mp_groups, dp_groups
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One rank's view of the ``dp x mp`` grid: its coordinates and the two groups it belongs to.
+
+    Attributes:
+        dp: number of data-parallel replicas (rows).
+        mp: tensor-model-parallel width (columns); every split weight is held 1/mp per rank.
+        rank: this process's global rank.
+        dp_group: the ranks holding the same shards on other data (gradients are averaged here).
+        mp_group: the ranks sharing one batch and splitting the weights (activations cross here).
+
+    Example:
+        >>> grid = build_grid(dp=2, mp=2)          # inside an initialised process group  # doctest: +SKIP
+        >>> layer = ColumnParallelLinear.from_dense(nn.Linear(8, 8), grid.mp_group)  # doctest: +SKIP
+    """
+
+    dp: int
+    mp: int
+    rank: int
+    dp_group: Any = None
+    mp_group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.mp
+
+    @property
+    def dp_rank(self) -> int:
+        return coords_of(self.rank, self.mp)[0]
+
+    @property
+    def mp_rank(self) -> int:
+        return coords_of(self.rank, self.mp)[1]
+
+    def __str__(self) -> str:
+        return f"Grid(dp={self.dp}, mp={self.mp}, rank={self.rank} -> dp_rank={self.dp_rank}, mp_rank={self.mp_rank})"
+
+
+def build_grid(dp: int, mp: int) -> Grid:
+    """Create the MP and DP groups of an initialised default process group and return this rank's :class:`Grid`.
+
+    Every rank must call this, in the same order: ``new_group`` is collective over the world even for groups a
+    rank does not belong to, and a rank that skips one leaves the others waiting.
+
+    Example:
+        >>> grid = build_grid(dp=2, mp=2)  # doctest: +SKIP
+        >>> grid.dp_rank, grid.mp_rank     # doctest: +SKIP
+        (1, 0)
+    """
+    check_parallel_size("dp", dp)
+    check_parallel_size("mp", mp)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_grid() needs an initialised torch.distributed process group.")
+    check_world_size(dp, mp, dist.get_world_size())
+    rank = dist.get_rank()
+    mp_rows, dp_cols = group_ranks(dp, mp)
+    my_dp, my_mp = coords_of(rank, mp)
+    mp_group = dp_group = None
+    for d, ranks in enumerate(mp_rows):
+        group = dist.new_group(ranks)
+        if d == my_dp:
+            mp_group = group
+    for m, ranks in enumerate(dp_cols):
+        group = dist.new_group(ranks)
+        if m == my_mp:
+            dp_group = group
+    return Grid(dp=dp, mp=mp, rank=rank, dp_group=dp_group, mp_group=mp_group)

@@ -1,0 +1,262 @@
+"""Tensor-parallel drop-in replacements for ``nn.Linear`` (Megatron-style), against an explicit process group.
+
+Layouts, for ``y = x @ W.T + b`` with ``W`` of shape ``(out_features, in_features)`` and ``mp`` ranks:
+
+* :class:`ColumnParallelLinear` holds rows ``W[r*o/mp:(r+1)*o/mp]`` (a slice of the *output* features).
+  Requires a replicated input; produces an output sharded on its last dim, or replicated with ``gather_output``.
+* :class:`RowParallelLinear` holds columns ``W[:, r*i/mp:(r+1)*i/mp]`` (a slice of the *input* features).
+  Requires an input sharded on its last dim (or splits a replicated one); produces a replicated output.
+
+A column layer feeding a row layer through element-wise ops costs one all-reduce forward (in the row layer) and one
+backward (the column layer's input gradient): the Megatron MLP.
+
+Example:
+    >>> dense = nn.Linear(16, 64)
+    >>> fc1 = ColumnParallelLinear.from_dense(dense, grid.mp_group)   # doctest: +SKIP
+    >>> fc1.to_dense().weight.equal(dense.weight)                     # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dpmp.comm import (
+    copy_to_group,
+    gather_from_group,
+    group_rank,
+    group_size,
+    reduce_from_group,
+    scatter_to_group,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SharedInputCopy", "divide", "shard_dims"]
+
+
+def divide(total: int, parts: int, what: str = "dimension") -> int:
+    """``total // parts``, or a ``ValueError`` naming both numbers when it does not divide evenly."""
+    if total % parts:
+        raise ValueError(f"{what} of size {total} cannot be split evenly across mp={parts} ranks.")
+    return total // parts
+
+
+class SharedInputCopy:
+    """One ``copy_to_group`` shared by sibling column layers that read the same input tensor.
+
+    q/k/v (or gate/up) each entering the parallel region on their own would all-reduce the input gradient once
+    each; sharing the entry makes autograd sum their gradients first, so the group pays one all-reduce.
+
+    Example:
+        >>> entry = SharedInputCopy(grid.mp_group)                         # doctest: +SKIP
+        >>> q = ColumnParallelLinear.from_dense(q, grid.mp_group, shared_input=entry)  # doctest: +SKIP
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self._key: Optional[tuple[int, int, bool]] = None
+        self._src: Any = None
+        self._out: Any = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        # The key includes the version counter and grad mode so that a tensor modified in place, or a copy made
+        # under no_grad, is never reused; weak references keep no activation alive after its step.
+        key = (id(x), x._version, torch.is_grad_enabled())
+        if key == self._key and self._src() is x:
+            out = self._out()
+            if out is not None:
+                return out
+        out = copy_to_group(x, self.group)
+        self._key, self._src, self._out = key, weakref.ref(x), weakref.ref(out)
+        return out
+
+
+class _ParallelLinear(nn.Module):
+    """Shared state of the two layouts: sizes, the group and this rank's place in it."""
+
+    # Dimension along which each parameter is split; None means replicated across the MP group.
+    _shard_dims: dict[str, Optional[int]] = {}
+
+    def __init__(self, in_features: int, out_features: int, group: Any) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group = group
+        self.mp = group_size(group)
+        self.mp_rank = group_rank(group)
+
+    def _init_from(self, dense: nn.Linear) -> None:
+        with torch.no_grad():
+            for name, dim in self._shard_dims.items():
+                full = getattr(dense, name)
+                if full is None:
+                    continue
+                local = full if dim is None else full.chunk(self.mp, dim=dim)[self.mp_rank]
+                getattr(self, name).copy_(local)
+
+    def to_dense(self) -> nn.Linear:
+        """Gather the shards into an ordinary ``nn.Linear`` (collective: every rank of the group must call it)."""
+        p = self.weight
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            for name, dim in self._shard_dims.items():
+                local = getattr(self, name)
+                if local is not None:
+                    full = local if dim is None else _gather_param(local.detach(), dim, self.group)
+                    getattr(dense, name).copy_(full)
+        dense.train(self.training)
+        return dense
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, mp={self.mp}"
+
+
+def _gather_param(local: Tensor, dim: int, group: Any) -> Tensor:
+    return gather_from_group(local, group, dim) if group_size(group) > 1 else local
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``nn.Linear`` split by output features.
+
+    Forward: identity into the region (backward: all-reduce of the input gradient), a local matmul giving
+    ``out_features / mp`` features, then, with ``gather_output``, an all-gather (backward: split).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``; ``out_features`` must be divisible by the group size.
+        group: the MP process group (explicit; never a global).
+        gather_output: return the full output (replicated) instead of this rank's shard.
+        shared_input: a :class:`SharedInputCopy` shared with sibling layers reading the same input.
+
+    Example:
+        >>> fc = ColumnParallelLinear(16, 64, group=grid.mp_group)  # weight: (64 // mp, 16)  # doctest: +SKIP
+    """
+
+    _shard_dims = {"weight": 0, "bias": 0}
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Any = None,
+        gather_output: bool = False,
+        shared_input: Optional[SharedInputCopy] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(in_features, out_features, group)
+        local_out = divide(out_features, self.mp, "out_features")
+        self.gather_output = gather_output
+        self.shared_input = shared_input
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            # Same init as nn.Linear on the full matrix would not be reproducible shard-wise; from_dense is the
+            # exact path. A fresh layer gets nn.Linear's default distribution on its shard.
+            nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+            if self.bias is not None:
+                bound = 1 / in_features**0.5
+                nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> "ColumnParallelLinear":
+        """Slice an initialised ``nn.Linear`` so that training starts from exactly its weights."""
+        layer = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, group=group,
+            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
+        )
+        layer._init_from(linear)
+        layer.train(linear.training)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.shared_input(x) if self.shared_input is not None else copy_to_group(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_group(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", gather_output={self.gather_output}"
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``nn.Linear`` split by input features.
+
+    Forward: a local matmul on this rank's ``in_features / mp`` input features gives a partial sum, all-reduced
+    across the group (backward: identity); the bias, replicated, is added once after the reduce.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``; ``in_features`` must be divisible by the group size.
+        group: the MP process group.
+        input_is_parallel: the input arrives sharded on its last dim (from a column layer). If False, the
+            replicated input is split here (backward: all-gather).
+
+    Example:
+        >>> fc = RowParallelLinear(64, 16, group=grid.mp_group)  # weight: (16, 64 // mp)  # doctest: +SKIP
+    """
+
+    _shard_dims = {"weight": 1, "bias": None}
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Any = None,
+        input_is_parallel: bool = True,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(in_features, out_features, group)
+        local_in = divide(in_features, self.mp, "in_features")
+        self.input_is_parallel = input_is_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+            if self.bias is not None:
+                bound = 1 / in_features**0.5
+                nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> "RowParallelLinear":
+        """Slice an initialised ``nn.Linear`` so that training starts from exactly its weights."""
+        layer = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, group=group,
+            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
+        )
+        layer._init_from(linear)
+        layer.train(linear.training)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_group(x, self.group)
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
+
+
+def shard_dims(module: nn.Module) -> dict[str, int]:
+    """Fully qualified names of the split parameters of ``module`` and the dimension each is split along.
+
+    Parameters not listed are replicated across the MP group.
+
+    Example:
+        >>> shard_dims(parallel_model)   # doctest: +SKIP
+        {'blocks.0.fc1.weight': 0, 'blocks.0.fc1.bias': 0, 'blocks.0.fc2.weight': 1}
+    """
+    out: dict[str, int] = {}
+    for prefix, mod in module.named_modules():
+        if isinstance(mod, _ParallelLinear) and mod.mp > 1:
+            for name, dim in mod._shard_dims.items():
+                if dim is not None and getattr(mod, name) is not None:
+                    out[f"{prefix}.{name}" if prefix else name] = dim
+    return out

@@ -1,0 +1,67 @@
+"""The Lightning side of tracing: the first batch of the current stage, and a callable running its step.
+
+Example:
+    >>> batch, notes = first_batch(trainer, strategy)       # collective: rank 0 reads, everyone receives  # doctest: +SKIP
+    >>> run = step_runner(trainer, strategy, batch)         # run() -> training_step(batch, 0)'s output    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_dpmp.autoplan import isolated
+
+__all__ = ["first_batch", "step_runner"]
+
+_STEPS = {
+    TrainerFn.FITTING: ("fit_loop", "training_step", "train_step_context"),
+    TrainerFn.VALIDATING: ("validate_loop", "validation_step", "val_step_context"),
+    TrainerFn.TESTING: ("test_loop", "test_step", "test_step_context"),
+    TrainerFn.PREDICTING: ("predict_loop", "predict_step", "predict_step_context"),
+}
+
+
+def _first_of(loaders: Any) -> Any:
+    if isinstance(loaders, dict):
+        return _first_of(next(iter(loaders.values())))
+    if isinstance(loaders, (list, tuple)):
+        return _first_of(loaders[0])
+    return loaders
+
+
+def first_batch(trainer: Any, strategy: Any) -> tuple[Optional[Any], list[str]]:
+    """Rank 0 reads one batch of the stage's dataloader (RNG states untouched) and broadcasts it to every rank."""
+    notes: list[str] = []
+    batch = None
+    if strategy.global_rank == 0:
+        loop_name = _STEPS[trainer.state.fn][0]
+        source = getattr(trainer, loop_name)._data_source
+        try:
+            with isolated(strategy.lightning_module):
+                loader = _first_of(source.dataloader())
+                batch = move_data_to_device(next(iter(loader)), "cpu")
+        except Exception as exc:
+            notes.append(f"no batch to trace ({type(exc).__name__}: {exc}); plan from defaults and user plan only")
+    box = [batch, notes]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0], box[1]
+
+
+def step_runner(trainer: Any, strategy: Any, batch: Any) -> Callable[[], Any]:
+    """A callable running the stage's step hook on ``batch`` as the loop would (device, precision, context)."""
+    lm = strategy.lightning_module
+    _, hook, context = _STEPS[trainer.state.fn]
+    plugin = strategy.precision_plugin
+
+    def run() -> Any:
+        b = lm._apply_batch_transfer_handler(batch, device=strategy.root_device)
+        b = plugin.convert_input(b)
+        with getattr(plugin, context)():
+            return getattr(lm, hook)(b, 0)
+
+    return run

@@ -1,0 +1,342 @@
+"""DPMPStrategy: Lightning's lifecycle for data x tensor-model parallel training; the work is delegated.
+
+* ``setup_environment`` initialises torch.distributed and builds the :class:`~lightning_dpmp.grid.Grid`.
+* ``setup`` plans and parallelises the model (:mod:`lightning_dpmp.autoplan`), wraps it in
+  ``DistributedDataParallel(process_group=<dp group>)`` so that gradients are averaged over DP only, and routes
+  norm clipping through the global norm (:mod:`lightning_dpmp.clipping`).
+* Checkpoints are consolidated (:mod:`lightning_dpmp.checkpoint`): dense tensors under the dense names.
+* ``teardown`` gathers the layers back, so the module you passed to ``fit`` is dense again afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_dpmp.autoplan import PlanResult, plan_module
+from lightning_dpmp.checkpoint import (
+    consolidate_optimizer,
+    consolidate_optimizer_state,
+    optimizer_param_dims,
+    shard_optimizer_state,
+    shard_state_dict,
+)
+from lightning_dpmp.clipping import clip_grad_norm_
+from lightning_dpmp.grid import Grid, build_grid, check_parallel_size, check_world_size
+from lightning_dpmp.launcher import DPMPScriptLauncher
+from lightning_dpmp.layers import shard_dims
+from lightning_dpmp.parallelize import consolidate, consolidated_state_dict
+from lightning_dpmp.stepdata import first_batch, step_runner
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DPMPStrategy"]
+
+
+class DPMPStrategy(DDPStrategy):
+    """Data parallel (``dp`` replicas) x tensor model parallel (``mp``-way split Linears) training, no plan needed.
+
+    Args:
+        dp: data-parallel size, or ``"auto"`` (the number of nodes; or world // mp when ``mp`` is given).
+        mp: tensor-parallel size, or ``"auto"`` (devices per node; or world // dp when ``dp`` is given).
+            ``dp * mp`` must equal ``devices * num_nodes``.
+        plan: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
+            ``"column_gather"``, ``"replicate"`` (see :mod:`lightning_dpmp.plan`); the first matching glob wins.
+        verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
+            before training; layers that disagree fall back to safer styles.
+        consolidate_on_teardown: gather the layers back into dense ``nn.Linear`` at the end of ``fit``/``test``...
+        timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging).
+        process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
+        start_method: ``"popen"`` (default, Lightning's script launcher), ``"spawn"``, ``"fork"``.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``static_graph=True``).
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_dpmp import DPMPStrategy
+        >>> trainer = L.Trainer(accelerator="cpu", devices=4, strategy=DPMPStrategy(dp=2, mp=2))  # doctest: +SKIP
+        >>> trainer.fit(model, dataloader)                                                       # doctest: +SKIP
+        >>> trainer.save_checkpoint("last.ckpt")   # consolidated: loads into the plain model    # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        dp: Union[int, Literal["auto"]] = "auto",
+        mp: Union[int, Literal["auto"]] = "auto",
+        plan: Optional[Mapping[str, str]] = None,
+        sequence_parallel: bool = False,
+        verify_plan: bool = True,
+        consolidate_on_teardown: bool = True,
+        timeout_s: float = 600.0,
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        check_parallel_size("dp", dp, allow_auto=True)
+        check_parallel_size("mp", mp, allow_auto=True)
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+            raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
+        if sequence_parallel:
+            raise NotImplementedError("sequence_parallel=True is not available yet (planned with issue 3).")
+        if "process_group" in ddp_kwargs:
+            raise ValueError("DPMPStrategy builds the DP process group itself; do not pass `process_group`.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=float(timeout_s)),
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self._dp_arg, self._mp_arg = dp, mp
+        self._user_plan = dict(plan) if plan else None
+        self._verify_plan = verify_plan
+        self._consolidate_on_teardown = consolidate_on_teardown
+        self._grid: Optional[Grid] = None
+        self._plan_result: Optional[PlanResult] = None
+        self._split_params: set[int] = set()
+        self._failed = False
+
+    # ------------------------------------------------------------------ sizes and topology
+    @property
+    def dp(self) -> int:
+        """Resolved data-parallel size (known once the Trainer has set devices and nodes)."""
+        return self._sizes()[0]
+
+    @property
+    def mp(self) -> int:
+        """Resolved tensor-parallel size."""
+        return self._sizes()[1]
+
+    def _sizes(self) -> tuple[int, int]:
+        world = self.num_processes * self.num_nodes
+        dp, mp = self._dp_arg, self._mp_arg
+        if dp == "auto" and mp == "auto":
+            return self.num_nodes, max(self.num_processes, 1)
+        if mp == "auto":
+            assert isinstance(dp, int)
+            if world % dp:
+                raise ValueError(f"DPMPStrategy(dp={dp}, mp='auto'): devices*num_nodes = {world} is not divisible by dp={dp}.")
+            return dp, world // dp
+        if dp == "auto":
+            assert isinstance(mp, int)
+            if world % mp:
+                raise ValueError(f"DPMPStrategy(dp='auto', mp={mp}): devices*num_nodes = {world} is not divisible by mp={mp}.")
+            return world // mp, mp
+        return int(dp), int(mp)
+
+    @property
+    def grid(self) -> Grid:
+        """This rank's :class:`Grid` (process groups and coordinates); available after ``setup_environment``."""
+        if self._grid is None:
+            raise RuntimeError("DPMPStrategy.grid is built in setup_environment(); it is not available before fit/validate starts.")
+        return self._grid
+
+    @property
+    def plan(self) -> Optional[PlanResult]:
+        """The plan applied at the last setup (with its printout in ``.text``), or ``None`` before setup."""
+        return self._plan_result
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data shard (also the DistributedSampler rank)."""
+        return self.global_rank // self.mp
+
+    @property
+    def mp_rank(self) -> int:
+        return self.global_rank % self.mp
+
+    @override
+    def set_world_ranks(self) -> None:
+        # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
+        if self.parallel_devices:
+            dp, mp = self._sizes()
+            check_world_size(dp, mp, self.num_processes * self.num_nodes, devices=self.num_processes, num_nodes=self.num_nodes)
+        super().set_world_ranks()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All ranks of an MP group read the same batch: the sampler shards over DP only.
+        return {"num_replicas": self.dp, "rank": self.dp_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = DPMPScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # initialises the default process group
+        dp, mp = self._sizes()
+        check_world_size(dp, mp, dist.get_world_size())
+        if mp > 1 and self.num_processes % mp and self.num_nodes > 1:
+            rank_zero_warn(
+                f"mp={mp} does not divide the {self.num_processes} devices per node: MP groups span nodes, and every"
+                " tensor-parallel all-reduce crosses the slower inter-node link."
+            )
+        self._grid = build_grid(dp, mp)
+
+    # ------------------------------------------------------------------ model setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._layer_sync is not None and self.mp > 1:
+            raise ValueError(
+                f"sync_batchnorm=True is not supported with mp={self.mp}: BatchNorm statistics would be synchronised"
+                " over the whole world, counting each batch mp times. Use sync_batchnorm=False or mp=1."
+            )
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._parallelize(trainer)
+        if fitting:
+            if self.dp > 1:
+                self._ddp_kwargs["process_group"] = self.grid.dp_group
+                self.configure_ddp()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_clipping()
+
+    def _parallelize(self, trainer: "pl.Trainer") -> None:
+        lm = self.lightning_module
+        assert lm is not None
+        self._broadcast_dense(lm)
+        batch, notes = first_batch(trainer, self)
+        run = step_runner(trainer, self, batch) if batch is not None else None
+        self._plan_result = plan_module(
+            lm, self.grid, run, self._user_plan, self._verify_plan, self.root_device, notes
+        )
+        self._split_params = {id(p) for n, p in lm.named_parameters() if n in shard_dims(lm)}
+        rank_zero_info(f"{self._plan_result.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
+
+    def _broadcast_dense(self, module: torch.nn.Module) -> None:
+        """Make every rank start from rank 0's dense weights, so MP shards are slices of one model (unseeded runs)."""
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                if t.device.type != "meta":
+                    dist.broadcast(t.data, src=0)
+
+    def _install_clipping(self) -> None:
+        # Lightning clips through the precision plugin; shadow its method on this instance with the global-norm
+        # version (local norms would differ per MP rank and clip each shard by a different factor).
+        if self.mp == 1:
+            return
+        plugin, strategy = self.precision_plugin, self
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            params = list(plugin.main_params(optimizer))
+            clip_grad_norm_(params, float(clip_val), strategy._split_params, strategy.grid.mp_group)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ reductions
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce across the DP group by default: MP ranks hold the same values, so the world would count each mp times."""
+        if group is None and self._grid is not None:
+            group = self._grid.dp_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Decisions (early stopping, checkpointing) must agree on every rank: reduce over the whole world.
+        if not _distributed_is_initialized():
+            return decision
+        t = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return bool(t == self.world_size) if all else bool(t)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if self._grid is None or self.mp == 1:
+            return self.lightning_module.state_dict()
+        return consolidated_state_dict(self.lightning_module, self.grid.mp_group)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self._grid is None or self.mp == 1:
+            return state
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        return consolidate_optimizer_state(state, optimizer_param_dims(inner, self.lightning_module), self.grid.mp_group)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        state = checkpoint["state_dict"]
+        if self._grid is not None and shard_dims(self.lightning_module):
+            state = shard_state_dict(state, shard_dims(self.lightning_module), self.grid.mp_group)
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if self._grid is not None and self.mp > 1:
+                state = shard_optimizer_state(state, optimizer_param_dims(optimizer, self.lightning_module), self.grid.mp_group)
+            optimizer.load_state_dict(state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # no collectives on the way out: a peer may be dead
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        lm = self.lightning_module
+        if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
+            # Before super(): it moves the module to CPU, where NCCL cannot gather.
+            moved = consolidate(lm)
+            for optimizer in self.optimizers:
+                consolidate_optimizer(getattr(optimizer, "_optimizer", optimizer), moved, self.grid.mp_group)
+        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"dpmp"`` (dp = nodes, mp = devices per node); registering again is a no-op."""
+        if "dpmp" not in strategy_registry:
+            strategy_registry.register(
+                "dpmp", cls, description="Data x tensor-model parallel (dp = nodes, mp = devices per node)"
+            )
+        if "dpmp_spawn" not in strategy_registry:
+            strategy_registry.register("dpmp_spawn", cls, description="DPMPStrategy with the spawn launcher", start_method="spawn")
+

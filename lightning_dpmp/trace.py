@@ -1,0 +1,137 @@
+"""Record the data flow of one step of a model: which ``nn.Linear`` feeds which, and through what operations.
+
+A ``TorchFunctionMode`` sees every torch function and tensor method called from Python, differentiable or not
+(``argmax`` included), and forward hooks on each ``nn.Linear`` mark where a layer reads and writes. Calls made
+inside a Linear are hidden, so the record reads like the model's own code. The planner (:mod:`lightning_dpmp.plan`)
+turns the record into a layout.
+
+Example:
+    >>> trace = trace_step(model, lambda: model.training_step(batch, 0))   # doctest: +SKIP
+    >>> [c.name for c in trace.linear_calls()]                             # doctest: +SKIP
+    ['inp', 'blocks.0.fc1', 'blocks.0.fc2', 'head']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LinearCall", "OpCall", "Trace", "is_linear", "loss_of", "trace_step"]
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One torch call: its name, the tensor nodes it read (``None`` for a non-tensor argument) and wrote."""
+
+    name: str
+    inputs: tuple[Optional[int], ...]
+    outputs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LinearCall:
+    """One call of an ``nn.Linear`` module: the tensor node it read and the one it produced."""
+
+    name: str
+    input: int
+    output: int
+    input_requires_grad: bool
+
+
+@dataclass
+class Trace:
+    """Events in call order, each tensor node's shape, and the nodes that leave the step (its return value)."""
+
+    events: list[Union[OpCall, LinearCall]] = field(default_factory=list)
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    escapes: set[int] = field(default_factory=set)
+    result: Any = None
+
+    def linear_calls(self) -> list[LinearCall]:
+        return [e for e in self.events if isinstance(e, LinearCall)]
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.trace = trace
+        self.hidden = 0  # > 0 while inside a Linear: its F.linear is the LinearCall itself
+        self._ids: dict[int, int] = {}
+        self._keep: list[Tensor] = []  # keeps every traced tensor alive so that no id() is reused
+
+    def node(self, t: Tensor) -> int:
+        key = id(t)
+        if key not in self._ids:
+            self._ids[key] = len(self._keep)
+            self._keep.append(t)
+            self.trace.shapes[self._ids[key]] = tuple(t.shape)
+        return self._ids[key]
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.hidden:
+            return out
+        outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        leaves = tree_leaves((args, kwargs or {}))
+        if not outs or not any(isinstance(a, Tensor) for a in leaves):
+            return out  # metadata queries (shape, dtype) and tensor factories carry no data flow we care about
+        inputs = tuple(self.node(a) if isinstance(a, Tensor) else None for a in leaves)
+        name = getattr(func, "__name__", None) or type(func).__name__
+        self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs)))
+        return out
+
+
+def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
+    """Run ``run()`` once while recording the data flow through ``model``'s ``nn.Linear`` layers.
+
+    ``run`` should perform one forward step (e.g. ``training_step`` on a batch) and return its output; tensors in
+    that output are recorded as escaping the step. The caller is responsible for RNG and mode (eval) hygiene.
+    """
+    trace = Trace()
+    recorder = _Recorder(trace)
+    names = {m: n for n, m in model.named_modules() if is_linear(m)}
+    pending: dict[nn.Module, list[tuple[int, bool]]] = {}
+
+    def pre_hook(module: nn.Module, args: tuple) -> None:
+        if recorder.hidden == 0 and args and isinstance(args[0], Tensor):
+            pending.setdefault(module, []).append((recorder.node(args[0]), args[0].requires_grad))
+        recorder.hidden += 1
+
+    def post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+        recorder.hidden -= 1
+        if recorder.hidden == 0 and pending.get(module) and isinstance(output, Tensor):
+            node, requires_grad = pending[module].pop()
+            trace.events.append(LinearCall(names[module], node, recorder.node(output), requires_grad))
+
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(pre_hook))
+        handles.append(module.register_forward_hook(post_hook))
+    try:
+        with recorder:
+            result = run()
+        trace.result = result
+        trace.escapes = {recorder.node(t) for t in tree_leaves(result) if isinstance(t, Tensor)}
+    finally:
+        for h in handles:
+            h.remove()
+    return trace
+
+
+def loss_of(step_output: Any) -> Optional[Tensor]:
+    """The loss a Lightning step returned (a tensor, or ``{"loss": tensor}``), or ``None``."""
+    if isinstance(step_output, Tensor):
+        return step_output
+    if isinstance(step_output, dict) and isinstance(step_output.get("loss"), Tensor):
+        return step_output["loss"]
+    return None
+
+
+def is_linear(module: nn.Module) -> bool:
+    """Exactly ``nn.Linear`` or a subclass that does not change its forward (e.g. ``NonDynamicallyQuantizableLinear``)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
