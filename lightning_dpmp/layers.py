@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -59,20 +58,25 @@ class SharedInputCopy:
     def __init__(self, group: Any) -> None:
         self.group = group
         self._key: Optional[tuple[int, int, bool]] = None
-        self._src: Any = None
-        self._out: Any = None
+        self._src: Optional[Tensor] = None
+        self._out: Optional[Tensor] = None
 
     def __call__(self, x: Tensor) -> Tensor:
         # The key includes the version counter and grad mode so that a tensor modified in place, or a copy made
-        # under no_grad, is never reused; weak references keep no activation alive after its step.
+        # under no_grad, is never reused. The references are strong (autograd keeps the tensor's data, not its
+        # Python object), and are dropped as soon as the gradient has gone through, so no activation outlives
+        # its step.
         key = (id(x), x._version, torch.is_grad_enabled())
-        if key == self._key and self._src() is x:
-            out = self._out()
-            if out is not None:
-                return out
+        if key == self._key and self._src is x and self._out is not None:
+            return self._out
         out = copy_to_group(x, self.group)
-        self._key, self._src, self._out = key, weakref.ref(x), weakref.ref(out)
+        self._key, self._src, self._out = key, x, out
+        if out.requires_grad:
+            out.register_hook(self._release)
         return out
+
+    def _release(self, grad: Tensor) -> None:
+        self._key = self._src = self._out = None
 
 
 class _ParallelLinear(nn.Module):

@@ -1,0 +1,128 @@
+"""Layer checks on 4 gloo processes: mp=4 (the whole world) and mp=2 (two subgroups), bias on and off.
+
+Every rank compares its gathered outputs and gradients with a dense nn.Linear built from the same seed, and counts
+the collectives of a column->row pair with torch's CommDebugMode and with lightning_dpmp's CommCounter.
+Usage: python tests/distributed/layers_worker.py OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from lightning_dpmp.accounting import CommCounter  # noqa: E402
+from lightning_dpmp.comm import gather_from_group  # noqa: E402
+from lightning_dpmp.grid import build_grid  # noqa: E402
+from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy  # noqa: E402
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def check(group, mp: int, bias: bool) -> dict:
+    torch.manual_seed(0)
+    d_in, hidden, d_out = 8, 16, 12
+    fc1, fc2 = nn.Linear(d_in, hidden, bias=bias).double(), nn.Linear(hidden, d_out, bias=bias).double()
+    x = torch.randn(5, 3, d_in, dtype=torch.float64, requires_grad=True)
+    y_ref = fc2(F.gelu(fc1(x)))
+    y_ref.square().sum().backward()
+    out = {}
+
+    # column (sharded) -> row: the Megatron MLP
+    col = ColumnParallelLinear.from_dense(fc1, group)
+    row = RowParallelLinear.from_dense(fc2, group)
+    xp = x.detach().clone().requires_grad_(True)
+    with CommDebugMode() as torch_count, CommCounter({"mp": group}) as ours:
+        y = row(F.gelu(col(xp)))
+        y.square().sum().backward()
+    out["pair_forward_err"] = _err(y, y_ref)
+    out["pair_input_grad_err"] = _err(xp.grad, x.grad)
+    out["pair_weight_grad_err"] = max(
+        _err(gather_from_group(col.weight.grad, group, 0), fc1.weight.grad),
+        _err(gather_from_group(row.weight.grad, group, 1), fc2.weight.grad),
+    )
+    if bias:
+        out["pair_bias_grad_err"] = max(
+            _err(gather_from_group(col.bias.grad, group, 0), fc1.bias.grad), _err(row.bias.grad, fc2.bias.grad)
+        )
+    out["pair_counts_torch"] = {str(k): v for k, v in torch_count.get_comm_counts().items()}
+    out["pair_counts_ours"] = {f"{g}/{op}": n for (g, op), n in ours.counts.items()}
+    out["to_dense_equal"] = bool(torch.equal(col.to_dense().weight, fc1.weight) and torch.equal(row.to_dense().weight, fc2.weight))
+
+    # column with gathered output: a self-contained layer
+    gcol = ColumnParallelLinear.from_dense(fc1, group, gather_output=True)
+    xg = x.detach().clone().requires_grad_(True)
+    with CommCounter({"mp": group}) as c:
+        yg = gcol(xg)
+        (yg * 3).sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    fc1.zero_grad()
+    (fc1(xr) * 3).sum().backward()
+    out["gather_forward_err"] = _err(yg, fc1(x))
+    out["gather_input_grad_err"] = _err(xg.grad, xr.grad)
+    out["gather_weight_grad_err"] = _err(gather_from_group(gcol.weight.grad, group, 0), fc1.weight.grad)
+    out["gather_counts"] = {f"{g}/{op}": n for (g, op), n in c.counts.items()}
+
+    # row with a replicated input, split locally
+    srow = RowParallelLinear.from_dense(fc2, group, input_is_parallel=False)
+    h = torch.randn(5, 3, hidden, dtype=torch.float64, requires_grad=True)
+    with CommCounter({"mp": group}) as c:
+        ys = srow(h)
+        ys.sum().backward()
+    hr = h.detach().clone().requires_grad_(True)
+    fc2.zero_grad()
+    fc2(hr).sum().backward()
+    out["scatter_row_forward_err"] = _err(ys, fc2(h))
+    out["scatter_row_input_grad_err"] = _err(h.grad, hr.grad)
+    out["scatter_row_counts"] = {f"{g}/{op}": n for (g, op), n in c.counts.items()}
+
+    # fan-out: two column layers reading one input share one backward all-reduce
+    entry = SharedInputCopy(group)
+    a = ColumnParallelLinear.from_dense(fc1, group, shared_input=entry)
+    b = ColumnParallelLinear.from_dense(fc1, group, shared_input=entry)
+    r = RowParallelLinear.from_dense(fc2, group)
+    xf = x.detach().clone().requires_grad_(True)
+    with CommCounter({"mp": group}) as c:
+        r(a(xf) * b(xf)).sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    fc2(fc1(xr) * fc1(xr)).sum().backward()
+    out["fanout_input_grad_err"] = _err(xf.grad, xr.grad)
+    out["fanout_counts"] = {f"{g}/{op}": n for (g, op), n in c.counts.items()}
+    return out
+
+
+def worker(rank: int, world: int, port: int, path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for mp_size in (2, 4):
+        grid = build_grid(world // mp_size, mp_size)
+        for bias in (True, False):
+            results[f"mp{mp_size}_bias{int(bias)}"] = check(grid.mp_group, mp_size, bias)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(gathered, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(4, port, sys.argv[1]), nprocs=4)

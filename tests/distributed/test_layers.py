@@ -1,0 +1,46 @@
+"""Column/Row parallel layers against dense nn.Linear on 4 gloo processes (mp = 2 and 4, bias on and off)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_script
+
+TOL = 1e-12  # float64: only summation order differs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layers") / "layers.json"
+    proc = run_script(["tests/distributed/layers_worker.py", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [(rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()]
+
+
+def test_every_case_ran(results):
+    assert {case for _, case, _ in results} == {"mp2_bias1", "mp2_bias0", "mp4_bias1", "mp4_bias0"}
+    assert len(results) == 16  # 4 ranks x 4 cases
+
+
+def test_outputs_and_gradients_equal_dense(results):
+    for rank, case, r in results:
+        errs = {k: v for k, v in r.items() if k.endswith("_err")}
+        assert len(errs) >= (10 if case.endswith("bias1") else 9), errs
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, f"rank {rank} {case}: {bad}"
+        assert r["to_dense_equal"], f"rank {rank} {case}: to_dense() is not the original weight"
+
+
+def test_collective_counts(results):
+    for rank, case, r in results:
+        # col -> row pair: one all-reduce forward (row output), one backward (column input gradient)
+        assert r["pair_counts_torch"] == {"c10d.allreduce_": 2}, (rank, case)
+        assert r["pair_counts_ours"] == {"mp/all_reduce": 2}, (rank, case)
+        # self-contained column: all-gather forward, all-reduce of the input gradient backward
+        assert r["gather_counts"] == {"mp/all_gather": 1, "mp/all_reduce": 1}, (rank, case)
+        # row on a replicated input: all-reduce forward, all-gather of the input gradient backward
+        assert r["scatter_row_counts"] == {"mp/all_reduce": 1, "mp/all_gather": 1}, (rank, case)
+        # two column layers on one input + row: still one all-reduce each way
+        assert r["fanout_counts"] == {"mp/all_reduce": 2}, (rank, case)
