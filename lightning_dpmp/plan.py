@@ -160,13 +160,15 @@ def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: i
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")
-        for name in matched:
+        layers = [n for n in matched if is_linear(modules[n])]
+        if matched and not layers:
+            mod = modules[matched[0]]
+            raise ValueError(
+                f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear;"
+                " only nn.Linear layers can be given a style."
+            )
+        for name in layers:  # a glob like 'blocks.*' may also match norms and containers: those are skipped
             mod = modules[name]
-            if not is_linear(mod):
-                raise ValueError(
-                    f"plan[{pattern!r}] = {style!r} matches {name!r}, a {type(mod).__name__}; only nn.Linear layers"
-                    " can be given a style. Narrow the pattern (e.g. add '.fc1')."
-                )
             forced.setdefault(name, style)
             if style in ("column", "column_gather") and mod.out_features % mp:
                 raise ValueError(

@@ -1,0 +1,166 @@
+"""The planner on recorded data flow: pairs only where a column output reaches row layers element-wise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_dpmp.plan import make_plan
+from lightning_dpmp.trace import trace_step
+from tests.support.models import ResMLP
+
+
+def plan_of(model: nn.Module, x: torch.Tensor, mp: int = 2, user_plan=None, step=None):
+    trace = trace_step(model, step or (lambda: model(x)))
+    plan = make_plan(model, mp, trace, user_plan)
+    return {n: lp.style for n, lp in plan.layers.items()}, plan
+
+
+class Gated(nn.Module):
+    """LLaMA-style MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d: int = 8, h: int = 16) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.c(F.gelu(self.b(F.gelu(self.a(x)))))
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+def test_resmlp_pairs_blocks_and_explains_the_rest(mp):
+    model = ResMLP()
+    styles, plan = plan_of(model, torch.randn(4, 12), mp)
+    assert styles == {
+        "inp": "column_gather", "blocks.0.fc1": "column", "blocks.0.fc2": "row",
+        "blocks.1.fc1": "column", "blocks.1.fc2": "row", "head": "replicate",
+    }
+    assert plan.layers["head"].note == f"out_features=3 not divisible by mp={mp}"
+    assert plan.layers["blocks.0.fc1"].note == "-> blocks.0.fc2"
+    # inp reads data (no input gradient): its backward all-reduce is not counted
+    assert plan.comm_per_step() == {"forward": {"all_reduce": 2, "all_gather": 1}, "backward": {"all_reduce": 2, "all_gather": 0}}
+    text = plan.describe(model)
+    assert "blocks.0.fc1  column" in text and f"({32 // mp}, 16)" in text and "parameters per rank" in text
+    local, total = plan.param_counts(model)
+    split = sum(m.weight.numel() + m.bias.numel() for n, m in model.named_modules() if n in ("inp",) or n.endswith("fc1"))
+    split_w_only = sum(m.weight.numel() for n, m in model.named_modules() if n.endswith("fc2"))
+    assert total - local == (split + split_w_only) - (split + split_w_only) // mp
+
+
+def test_gated_mlp_shares_one_entry():
+    styles, plan = plan_of(Gated(), torch.randn(3, 5, 8, requires_grad=True))
+    assert styles == {"gate": "column", "up": "column", "down": "row"}
+    assert plan.layers["gate"].entry == plan.layers["up"].entry >= 0
+    assert plan.comm_per_step()["backward"]["all_reduce"] == 1
+    assert plan.comm_per_step()["forward"]["all_reduce"] == 1
+
+
+def test_chain_pairs_first_two_and_gathers_the_third():
+    styles, _ = plan_of(Chain(), torch.randn(2, 8))
+    assert styles == {"a": "column", "b": "row", "c": "column_gather"}
+
+
+@pytest.mark.parametrize(
+    "between,reason",
+    [
+        (lambda h, x: torch.softmax(h, dim=-1), "softmax"),      # reads the whole feature dim
+        (lambda h, x: h + x.repeat(1, 2), "add"),                # mixes in a replicated full-width tensor
+        (lambda h, x: h[..., :16].repeat(1, 2), "getitem"),       # slices the feature dim
+    ],
+)
+def test_non_elementwise_use_prevents_pairing(between, reason):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc2(between(self.fc1(x), x))
+
+    styles, plan = plan_of(M(), torch.randn(4, 16))
+    assert styles == {"fc1": "column_gather", "fc2": "column_gather"}
+    assert reason in plan.layers["fc1"].note
+
+
+def test_a_sharded_tensor_returned_from_the_step_is_not_left_sharded():
+    model = Chain()
+    x = torch.randn(2, 8)
+
+    def step():
+        h = F.gelu(model.a(x))
+        return {"loss": model.c(F.gelu(model.b(h))).sum(), "hidden": h}
+
+    styles, plan = plan_of(model, x, step=step)
+    assert styles["a"] == "column_gather" and "returned from the step" in plan.layers["a"].note
+
+
+def test_non_differentiable_consumer_is_seen():
+    model = Chain()
+    x = torch.randn(2, 8)
+
+    def step():
+        h = model.a(x)
+        return model.c(F.gelu(model.b(F.gelu(h)))).sum() + h.argmax(-1).float().mean()
+
+    styles, _ = plan_of(model, x, step=step)
+    assert styles["a"] == "column_gather"
+
+
+def test_user_plan_globs_override_and_validate():
+    model = ResMLP()
+    x = torch.randn(4, 12)
+    styles, plan = plan_of(model, x, user_plan={"blocks.1.*": "replicate", "inp": "replicate"})
+    assert styles["blocks.1.fc1"] == styles["blocks.1.fc2"] == styles["inp"] == "replicate"
+    assert styles["blocks.0.fc1"] == "column"
+    with pytest.warns(UserWarning, match="matches no module"):
+        plan_of(model, x, user_plan={"decoder.*": "column"})
+    with pytest.raises(ValueError, match="'blocks.0.ln', a LayerNorm, and no nn.Linear"):
+        plan_of(model, x, user_plan={"blocks.0.ln": "column"})
+    with pytest.raises(ValueError, match=r"'head'.*out_features=3 is not divisible by mp=2"):
+        plan_of(model, x, user_plan={"head": "column"})
+    with pytest.raises(ValueError, match="not a style"):
+        plan_of(model, x, user_plan={"head": "colwise"})
+
+
+def test_without_a_trace_user_plan_pairs_and_the_rest_is_self_contained():
+    model = ResMLP()
+    plan = make_plan(model, 2, None, {"blocks.*.fc1": "column", "blocks.*.fc2": "row"})
+    styles = {n: lp.style for n, lp in plan.layers.items()}
+    assert styles["blocks.0.fc1"] == "column" and styles["blocks.1.fc2"] == "row"
+    assert styles["inp"] == "column_gather" and styles["head"] == "replicate"
+
+
+def test_tied_weight_and_weights_read_directly_stay_replicated():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(32, 8)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = nn.Linear(8, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.head(self.attn(h, h, h)[0])
+
+    styles, plan = plan_of(Tied(), torch.randint(0, 32, (2, 5)))
+    assert styles == {"attn.out_proj": "replicate", "head": "replicate"}
+    assert "tied to emb.weight" in plan.layers["head"].note
+    assert "not called" in plan.layers["attn.out_proj"].note
+
+
+def test_mp1_splits_nothing():
+    styles, plan = plan_of(ResMLP(), torch.randn(4, 12), mp=1)
+    assert set(styles.values()) == {"replicate"}
+    assert plan.comm_per_step()["forward"] == {"all_reduce": 0, "all_gather": 0}
