@@ -22,7 +22,7 @@ LAYOUTS = [(1, 2), (2, 1), (2, 2), (1, 4), (2, 4)]
 TOL = {"64": 1e-8, "32": 1e-4}
 
 
-def _reference(precision: str) -> dict[str, torch.Tensor]:
+def _reference(precision: str, path) -> dict:
     L.seed_everything(W.SEED, workers=True)
     model = ResMLP()
     trainer = L.Trainer(
@@ -31,12 +31,14 @@ def _reference(precision: str) -> dict[str, torch.Tensor]:
         enable_model_summary=False,
     )
     trainer.fit(model, reference_loader(make_dataset(), W.GLOBAL_BATCH, W.SEED))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=True)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return {p.split("-")[0]: _reference(p) for p in ("64-true", "32-true")}
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    return {p.split("-")[0]: _reference(p, tmp / f"{p}.ckpt") for p in ("64-true", "32-true")}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda l: f"dp{l[0]}_mp{l[1]}")
@@ -58,9 +60,17 @@ def test_weights_match_single_process(run, reference, bits):
     if bits == "64":
         plain = plain.double()
     plain.load_state_dict(ckpt["state_dict"], strict=True)  # consolidated: loads into the plain model
-    ref = reference[bits]
+    ref = reference[bits]["state_dict"]
     worst = max((plain.state_dict()[k] - ref[k]).abs().max().item() for k in ref)
+    print(f"parity dp={dp} mp={mp} float{bits}: max |w - w_ref| = {worst:.2e}")
     assert worst <= TOL[bits], f"dp={dp} mp={mp} float{bits}: max |w - w_ref| = {worst:.3e}"
+    # Optimizer state is consolidated too: AdamW moments of dense shape, in the dense parameter order.
+    ours, theirs = ckpt["optimizer_states"][0]["state"], reference[bits]["optimizer_states"][0]["state"]
+    assert ours.keys() == theirs.keys()
+    for i in theirs:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours[i][key].shape == theirs[i][key].shape, (i, key)
+            assert (ours[i][key] - theirs[i][key]).abs().max().item() <= TOL[bits], (i, key)
     moved = max((ref[k] - ResMLP().state_dict()[k].to(ref[k].dtype)).abs().max().item() for k in ref)
     assert moved > 1e-2, "training did not move the weights: the comparison would prove nothing"
 
