@@ -34,7 +34,16 @@ from lightning_dpmp.comm import (
     scatter_to_group,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SharedInputCopy", "divide", "shard_dims"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "SharedInputCopy",
+    "VocabParallelEmbedding",
+    "divide",
+    "gather_tensor",
+    "shard_dims",
+    "shard_tensor",
+]
 
 
 def divide(total: int, parts: int, what: str = "dimension") -> int:
@@ -93,24 +102,31 @@ class _ParallelLinear(nn.Module):
         self.mp = group_size(group)
         self.mp_rank = group_rank(group)
 
-    def _init_from(self, dense: nn.Linear) -> None:
+    # Fused projections (q|k|v in one weight) are split block by block, so that each rank holds the same heads
+    # of every block: weight rows viewed as (blocks, rows/blocks) are chunked along the second axis.
+    blocks: int = 1
+
+    def _init_from(self, dense: nn.Module) -> None:
         with torch.no_grad():
             for name, dim in self._shard_dims.items():
                 full = getattr(dense, name)
                 if full is None:
                     continue
-                local = full if dim is None else full.chunk(self.mp, dim=dim)[self.mp_rank]
+                local = full if dim is None else shard_tensor(full, dim, self.mp, self.mp_rank, self.blocks)
                 getattr(self, name).copy_(local)
 
-    def to_dense(self) -> nn.Linear:
-        """Gather the shards into an ordinary ``nn.Linear`` (collective: every rank of the group must call it)."""
+    def _dense_module(self) -> nn.Module:
         p = self.weight
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
+        return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
+
+    def to_dense(self) -> nn.Module:
+        """Gather the shards into the dense module (collective: every rank of the group must call it)."""
+        dense = self._dense_module()
         with torch.no_grad():
             for name, dim in self._shard_dims.items():
-                local = getattr(self, name)
+                local = getattr(self, name, None)
                 if local is not None:
-                    full = local if dim is None else _gather_param(local.detach(), dim, self.group)
+                    full = local if dim is None else gather_tensor(local.detach(), dim, self.group, self.blocks)
                     getattr(dense, name).copy_(full)
         dense.train(self.training)
         return dense
@@ -119,8 +135,20 @@ class _ParallelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, mp={self.mp}"
 
 
-def _gather_param(local: Tensor, dim: int, group: Any) -> Tensor:
-    return gather_from_group(local, group, dim) if group_size(group) > 1 else local
+def shard_tensor(full: Tensor, dim: int, mp: int, rank: int, blocks: int = 1) -> Tensor:
+    """This rank's slice of ``full`` along ``dim``; with ``blocks > 1``, the same slice of each of the blocks."""
+    if blocks == 1:
+        return full.chunk(mp, dim=dim)[rank]
+    return torch.cat([b.chunk(mp, dim=dim)[rank] for b in full.chunk(blocks, dim=dim)], dim=dim)
+
+
+def gather_tensor(local: Tensor, dim: int, group: Any, blocks: int = 1) -> Tensor:
+    """Inverse of :func:`shard_tensor` (collective over ``group``)."""
+    if group_size(group) == 1:
+        return local
+    if blocks == 1:
+        return gather_from_group(local, group, dim)
+    return torch.cat([gather_from_group(b.contiguous(), group, dim) for b in local.chunk(blocks, dim=dim)], dim=dim)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -150,13 +178,19 @@ class ColumnParallelLinear(_ParallelLinear):
         group: Any = None,
         gather_output: bool = False,
         shared_input: Optional[SharedInputCopy] = None,
+        blocks: int = 1,
+        vocab_logits: bool = False,
+        rng: Optional[Any] = None,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(in_features, out_features, group)
-        local_out = divide(out_features, self.mp, "out_features")
+        local_out = divide(divide(out_features, blocks, "out_features (fused blocks)"), self.mp, "out_features") * blocks
         self.gather_output = gather_output
         self.shared_input = shared_input
+        self.blocks = blocks
+        self.vocab_logits = vocab_logits
+        self.rng = rng
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
@@ -181,10 +215,19 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor) -> Tensor:
         x = self.shared_input(x) if self.shared_input is not None else copy_to_group(x, self.group)
         y = F.linear(x, self.weight, self.bias)
-        return gather_from_group(y, self.group) if self.gather_output else y
+        if self.gather_output:
+            return gather_tensor(y, y.dim() - 1, self.group, self.blocks)
+        if self.vocab_logits:
+            from lightning_dpmp.loss import VocabShardedLogits  # avoids an import cycle
+
+            return VocabShardedLogits.wrap(y, self.group, self.out_features)
+        if self.rng is not None:
+            self.rng.enter()  # a sharded region starts: dropout masks differ per MP rank until the row layer
+        return y
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", gather_output={self.gather_output}"
+        extra = f", blocks={self.blocks}" if self.blocks > 1 else ""
+        return super().extra_repr() + f", gather_output={self.gather_output}{extra}" + (", vocab" if self.vocab_logits else "")
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -213,12 +256,14 @@ class RowParallelLinear(_ParallelLinear):
         *,
         group: Any = None,
         input_is_parallel: bool = True,
+        rng: Optional[Any] = None,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(in_features, out_features, group)
         local_in = divide(in_features, self.mp, "in_features")
         self.input_is_parallel = input_is_parallel
+        self.rng = rng
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
@@ -239,6 +284,8 @@ class RowParallelLinear(_ParallelLinear):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.rng is not None:
+            self.rng.exit()  # back to the replicated stream: the output is the same on every MP rank
         if not self.input_is_parallel:
             x = scatter_to_group(x, self.group)
         y = reduce_from_group(F.linear(x, self.weight), self.group)
@@ -246,6 +293,57 @@ class RowParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
+
+
+class VocabParallelEmbedding(_ParallelLinear):
+    """``nn.Embedding`` split by vocabulary rows: rank ``r`` holds ids ``[r*V/mp, (r+1)*V/mp)``.
+
+    Forward: ids outside the local range look up row 0 and are zeroed, then one all-reduce sums the shards' rows
+    (backward: identity; each rank's weight gradient touches only its own rows).
+
+    Example:
+        >>> emb = VocabParallelEmbedding.from_dense(nn.Embedding(256, 64), grid.mp_group)  # weight (256 // mp, 64)  # doctest: +SKIP
+    """
+
+    _shard_dims = {"weight": 0}
+    bias = None
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None, padding_idx: Optional[int] = None,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, group)  # (in, out) slots hold (V, dim) for the printout
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = divide(num_embeddings, self.mp, "num_embeddings")
+        self.start = self.mp_rank * local
+        self.padding_idx = padding_idx
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight)
+
+    @classmethod
+    def from_dense(cls, emb: nn.Embedding, group: Any) -> "VocabParallelEmbedding":
+        if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
+            raise ValueError("VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq).")
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, padding_idx=emb.padding_idx,
+                    device=emb.weight.device, dtype=emb.weight.dtype)
+        layer._init_from(emb)
+        layer.train(emb.training)
+        return layer
+
+    def _dense_module(self) -> nn.Module:
+        p = self.weight
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=p.device, dtype=p.dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.start < self.weight.shape[0]:
+            pad = self.padding_idx - self.start  # nn.Embedding gives the padding row no gradient
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=pad)
+        return reduce_from_group(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, mp={self.mp}"
 
 
 def shard_dims(module: nn.Module) -> dict[str, int]:
@@ -261,6 +359,6 @@ def shard_dims(module: nn.Module) -> dict[str, int]:
     for prefix, mod in module.named_modules():
         if isinstance(mod, _ParallelLinear) and mod.mp > 1:
             for name, dim in mod._shard_dims.items():
-                if dim is not None and getattr(mod, name) is not None:
+                if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = dim
     return out

@@ -2,10 +2,11 @@
 
 Parallel layers take the place of the dense ones under the same attribute names, with parameters named
 ``weight``/``bias`` and registered in the same order, so module names, ``state_dict`` keys and the optimizer's
-parameter order are those of the dense model.
+parameter order are those of the dense model. Tied weights (an LM head sharing the token embedding) stay tied:
+both layers hold the same shard ``Parameter``.
 
 Example:
-    >>> originals = parallelize(model, plan, grid.mp_group)   # model now holds 1/mp of each split Linear  # doctest: +SKIP
+    >>> originals = parallelize(model, plan, grid.mp_group)   # model now holds 1/mp of each split layer  # doctest: +SKIP
     >>> consolidate(model)                                     # and now the dense layers again  # doctest: +SKIP
 """
 
@@ -15,11 +16,21 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from lightning_dpmp.comm import gather_from_group, group_size
-from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy, _ParallelLinear, shard_dims
+from lightning_dpmp.comm import group_size
+from lightning_dpmp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SharedInputCopy,
+    VocabParallelEmbedding,
+    _ParallelLinear,
+    gather_tensor,
+    shard_dims,
+)
 from lightning_dpmp.plan import Plan
 
 __all__ = ["consolidate", "consolidated_state_dict", "parallelize", "restore", "set_submodule"]
+
+_ADJUSTED = "_dpmp_dense_attrs"  # on a module whose int attributes were set to per-rank values
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -29,41 +40,62 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, attr, module)
 
 
-def parallelize(model: nn.Module, plan: Plan, group: Any) -> dict[str, nn.Linear]:
-    """Swap every planned ``nn.Linear`` of ``model`` for its parallel form, sliced from the dense weights.
+def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = None) -> dict[str, nn.Module]:
+    """Swap every planned layer of ``model`` for its parallel form, sliced from the dense weights.
 
-    Returns the dense layers that were replaced, by name, so that a caller can put them back (see
-    :func:`restore`); drop the dict to free their memory.
+    ``rng`` (a :class:`~lightning_dpmp.rng.RNGTracker`) gives column -> row regions their own dropout stream.
+    Returns the dense layers that were replaced, by name, so that :func:`restore` can put them back.
     """
-    originals: dict[str, nn.Linear] = {}
+    originals: dict[str, nn.Module] = {}
     if group_size(group) == 1:
         return originals
     entries: dict[int, SharedInputCopy] = {}
-    for name, lp in plan.layers.items():
+    shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> shard, to keep ties
+    order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
+    for lp in order:
         if lp.style == "replicate":
             continue
-        dense = model.get_submodule(name)
+        dense = model.get_submodule(lp.name)
         layer: nn.Module
-        if lp.style in ("column", "column_gather"):
+        if lp.kind == "embedding":
+            layer = VocabParallelEmbedding.from_dense(dense, group)
+        elif lp.style == "row":
+            layer = RowParallelLinear.from_dense(dense, group, input_is_parallel=lp.input_is_parallel, rng=rng)
+        else:
             shared = entries.setdefault(lp.entry, SharedInputCopy(group)) if lp.entry >= 0 else None
             layer = ColumnParallelLinear.from_dense(
-                dense, group, gather_output=lp.style == "column_gather", shared_input=shared
+                dense, group, gather_output=lp.style == "column_gather", shared_input=shared, blocks=lp.blocks,
+                vocab_logits=lp.style == "vocab", rng=rng if lp.style == "column" else None,
             )
-        else:
-            layer = RowParallelLinear.from_dense(dense, group, input_is_parallel=lp.input_is_parallel)
-        originals[name] = dense
-        set_submodule(model, name, layer)
+        if id(dense.weight) in shards:
+            layer.weight = shards[id(dense.weight)]
+        shards[id(dense.weight)] = layer.weight
+        originals[lp.name] = dense
+        set_submodule(model, lp.name, layer)
+    for name, attrs in plan.adjust.items():
+        module = model.get_submodule(name) if name else model
+        setattr(module, _ADJUSTED, {a: getattr(module, a) for a in attrs})
+        for a, (_, local) in attrs.items():
+            setattr(module, a, local)
     return originals
 
 
-def restore(model: nn.Module, originals: dict[str, nn.Linear]) -> None:
+def _restore_attrs(model: nn.Module) -> None:
+    for module in model.modules():
+        dense = module.__dict__.pop(_ADJUSTED, None)
+        for a, v in (dense or {}).items():
+            setattr(module, a, v)
+
+
+def restore(model: nn.Module, originals: dict[str, nn.Module]) -> None:
     """Put back the dense layers :func:`parallelize` returned (no communication)."""
     for name, dense in originals.items():
         set_submodule(model, name, dense)
+    _restore_attrs(model)
 
 
 def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]]]:
-    """Replace every parallel layer by an ``nn.Linear`` holding the gathered weights (collective over MP).
+    """Replace every parallel layer by its dense module holding the gathered weights (collective over MP).
 
     Returns ``{id(shard parameter): (dense parameter, split dim or None)}`` so that optimizers can follow
     (:func:`lightning_dpmp.checkpoint.consolidate_optimizer`).
@@ -71,11 +103,15 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
     moved: dict[int, tuple[nn.Parameter, Optional[int]]] = {}
     for name, mod in list(model.named_modules()):
         if isinstance(mod, _ParallelLinear):
+            tied = moved.get(id(mod.weight))
             dense = mod.to_dense()
             for pname, dim in mod._shard_dims.items():
-                if getattr(mod, pname) is not None:
-                    moved[id(getattr(mod, pname))] = (getattr(dense, pname), dim)
+                if getattr(mod, pname, None) is not None:
+                    moved.setdefault(id(getattr(mod, pname)), (getattr(dense, pname), dim))
+            if tied is not None:
+                dense.weight = tied[0]
             set_submodule(model, name, dense)
+    _restore_attrs(model)
     return moved
 
 
@@ -84,9 +120,8 @@ def consolidated_state_dict(model: nn.Module, group: Any) -> dict[str, Tensor]:
 
     Keys are the dense model's, so the result loads with ``strict=True`` into the plain model.
     """
-    dims = shard_dims(model)
+    blocks = {f"{n}.weight": m.blocks for n, m in model.named_modules() if isinstance(m, _ParallelLinear)}
     state = model.state_dict()
-    for key, dim in dims.items():
-        state[key] = gather_from_group(state[key].detach(), group, dim)
+    for key, dim in shard_dims(model).items():
+        state[key] = gather_tensor(state[key].detach(), dim, group, blocks.get(key, 1) if dim == 0 else 1)
     return state
-

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -29,17 +31,36 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_dpmp.autoplan import PlanResult, plan_module
 from lightning_dpmp.checkpoint import (
+    atomic_save,
+    check_state_matches,
     consolidate_optimizer,
     consolidate_optimizer_state,
+    dense_shapes,
+    gather_state_dict,
+    layout_info,
+    load_file,
+    make_weights_only_safe,
     optimizer_param_dims,
+    recover_path,
+    restore_rng_from,
     shard_optimizer_state,
     shard_state_dict,
+    write_on_rank_zero,
 )
 from lightning_dpmp.clipping import clip_grad_norm_
+from lightning_dpmp.failfast import (
+    check_backend,
+    check_sync_batchnorm,
+    die_with_parent,
+    is_launched_rank,
+    warn_if_data_not_sharded,
+)
 from lightning_dpmp.grid import Grid, build_grid, check_parallel_size, check_world_size
+from lightning_dpmp.guard import ConsistencyGuard
 from lightning_dpmp.launcher import DPMPScriptLauncher
 from lightning_dpmp.layers import shard_dims
 from lightning_dpmp.parallelize import consolidate, consolidated_state_dict
+from lightning_dpmp.rng import RNGTracker
 from lightning_dpmp.stepdata import first_batch, step_runner
 
 log = logging.getLogger(__name__)
@@ -59,7 +80,12 @@ class DPMPStrategy(DDPStrategy):
         verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
             before training; layers that disagree fall back to safer styles.
         consolidate_on_teardown: gather the layers back into dense ``nn.Linear`` at the end of ``fit``/``test``...
+        save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel (:mod:`lightning_dpmp.sharded`)
+            instead of one consolidated file; both load into any layout.
         timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging).
+        check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
+            that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
+            (:mod:`lightning_dpmp.guard`); raises naming the first difference. 0 (default) turns it off.
         process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
         start_method: ``"popen"`` (default, Lightning's script launcher), ``"spawn"``, ``"fork"``.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``static_graph=True``).
@@ -80,7 +106,9 @@ class DPMPStrategy(DDPStrategy):
         sequence_parallel: bool = False,
         verify_plan: bool = True,
         consolidate_on_teardown: bool = True,
+        save_distributed_checkpoint: bool = False,
         timeout_s: float = 600.0,
+        check_consistency_every_n_steps: int = 0,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -94,6 +122,7 @@ class DPMPStrategy(DDPStrategy):
         check_parallel_size("mp", mp, allow_auto=True)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
+        self._guard = ConsistencyGuard(check_consistency_every_n_steps)
         if sequence_parallel:
             raise NotImplementedError("sequence_parallel=True is not available yet (planned with issue 3).")
         if "process_group" in ddp_kwargs:
@@ -113,9 +142,11 @@ class DPMPStrategy(DDPStrategy):
         self._user_plan = dict(plan) if plan else None
         self._verify_plan = verify_plan
         self._consolidate_on_teardown = consolidate_on_teardown
+        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._grid: Optional[Grid] = None
         self._plan_result: Optional[PlanResult] = None
         self._split_params: set[int] = set()
+        self._rng: Optional[RNGTracker] = None
         self._failed = False
 
     # ------------------------------------------------------------------ sizes and topology
@@ -167,12 +198,42 @@ class DPMPStrategy(DDPStrategy):
     def mp_rank(self) -> int:
         return self.global_rank % self.mp
 
+    @property
+    def dp_size(self) -> int:
+        """Number of data shards (= ``dp``): shard an IterableDataset by ``dp_rank`` of ``dp_size``."""
+        return self.dp
+
+    # ------------------------------------------------------------------ training-time checks
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and self.is_global_zero:
+            use_sampler = trainer._accelerator_connector.use_distributed_sampler
+            warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
+        super().on_train_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Before the step: parameters as the previous step left them, and the batch this step will use.
+        if self._guard.every_n_steps and self.lightning_module is not None:
+            step = self.lightning_module.trainer.global_step
+            self._guard.maybe_check(step, self.lightning_module, batch, self._grid, self.root_device)
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def on_train_end(self) -> None:
+        if self._guard.every_n_steps and self.lightning_module is not None and self._grid is not None:
+            self._guard.check(self.lightning_module, None, self._grid, self.root_device, where="the end of training")
+        super().on_train_end()
+
     @override
     def set_world_ranks(self) -> None:
         # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
         if self.parallel_devices:
             dp, mp = self._sizes()
             check_world_size(dp, mp, self.num_processes * self.num_nodes, devices=self.num_processes, num_nodes=self.num_nodes)
+            check_backend(self._process_group_backend, self.parallel_devices)
+            check_sync_batchnorm(self._layer_sync, mp)  # the connector sets _layer_sync just before this call
         super().set_world_ranks()
 
     @property
@@ -191,6 +252,8 @@ class DPMPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if is_launched_rank(self.cluster_environment, self.local_rank):
+            die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
         super().setup_environment()  # initialises the default process group
         dp, mp = self._sizes()
         check_world_size(dp, mp, dist.get_world_size())
@@ -235,8 +298,10 @@ class DPMPStrategy(DDPStrategy):
         self._broadcast_dense(lm)
         batch, notes = first_batch(trainer, self)
         run = step_runner(trainer, self, batch) if batch is not None else None
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self._rng = RNGTracker(seed, self.grid.mp_rank, self.root_device) if self.mp > 1 else None
         self._plan_result = plan_module(
-            lm, self.grid, run, self._user_plan, self._verify_plan, self.root_device, notes
+            lm, self.grid, run, self._user_plan, self._verify_plan, self.root_device, notes, self._rng
         )
         self._split_params = {id(p) for n, p in lm.named_parameters() if n in shard_dims(lm)}
         rank_zero_info(f"{self._plan_result.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
@@ -281,36 +346,108 @@ class DPMPStrategy(DDPStrategy):
         return bool(t == self.world_size) if all else bool(t)
 
     # ------------------------------------------------------------------ checkpoints
+    # Consolidated (default): dense tensors under the dense names, gathered parameter by parameter onto rank 0, which
+    # writes one file atomically. Sharded: every rank writes its own shards into a folder (lightning_dpmp.sharded).
+    # Both load after setup, into the parallelised model, so each rank reads only its slices.
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._grid is None or self.mp == 1:
-            return self.lightning_module.state_dict()
-        return consolidated_state_dict(self.lightning_module, self.grid.mp_group)
+        state = self.lightning_module.state_dict()
+        dims = shard_dims(self.lightning_module)
+        if self._grid is None or not dims or self._save_distributed_checkpoint or self.grid.dp_rank != 0:
+            return state  # local shards: sharded saves write them as they are, and DP ranks > 0 do not write
+        return gather_state_dict(state, dims, self.grid.mp_group)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        if self._grid is None or self.mp == 1:
+        if self._grid is None or self.mp == 1 or self._save_distributed_checkpoint or self.grid.dp_rank != 0:
             return state
         inner = getattr(optimizer, "_optimizer", optimizer)
         return consolidate_optimizer_state(state, optimizer_param_dims(inner, self.lightning_module), self.grid.mp_group)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` atomically: one file from rank 0, or a folder from all ranks (collective)."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        from lightning_dpmp.sharded import save_sharded
+
+        path = str(self.broadcast(str(filepath)))
+        checkpoint["dpmp"] = layout_info(self.dp, self.mp, self.root_device)
+        make_weights_only_safe(checkpoint)
+        if self._save_distributed_checkpoint:
+            if storage_options is not None:
+                raise TypeError("DPMPStrategy(save_distributed_checkpoint=True) does not take `storage_options`.")
+            checkpoint["dpmp"]["format"] = "sharded"
+            assert self.lightning_module is not None
+            save_sharded(checkpoint, path, self.lightning_module, self.optimizers, self._grid, self.root_device.type)
+            return
+        if "://" in path or type(self.checkpoint_io) is not TorchCheckpointIO:
+            write = lambda: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
+        else:
+            write = lambda: atomic_save(checkpoint, path)  # noqa: E731
+        # The others wait for rank 0 with a long timeout of their own, not at a barrier bound by `timeout_s`.
+        write_on_rank_zero(write, max(self._timeout, timedelta(hours=1)))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a consolidated file (``weights_only=True``, memory-mapped) or this rank's slices of a sharded folder."""
+        from lightning_dpmp.sharded import is_sharded_checkpoint, load_sharded
+
+        if weights_only is False:
+            rank_zero_warn("DPMPStrategy always loads checkpoints with weights_only=True; `weights_only=False` is ignored.")
+        path = str(self.broadcast(str(checkpoint_path)))
+        found = recover_path(path)
+        if found != path:
+            rank_zero_warn(f"{path} is missing (a save was interrupted while swapping it); loading the previous one, {found}.")
+        lm = self.lightning_module
+        assert lm is not None
+        if is_sharded_checkpoint(found):
+            return load_sharded(found, lm, self.optimizers, self.grid, lm.strict_loading, self.root_device.type)
+        if "://" in found or not os.path.exists(found):
+            return self.checkpoint_io.load_checkpoint(found, weights_only=True)
+        return load_file(found)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = str(filepath)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
+        from lightning_dpmp.sharded import LOCAL_LAYOUT_KEY
+
+        lm = self.lightning_module
+        assert lm is not None
         state = checkpoint["state_dict"]
-        if self._grid is not None and shard_dims(self.lightning_module):
-            state = shard_state_dict(state, shard_dims(self.lightning_module), self.grid.mp_group)
-        self.lightning_module.load_state_dict(state, strict=strict)
+        if self._grid is not None and not checkpoint.get(LOCAL_LAYOUT_KEY):
+            found = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
+            check_state_matches(dense_shapes(lm, self.grid.mp_group), found, strict)  # names the first difference
+            if shard_dims(lm):
+                state = shard_state_dict(state, shard_dims(lm), self.grid.mp_group)
+        lm.load_state_dict(state, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        from lightning_dpmp.sharded import LOCAL_LAYOUT_KEY
+
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if self._grid is not None and self.mp > 1:
+            if self._grid is not None and self.mp > 1 and not checkpoint.get(LOCAL_LAYOUT_KEY):
                 state = shard_optimizer_state(state, optimizer_param_dims(optimizer, self.lightning_module), self.grid.mp_group)
             optimizer.load_state_dict(state)
             _optimizer_to_device(optimizer, self.root_device)
+        # Called last before the fit loop runs: the RNG streams continue where the saving run left them.
+        restore_rng_from(checkpoint, self.dp, self.mp, self.global_rank, self.root_device)
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -25,11 +25,15 @@ __all__ = ["LinearCall", "OpCall", "Trace", "is_linear", "loss_of", "trace_step"
 
 @dataclass(frozen=True)
 class OpCall:
-    """One torch call: its name, the tensor nodes it read (``None`` for a non-tensor argument) and wrote."""
+    """One torch call: its name, the tensor nodes it read (``None`` for a non-tensor argument) and wrote.
+
+    ``values`` runs parallel to ``inputs``: the ``int`` arguments (shape literals, dims), ``None`` elsewhere.
+    """
 
     name: str
     inputs: tuple[Optional[int], ...]
     outputs: tuple[int, ...]
+    values: tuple[Optional[int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Trace:
     events: list[Union[OpCall, LinearCall]] = field(default_factory=list)
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     escapes: set[int] = field(default_factory=set)
+    embeddings: dict[str, int] = field(default_factory=dict)  # nn.Embedding name -> calls through forward()
     result: Any = None
 
     def linear_calls(self) -> list[LinearCall]:
@@ -80,8 +85,9 @@ class _Recorder(TorchFunctionMode):
         if not outs or not any(isinstance(a, Tensor) for a in leaves):
             return out  # metadata queries (shape, dtype) and tensor factories carry no data flow we care about
         inputs = tuple(self.node(a) if isinstance(a, Tensor) else None for a in leaves)
+        values = tuple(a if isinstance(a, int) and not isinstance(a, bool) else None for a in leaves)
         name = getattr(func, "__name__", None) or type(func).__name__
-        self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs)))
+        self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values))
         return out
 
 
@@ -107,10 +113,23 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
             node, requires_grad = pending[module].pop()
             trace.events.append(LinearCall(names[module], node, recorder.node(output), requires_grad))
 
+    embeddings = {m: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+
+    def emb_pre(module: nn.Module, args: tuple) -> None:
+        if recorder.hidden == 0:
+            trace.embeddings[embeddings[module]] = trace.embeddings.get(embeddings[module], 0) + 1
+        recorder.hidden += 1  # the lookup itself is not data flow between Linears
+
+    def emb_post(module: nn.Module, args: tuple, output: Any) -> None:
+        recorder.hidden -= 1
+
     handles = []
     for module in names:
         handles.append(module.register_forward_pre_hook(pre_hook))
         handles.append(module.register_forward_hook(post_hook))
+    for module in embeddings:
+        handles.append(module.register_forward_pre_hook(emb_pre))
+        handles.append(module.register_forward_hook(emb_post))
     try:
         with recorder:
             result = run()

@@ -1,7 +1,7 @@
 """One multi-process launch per layout: train ResMLP under DPMPStrategy in float64 and float32, and record
 collective counts, plan figures and cross-rank consistency for the pytest side to compare with its reference.
 
-Usage (from the repo root): python tests/distributed/parity_worker.py DP MP OUT_DIR
+Usage (from the repo root): python tests/distributed/parity_worker.py DP MP OUT_DIR [MODEL,MODEL,...]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.accounting import CommCounter  # noqa: E402
 from lightning_dpmp.layers import shard_dims  # noqa: E402
-from tests.support.models import ResMLP, make_dataset  # noqa: E402
+from tests.support.models import build  # noqa: E402
 
 GLOBAL_BATCH, STEPS, CLIP, SEED = 8, 20, 0.5, 0
 
@@ -61,9 +61,9 @@ class Probe(L.Callback):
         self.consistent = {"dp_replicas_bitwise_equal": dp_ok, "mp_replicated_bitwise_equal": mp_ok}
 
 
-def run(dp: int, mp: int, precision: str, out: str) -> dict:
+def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     L.seed_everything(SEED, workers=True)
-    model = ResMLP()
+    model, dataset = build(name)
     probe = Probe()
     strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120)
     trainer = L.Trainer(
@@ -71,9 +71,9 @@ def run(dp: int, mp: int, precision: str, out: str) -> dict:
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )
-    loader = DataLoader(make_dataset(), batch_size=GLOBAL_BATCH // dp)
+    loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp)
     trainer.fit(model, loader)
-    tag = precision.split("-")[0]
+    tag = f"{name}_{precision.split('-')[0]}"
     trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))
     plan = strategy.plan.plan
     return {
@@ -90,7 +90,8 @@ def run(dp: int, mp: int, precision: str, out: str) -> dict:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dp, mp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    results = {p: run(dp, mp, p, out) for p in ("64-true", "32-true")}
+    names = sys.argv[4].split(",") if len(sys.argv) > 4 else ["resmlp"]
+    results = {f"{n}_{p.split('-')[0]}": run(dp, mp, p, out, n) for n in names for p in os.environ.get("PRECISIONS", "64-true,32-true").split(",")}
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -9,36 +9,22 @@ from __future__ import annotations
 
 import json
 
-import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from tests.conftest import run_script
 from tests.distributed import parity_worker as W
-from tests.support.models import ResMLP, make_dataset, reference_loader
+from tests.support.models import ResMLP
+from tests.support.reference import reference_run
 
 LAYOUTS = [(1, 2), (2, 1), (2, 2), (1, 4), (2, 4)]
 TOL = {"64": 1e-8, "32": 1e-4}
 
 
-def _reference(precision: str, path) -> dict:
-    L.seed_everything(W.SEED, workers=True)
-    model = ResMLP()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, precision=precision, max_steps=W.STEPS, gradient_clip_val=W.CLIP,
-        gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, reference_loader(make_dataset(), W.GLOBAL_BATCH, W.SEED))
-    trainer.save_checkpoint(path)
-    return torch.load(path, weights_only=True)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
-    return {p.split("-")[0]: _reference(p, tmp / f"{p}.ckpt") for p in ("64-true", "32-true")}
+    return {p.split("-")[0]: reference_run("resmlp", p, tmp / f"{p}.ckpt") for p in ("64-true", "32-true")}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda l: f"dp{l[0]}_mp{l[1]}")
@@ -55,7 +41,7 @@ def run(request, tmp_path_factory):
 @pytest.mark.parametrize("bits", ["64", "32"])
 def test_weights_match_single_process(run, reference, bits):
     dp, mp, out, _, _ = run
-    ckpt = torch.load(out / f"{bits}.ckpt", weights_only=True)
+    ckpt = torch.load(out / f"resmlp_{bits}.ckpt", weights_only=True)
     plain = ResMLP()
     if bits == "64":
         plain = plain.double()
@@ -79,8 +65,8 @@ def test_weights_match_single_process(run, reference, bits):
 def test_replicas_bitwise_equal_and_model_dense_after_fit(run):
     dp, mp, _, ranks, _ = run
     for rank, res in enumerate(ranks):
-        for bits, r in res.items():
-            assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}, (rank, bits)
+        for tag, r in res.items():
+            assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}, (rank, tag)
             assert r["dense_after_fit"], "teardown should hand back the dense model"
             assert r["sampler"] == dp, "the DistributedSampler must shard over DP only"
 

@@ -63,3 +63,102 @@ def make_dataset(n: int = 160, d_in: int = 12, n_out: int = 3, seed: int = 1234)
 def reference_loader(ds: TensorDataset, global_batch: int, seed: int) -> DataLoader:
     """The single-process loader drawing the permutation Lightning's DistributedSampler draws in multi-process runs."""
     return DataLoader(ds, batch_size=global_batch, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=seed))
+
+
+class LMModule(L.LightningModule):
+    """Next-token prediction around any ``net(ids) -> logits``; AdamW + a linear-warmup LR schedule."""
+
+    def __init__(self, net: nn.Module, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.net, self.lr = net, lr
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net(ids)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """Grouped-query attention (separate q/k/v, kv heads repeated) and a gated SiLU MLP, no biases."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.head_dim, self.n_rep = dim // n_heads, n_heads // n_kv_heads
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(h).view(B, T, -1, self.head_dim).transpose(1, 2).repeat_interleave(self.n_rep, dim=1)
+        v = self.wv(h).view(B, T, -1, self.head_dim).transpose(1, 2).repeat_interleave(self.n_rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(B, T, -1))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, n_heads, n_kv_heads, 2 * dim) for _ in range(n_layers))
+        self.norm = RMSNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.norm(x))
+
+
+def make_lm_dataset(n: int = 160, vocab: int = 64, seq: int = 16, seed: int = 1234) -> TensorDataset:
+    """A learnable synthetic language: each next token is a fixed function of the previous two, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    for t in range(2, seq + 1):
+        rule = (3 * ids[:, t - 1] + ids[:, t - 2]) % vocab
+        keep = torch.rand(n, generator=g) < 0.8
+        ids[:, t] = torch.where(keep, rule, ids[:, t])
+    return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
+    """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP)."""
+    if name == "resmlp":
+        return ResMLP(), make_dataset()
+    if name in ("gpt", "gpt_untied"):
+        from examples.models.gpt import GPT
+
+        net = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, tie_embeddings=name == "gpt")
+        return LMModule(net), make_lm_dataset()
+    if name == "llama":
+        return LMModule(TinyLlama()), make_lm_dataset()
+    raise ValueError(name)

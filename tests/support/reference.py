@@ -1,0 +1,29 @@
+"""Single-process Lightning reference runs for the parity tests (same seed, same global batch, same permutation)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from tests.distributed import parity_worker as W
+from tests.support.models import build, reference_loader
+
+
+def reference_run(name: str, precision: str, path) -> dict:
+    """Train ``name`` on one process exactly as the workers do on many; return its saved checkpoint."""
+    L.seed_everything(W.SEED, workers=True)
+    model, dataset = build(name)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, precision=precision, max_steps=W.STEPS, gradient_clip_val=W.CLIP,
+        gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, reference_loader(dataset, W.GLOBAL_BATCH, W.SEED))
+    trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=True)
+
+
+def max_weight_diff(ckpt: dict, ref: dict) -> float:
+    ours, theirs = ckpt["state_dict"], ref["state_dict"]
+    assert ours.keys() == theirs.keys(), set(ours) ^ set(theirs)
+    return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
