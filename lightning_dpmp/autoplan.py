@@ -189,8 +189,10 @@ def plan_module(
             text += f"\n  verified against the dense step on the first batch: {verdict} (max relative error {err:.1e})"
             return PlanResult(plan, text, verified=verdict == "passed", max_error=err)
         restore(module, originals)
+        adjusted = ", ".join(f"{m or 'model'}.{a}" for m, attrs in plan.adjust.items() for a in attrs)
         notes.append(
-            f"verification failed at level {level} (relative error {err:.2e}{'; ' + reason if reason else ''});"
-            f" fell back: {fallbacks[level + 1]}"
+            f"verification failed at level {level} (relative error {err:.2e}{'; ' + reason if reason else ''})"
+            + (f" with {adjusted} set to per-rank values" if adjusted else "")
+            + f"; fell back: {fallbacks[level + 1]}"
         )
     raise AssertionError("unreachable")

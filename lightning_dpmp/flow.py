@@ -39,7 +39,7 @@ BINARY = {
 }
 RESHAPES = {"view", "reshape", "flatten"}
 TRANSPOSES = {"transpose", "swapaxes", "permute", "t"}
-SPLITS = {"chunk", "split"}
+SPLITS = {"chunk", "split", "unbind"}
 BATCHED = {"scaled_dot_product_attention", "matmul", "__matmul__", "bmm", "softmax", "log_softmax", "repeat_interleave"}
 LOSSES = {"cross_entropy"}
 
@@ -240,9 +240,16 @@ class _Analysis:
 
     def _split(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
         ints = [v for v in ev.values[1:] if v is not None]
+        if ev.name == "unbind":
+            dim = (ints[0] if ints else 0) % len(shape)
+            if dim == sh.dim:
+                return f"unbound by 'unbind' along the split dim"
+            return [(sh.dim - (dim < sh.dim), None)] * len(ev.outputs)
         dim = (ints[-1] if len(ints) >= 2 else 0) % len(shape)
         if dim != sh.dim:
             return [(sh.dim, sh.raw)] * len(ev.outputs)
+        if ev.name == "split" and len(ints) == 2:  # split(size, dim): a fixed size becomes per-rank
+            self.regions[self.find(sh.region)].literals.add(int(ints[0]))
         pieces = len(ev.outputs)
         sizes = {self.trace.shapes[n][dim] for n in ev.outputs}
         if len(sizes) != 1 or not self.need_blocks(sh, pieces) or sizes.pop() % self.mp:

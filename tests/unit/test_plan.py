@@ -141,23 +141,96 @@ def test_without_a_trace_user_plan_pairs_and_the_rest_is_self_contained():
     assert styles["inp"] == "column_gather" and styles["head"] == "replicate"
 
 
-def test_tied_weight_and_weights_read_directly_stay_replicated():
+@pytest.mark.parametrize("vocab", [32, 33])
+def test_tied_head_splits_with_its_embedding_and_weights_read_directly_stay_whole(vocab):
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.emb = nn.Embedding(32, 8)
+            self.emb = nn.Embedding(vocab, 8)
             self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
-            self.head = nn.Linear(8, 32, bias=False)
+            self.head = nn.Linear(8, vocab, bias=False)
             self.head.weight = self.emb.weight
 
         def forward(self, ids):
             h = self.emb(ids)
             return self.head(self.attn(h, h, h)[0])
 
-    styles, plan = plan_of(Tied(), torch.randint(0, 32, (2, 5)))
-    assert styles == {"attn.out_proj": "replicate", "head": "replicate"}
-    assert "tied to emb.weight" in plan.layers["head"].note
-    assert "not called" in plan.layers["attn.out_proj"].note
+    styles, plan = plan_of(Tied(), torch.randint(0, vocab, (2, 5)))
+    assert styles["attn.out_proj"] == "replicate" and "not called" in plan.layers["attn.out_proj"].note
+    if vocab == 32:  # split together: the head's logits are returned, so it gathers them
+        assert styles["emb"] == "vocab" and styles["head"] == "column_gather"
+    else:  # 33 rows cannot be split 2 ways: the tie keeps both whole
+        assert styles["emb"] == styles["head"] == "replicate"
+        assert "tied to emb.weight" in plan.layers["head"].note
+        assert "num_embeddings=33 not divisible by mp=2" in plan.layers["emb"].note
+
+
+def test_lm_head_feeding_only_the_loss_is_vocab_parallel():
+    emb, head = nn.Embedding(64, 16), nn.Linear(16, 64, bias=False)
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    ids, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+
+    def step():
+        logits = head(emb(ids))
+        return F.cross_entropy(logits.view(-1, 64), y.view(-1), label_smoothing=0.1)
+
+    styles, plan = plan_of(model, ids, step=step)
+    assert styles == {"emb": "vocab", "head": "vocab"}
+    # embedding all-reduce + the loss's two all-reduces forward; the head's input gradient backward
+    assert plan.comm_per_step() == {"forward": {"all_reduce": 3, "all_gather": 0}, "backward": {"all_reduce": 1, "all_gather": 0}}
+
+
+def test_fixed_head_count_reshape_is_adjusted_or_refused():
+    class Attn(nn.Module):
+        """Keeps its head count in an attribute and reshapes with it (nanoGPT-like)."""
+
+        def __init__(self, full_width_reshape: bool) -> None:
+            super().__init__()
+            self.n_head, self.full = 4, full_width_reshape
+            self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = (p(x).view(B, T, self.n_head, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+            y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()
+            return self.o(y.view(B, T, C) if self.full else y.view(B, T, -1))
+
+    styles, plan = plan_of(Attn(False), torch.randn(2, 3, 16))
+    assert styles == {"q": "column", "k": "column", "v": "column", "o": "row"}
+    assert plan.adjust == {"": {"n_head": (4, 2)}}
+    styles, plan = plan_of(Attn(True), torch.randn(2, 3, 16))
+    assert set(styles.values()) == {"column_gather"}
+    assert "fixed size 16" in plan.layers["q"].note and "view(B, T, -1, head_dim)" in plan.layers["q"].note
+
+
+def test_heads_not_divisible_fall_back_with_the_reason():
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(12, 12) for _ in range(4))
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = (p(x).view(B, T, -1, 4).transpose(1, 2) for p in (self.q, self.k, self.v))  # 3 heads
+            return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+
+    styles, plan = plan_of(Attn(), torch.randn(2, 3, 12), mp=2)
+    assert styles["q"] == "column_gather" and "3 heads/groups at dim 2, not divisible by mp=2" in plan.layers["q"].note
+
+
+def test_fused_qkv_is_split_block_by_block():
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.qkv(x).view(B, T, 3, -1, 4).permute(2, 0, 3, 1, 4).unbind(0)
+            return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+
+    styles, plan = plan_of(Fused(), torch.randn(2, 3, 16))
+    assert styles == {"qkv": "column", "o": "row"} and plan.layers["qkv"].blocks == 3
 
 
 def test_mp1_splits_nothing():
