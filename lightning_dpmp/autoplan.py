@@ -30,11 +30,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor, nn
 
+from lightning_dpmp.clipping import sync_sequence_partial_grads
 from lightning_dpmp.comm import group_rank, group_size
 from lightning_dpmp.grid import Grid
 from lightning_dpmp.layers import shard_dims, shard_tensor
 from lightning_dpmp.parallelize import parallelize, restore
 from lightning_dpmp.plan import Plan, make_plan
+from lightning_dpmp.sequence import plan_sequence_parallel
 from lightning_dpmp.trace import Trace, loss_of, trace_step
 
 __all__ = ["PlanResult", "isolated", "plan_module"]
@@ -92,12 +94,15 @@ def _dense_grads(module: nn.Module, run: Callable[[], Any], record: bool) -> tup
     return trace, (loss.detach() if loss is not None else None), grads
 
 
-def _check(module: nn.Module, run: Callable[[], Any], loss_ref: Tensor, grads_ref: dict, group: Any) -> float:
+def _check(module: nn.Module, run: Callable[[], Any], loss_ref: Tensor, grads_ref: dict, group: Any, plan: Plan) -> float:
     """Largest relative error of this rank's loss and gradient shards against the dense step."""
     with torch.enable_grad():
         loss = loss_of(run())
         assert loss is not None
         loss.backward()
+    if plan.sequence is not None:  # as the strategy does before each optimizer step
+        names = set(plan.sequence.partial_params)
+        sync_sequence_partial_grads([p for n, p in module.named_parameters() if n in names], group)
     dims = shard_dims(module)
     blocks = {f"{name}.{p}": getattr(m, "blocks", 1) for name, m in module.named_modules() for p in ("weight", "bias")}
     n, r = group_size(group), group_rank(group)
@@ -134,6 +139,15 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _sequence_plan(trace: Optional[Trace], plan: Plan, module: nn.Module, mp: int) -> Any:
+    if trace is None:
+        raise ValueError("sequence_parallel=True needs a traced step (a first batch and a training_step that runs).")
+    sp = plan_sequence_parallel(trace, plan, mp, {n for n, _ in module.named_parameters()})
+    if sp.problem:
+        raise ValueError(f"sequence_parallel=True cannot be applied to {type(module).__name__}: {sp.problem}.")
+    return sp
+
+
 def plan_module(
     module: nn.Module,
     grid: Grid,
@@ -143,6 +157,7 @@ def plan_module(
     device: torch.device,
     notes: Optional[list[str]] = None,
     rng: Optional[Any] = None,
+    sequence_parallel: bool = False,
 ) -> PlanResult:
     """Trace, plan, parallelise ``module`` in place and (optionally) verify it against the dense step.
 
@@ -167,6 +182,8 @@ def plan_module(
         if level == 3:
             for name, lp in plan.layers.items():
                 plan.layers[name] = replace(lp, style="replicate", note="fallback")
+        if sequence_parallel and grid.mp > 1:
+            plan.sequence = _sequence_plan(trace, plan, module, grid.mp)
         plan.notes += notes
         plan = _broadcast(plan)
         text = plan.describe(module)
@@ -175,7 +192,7 @@ def plan_module(
             return PlanResult(plan, text)
         with isolated(module):
             try:
-                err = _check(module, run, loss_ref, grads_ref, grid.mp_group)  # type: ignore[arg-type]
+                err = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan)  # type: ignore[arg-type]
             except Exception as exc:  # a reshape that cannot take local sizes fails the same way on every rank
                 err, reason = float("inf"), f"{type(exc).__name__}: {exc}"
             else:
@@ -189,6 +206,14 @@ def plan_module(
             text += f"\n  verified against the dense step on the first batch: {verdict} (max relative error {err:.1e})"
             return PlanResult(plan, text, verified=verdict == "passed", max_error=err)
         restore(module, originals)
+        if plan.sequence is not None:
+            raise ValueError(
+                "sequence_parallel=True: the parallel first step disagrees with the dense one"
+                f" (relative error {err:.2e}{'; ' + reason if reason else ''}). Code that reads the sequence length"
+                " from a sequence-split tensor (e.g. `B, T, C = x.shape` in an attention written inline in a block)"
+                " breaks; keep attention in its own module whose input is the normalised hidden state (as GPT's"
+                " Block.attn), or use sequence_parallel=False."
+            )
         adjusted = ", ".join(f"{m or 'model'}.{a}" for m, attrs in plan.adjust.items() for a in attrs)
         notes.append(
             f"verification failed at level {level} (relative error {err:.2e}{'; ' + reason if reason else ''})"

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_dpmp.comm import all_reduce_sum
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm", "sync_sequence_partial_grads"]
 
 
 def grad_norm(params: Iterable[Tensor], split: set[int], group: Any) -> Tensor:
@@ -44,3 +44,16 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, split: set[int], 
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.dtype))
     return total
+
+
+def sync_sequence_partial_grads(params: list[Tensor], group: Any) -> None:
+    """Sum over MP the gradients of parameters that saw 1/mp of the sequence: one flat all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce_sum(flat, group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

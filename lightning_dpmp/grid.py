@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -128,11 +129,14 @@ class Grid:
         return f"Grid(dp={self.dp}, mp={self.mp}, rank={self.rank} -> dp_rank={self.dp_rank}, mp_rank={self.mp_rank})"
 
 
-def build_grid(dp: int, mp: int) -> Grid:
+def build_grid(dp: int, mp: int, timeout: Optional[timedelta] = None) -> Grid:
     """Create the MP and DP groups of an initialised default process group and return this rank's :class:`Grid`.
 
     Every rank must call this, in the same order: ``new_group`` is collective over the world even for groups a
     rank does not belong to, and a rank that skips one leaves the others waiting.
+
+    ``timeout`` bounds every collective on the two groups. Pass the world's: ``new_group`` does not inherit it and
+    would default to torch's 30 minutes, so a stuck MP all-reduce would ignore ``DPMPStrategy(timeout_s=...)``.
 
     Example:
         >>> grid = build_grid(dp=2, mp=2)  # doctest: +SKIP
@@ -149,11 +153,11 @@ def build_grid(dp: int, mp: int) -> Grid:
     my_dp, my_mp = coords_of(rank, mp)
     mp_group = dp_group = None
     for d, ranks in enumerate(mp_rows):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if d == my_dp:
             mp_group = group
     for m, ranks in enumerate(dp_cols):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if m == my_mp:
             dp_group = group
     return Grid(dp=dp, mp=mp, rank=rank, dp_group=dp_group, mp_group=mp_group)

@@ -28,9 +28,11 @@ from torch import Tensor, nn
 from lightning_dpmp.comm import (
     copy_to_group,
     gather_from_group,
+    gather_from_sequence,
     group_rank,
     group_size,
     reduce_from_group,
+    reduce_scatter_to_sequence,
     scatter_to_group,
 )
 
@@ -64,8 +66,9 @@ class SharedInputCopy:
         >>> q = ColumnParallelLinear.from_dense(q, grid.mp_group, shared_input=entry)  # doctest: +SKIP
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, sequence_dim: Any = None) -> None:
         self.group = group
+        self.sequence_dim = sequence_dim
         self._key: Optional[tuple[int, int, bool]] = None
         self._src: Optional[Tensor] = None
         self._out: Optional[Tensor] = None
@@ -78,7 +81,7 @@ class SharedInputCopy:
         key = (id(x), x._version, torch.is_grad_enabled())
         if key == self._key and self._src is x and self._out is not None:
             return self._out
-        out = copy_to_group(x, self.group)
+        out = enter_region(x, self.group, self.sequence_dim)
         self._key, self._src, self._out = key, x, out
         if out.requires_grad:
             out.register_hook(self._release)
@@ -86,6 +89,19 @@ class SharedInputCopy:
 
     def _release(self, grad: Tensor) -> None:
         self._key = self._src = self._out = None
+
+
+GATHERED = "gathered"  # sequence_dim value: the enclosing module already all-gathered the sequence
+
+
+def enter_region(x: Tensor, group: Any, sequence_dim: Any) -> Tensor:
+    """A column layer's entry: copy (backward all-reduce); with sequence parallelism all-gather the sequence
+    (backward reduce-scatter), or nothing when the enclosing module gathered it (its backward sums already)."""
+    if sequence_dim is None:
+        return copy_to_group(x, group)
+    if sequence_dim == GATHERED:
+        return x
+    return gather_from_sequence(x, group, sequence_dim)
 
 
 class _ParallelLinear(nn.Module):
@@ -181,10 +197,12 @@ class ColumnParallelLinear(_ParallelLinear):
         blocks: int = 1,
         vocab_logits: bool = False,
         rng: Optional[Any] = None,
+        sequence_dim: Optional[int] = None,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(in_features, out_features, group)
+        self.sequence_dim = sequence_dim
         local_out = divide(divide(out_features, blocks, "out_features (fused blocks)"), self.mp, "out_features") * blocks
         self.gather_output = gather_output
         self.shared_input = shared_input
@@ -213,7 +231,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.shared_input(x) if self.shared_input is not None else copy_to_group(x, self.group)
+        x = self.shared_input(x) if self.shared_input is not None else enter_region(x, self.group, self.sequence_dim)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             return gather_tensor(y, y.dim() - 1, self.group, self.blocks)
@@ -257,10 +275,12 @@ class RowParallelLinear(_ParallelLinear):
         group: Any = None,
         input_is_parallel: bool = True,
         rng: Optional[Any] = None,
+        sequence_dim: Optional[int] = None,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(in_features, out_features, group)
+        self.sequence_dim = sequence_dim
         local_in = divide(in_features, self.mp, "in_features")
         self.input_is_parallel = input_is_parallel
         self.rng = rng
@@ -288,7 +308,11 @@ class RowParallelLinear(_ParallelLinear):
             self.rng.exit()  # back to the replicated stream: the output is the same on every MP rank
         if not self.input_is_parallel:
             x = scatter_to_group(x, self.group)
-        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_dim is None:
+            y = reduce_from_group(y, self.group)
+        else:  # sequence parallel: each rank keeps the summed output for its slice of the sequence
+            y = reduce_scatter_to_sequence(y, self.group, self.sequence_dim)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -309,8 +333,11 @@ class VocabParallelEmbedding(_ParallelLinear):
     bias = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None, padding_idx: Optional[int] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+                 sequence_dim: Optional[int] = None, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(num_embeddings, embedding_dim, group)  # (in, out) slots hold (V, dim) for the printout
+        self.sequence_dim = sequence_dim
+        self.rng: Optional[Any] = None
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = divide(num_embeddings, self.mp, "num_embeddings")
         self.start = self.mp_rank * local
@@ -320,11 +347,11 @@ class VocabParallelEmbedding(_ParallelLinear):
             nn.init.normal_(self.weight)
 
     @classmethod
-    def from_dense(cls, emb: nn.Embedding, group: Any) -> "VocabParallelEmbedding":
+    def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> "VocabParallelEmbedding":
         if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
             raise ValueError("VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq).")
         layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, padding_idx=emb.padding_idx,
-                    device=emb.weight.device, dtype=emb.weight.dtype)
+                    sequence_dim=sequence_dim, device=emb.weight.device, dtype=emb.weight.dtype)
         layer._init_from(emb)
         layer.train(emb.training)
         return layer
@@ -340,7 +367,12 @@ class VocabParallelEmbedding(_ParallelLinear):
         if self.padding_idx is not None and 0 <= self.padding_idx - self.start < self.weight.shape[0]:
             pad = self.padding_idx - self.start  # nn.Embedding gives the padding row no gradient
         rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=pad)
-        return reduce_from_group(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_dim is not None:  # sequence parallel: sum the shards and keep this rank's tokens
+            if self.rng is not None:
+                self.rng.enter()  # from here on each rank holds different tokens: per-rank dropout masks
+            return reduce_scatter_to_sequence(rows, self.group, self.sequence_dim)
+        return reduce_from_group(rows, self.group)
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, mp={self.mp}"

@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from lightning_dpmp.comm import group_size
+from lightning_dpmp.comm import gather_from_sequence, group_size, scatter_to_group
 from lightning_dpmp.layers import (
+    GATHERED,
     ColumnParallelLinear,
     RowParallelLinear,
     SharedInputCopy,
@@ -31,6 +32,7 @@ from lightning_dpmp.plan import Plan
 __all__ = ["consolidate", "consolidated_state_dict", "parallelize", "restore", "set_submodule"]
 
 _ADJUSTED = "_dpmp_dense_attrs"  # on a module whose int attributes were set to per-rank values
+_SP_HOOK = "_dpmp_sequence_hook"  # on an unsplit embedding whose output is split along the sequence
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -49,6 +51,10 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     originals: dict[str, nn.Module] = {}
     if group_size(group) == 1:
         return originals
+    sp = plan.sequence
+    seq_in = sp.gather_entries if sp is not None else set()
+    inside = {n for names in (sp.owner_gather.values() if sp is not None else ()) for n in names}
+    seq_out = -2 if sp is not None else None
     entries: dict[int, SharedInputCopy] = {}
     shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> shard, to keep ties
     order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
@@ -57,21 +63,35 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
             continue
         dense = model.get_submodule(lp.name)
         layer: nn.Module
+        seq_dim: Any = GATHERED if lp.name in inside else -2 if lp.name in seq_in else None
         if lp.kind == "embedding":
-            layer = VocabParallelEmbedding.from_dense(dense, group)
+            layer = VocabParallelEmbedding.from_dense(dense, group, sequence_dim=seq_out)
+            layer.rng = rng if sp is not None else None
         elif lp.style == "row":
-            layer = RowParallelLinear.from_dense(dense, group, input_is_parallel=lp.input_is_parallel, rng=rng)
+            layer = RowParallelLinear.from_dense(
+                dense, group, input_is_parallel=lp.input_is_parallel, rng=rng if sp is None else None,
+                sequence_dim=seq_out,
+            )
         else:
-            shared = entries.setdefault(lp.entry, SharedInputCopy(group)) if lp.entry >= 0 else None
+            shared = entries.setdefault(lp.entry, SharedInputCopy(group, seq_dim)) if lp.entry >= 0 else None
             layer = ColumnParallelLinear.from_dense(
                 dense, group, gather_output=lp.style == "column_gather", shared_input=shared, blocks=lp.blocks,
-                vocab_logits=lp.style == "vocab", rng=rng if lp.style == "column" else None,
+                vocab_logits=lp.style == "vocab", rng=rng if lp.style == "column" else None, sequence_dim=seq_dim,
             )
         if id(dense.weight) in shards:
             layer.weight = shards[id(dense.weight)]
         shards[id(dense.weight)] = layer.weight
         originals[lp.name] = dense
         set_submodule(model, lp.name, layer)
+    if sp is not None:  # attention/MLP modules gather the sequence at their input (their code sees all of it)
+        for name in sp.owner_gather:
+            module = model.get_submodule(name)
+            module.__dict__[_SP_HOOK] = module.register_forward_pre_hook(_SequenceGather(group))
+    if sp is not None:  # unsplit embeddings feeding the stream keep only their slice of the sequence
+        for name in sp.scatter:
+            if plan.layers[name].style == "replicate":
+                module = model.get_submodule(name)
+                module.__dict__[_SP_HOOK] = module.register_forward_hook(_SequenceScatter(group, rng))
     for name, attrs in plan.adjust.items():
         module = model.get_submodule(name) if name else model
         setattr(module, _ADJUSTED, {a: getattr(module, a) for a in attrs})
@@ -80,11 +100,36 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     return originals
 
 
+class _SequenceGather:
+    """Forward pre-hook: all-gather the sequence (dim -2) of a module's first input (backward: reduce-scatter)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        return (gather_from_sequence(args[0], self.group, -2),) + tuple(args[1:])
+
+
+class _SequenceScatter:
+    """Forward hook: keep this rank's slice of the sequence (dim -2) of a replicated module's output."""
+
+    def __init__(self, group: Any, rng: Optional[Any]) -> None:
+        self.group, self.rng = group, rng
+
+    def __call__(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        if self.rng is not None:
+            self.rng.enter()  # sequence-split regions hold different tokens per rank: different dropout masks
+        return scatter_to_group(output, self.group, output.dim() - 2)
+
+
 def _restore_attrs(model: nn.Module) -> None:
     for module in model.modules():
         dense = module.__dict__.pop(_ADJUSTED, None)
         for a, v in (dense or {}).items():
             setattr(module, a, v)
+        hook = module.__dict__.pop(_SP_HOOK, None)
+        if hook is not None:
+            hook.remove()
 
 
 def restore(model: nn.Module, originals: dict[str, nn.Module]) -> None:

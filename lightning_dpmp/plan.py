@@ -24,7 +24,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -88,30 +88,40 @@ class Plan:
     traced: bool = False
     notes: list[str] = field(default_factory=list)
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    sequence: Optional[Any] = None  # a lightning_dpmp.sequence.SequencePlan when sequence parallel
 
     def comm_per_step(self) -> dict[str, dict[str, int]]:
-        """Analytic MP collectives of one forward + backward, one call per layer (clipping's all-reduce excluded)."""
+        """Analytic MP collectives of one forward + backward, one call per layer (clipping's all-reduce excluded).
+
+        Without sequence parallelism: all-reduce and all-gather; with it, every entry all-gathers the sequence
+        forward and reduce-scatters backward, every exit reduce-scatters forward.
+        """
         layers = [lp for lp in self.layers.values() if self.mp > 1]
         linear = [lp for lp in layers if lp.kind == "linear"]
-        entries = {
-            (lp.entry if lp.entry >= 0 else f"own:{lp.name}")
-            for lp in linear
-            if lp.style in ("column", "column_gather", "vocab") and lp.input_requires_grad
-        }
-        vocab_heads = sum(lp.style == "vocab" for lp in linear)
-        return {
-            "forward": {
-                # row outputs, vocab-parallel embedding lookups, and two per vocab-parallel loss (max, sums)
-                "all_reduce": sum(lp.style == "row" for lp in linear)
-                + sum(lp.style == "vocab" for lp in layers if lp.kind == "embedding")
-                + 2 * vocab_heads,
-                "all_gather": sum(lp.style == "column_gather" for lp in linear),
-            },
-            "backward": {
-                "all_reduce": len(entries),
-                "all_gather": sum(lp.style == "row" and not lp.input_is_parallel and lp.input_requires_grad for lp in linear),
-            },
-        }
+        sp = self.sequence
+        split_in = sp.gather_entries if sp is not None else set()
+        entries: dict[Any, tuple[bool, bool]] = {}
+        for lp in linear:
+            if lp.style in ("column", "column_gather", "vocab"):
+                key = lp.entry if lp.entry >= 0 else f"own:{lp.name}"
+                entries[key] = (lp.name in split_in, lp.input_requires_grad)
+        rows = sum(lp.style == "row" for lp in linear)
+        vocab_emb = sum(lp.style == "vocab" for lp in layers if lp.kind == "embedding")
+        fwd = {"all_reduce": 2 * sum(lp.style == "vocab" for lp in linear), "all_gather": 0, "reduce_scatter": 0}
+        bwd = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+        fwd["all_gather"] += sum(lp.style == "column_gather" for lp in linear)
+        bwd["all_gather"] += sum(lp.style == "row" and not lp.input_is_parallel and lp.input_requires_grad for lp in linear)
+        for seq_split, needs_grad in entries.values():
+            fwd["all_gather"] += seq_split
+            bwd["reduce_scatter" if seq_split else "all_reduce"] += needs_grad
+        if sp is None:
+            fwd["all_reduce"] += rows + vocab_emb
+        else:
+            fwd["reduce_scatter"] += rows + vocab_emb
+            bwd["all_gather"] += rows + vocab_emb + len([n for n in sp.scatter if self.layers[n].style == "replicate"])
+        if sp is None:
+            fwd.pop("reduce_scatter"), bwd.pop("reduce_scatter")
+        return {"forward": fwd, "backward": bwd}
 
     def param_counts(self, model: nn.Module) -> tuple[int, int]:
         """(parameters held per rank, parameters of the dense model) for ``model`` in its dense form."""
@@ -141,12 +151,19 @@ class Plan:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
         local, total = self.param_counts(model)
         c = self.comm_per_step()
+
+        def fmt(d: dict[str, int]) -> str:
+            return " + ".join(f"{n} {k.replace('_', '-')}" for k, n in d.items())
+
         lines.append(
             f"  parameters per rank: {local:,} of {total:,} ({100.0 * local / max(total, 1):.1f}%);"
-            f" MP collectives per step: forward {c['forward']['all_reduce']} all-reduce"
-            f" + {c['forward']['all_gather']} all-gather, backward {c['backward']['all_reduce']} all-reduce"
-            f" + {c['backward']['all_gather']} all-gather"
+            f" MP collectives per step: forward {fmt(c['forward'])}, backward {fmt(c['backward'])}"
         )
+        if self.sequence is not None:
+            lines.append(
+                f"  sequence parallel: {len(self.sequence.partial_params)} parameters see 1/{self.mp} of the tokens"
+                " and are summed over MP once per step"
+            )
         for module, attrs in self.adjust.items():
             for attr, (dense, local_v) in attrs.items():
                 lines.append(f"  adjusted: {module}.{attr} = {dense} -> {local_v} per rank")

@@ -47,7 +47,7 @@ from lightning_dpmp.checkpoint import (
     shard_state_dict,
     write_on_rank_zero,
 )
-from lightning_dpmp.clipping import clip_grad_norm_
+from lightning_dpmp.clipping import clip_grad_norm_, sync_sequence_partial_grads
 from lightning_dpmp.failfast import (
     check_backend,
     check_sync_batchnorm,
@@ -123,8 +123,6 @@ class DPMPStrategy(DDPStrategy):
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
-        if sequence_parallel:
-            raise NotImplementedError("sequence_parallel=True is not available yet (planned with issue 3).")
         if "process_group" in ddp_kwargs:
             raise ValueError("DPMPStrategy builds the DP process group itself; do not pass `process_group`.")
         super().__init__(
@@ -140,6 +138,7 @@ class DPMPStrategy(DDPStrategy):
         )
         self._dp_arg, self._mp_arg = dp, mp
         self._user_plan = dict(plan) if plan else None
+        self._sequence_parallel = bool(sequence_parallel)
         self._verify_plan = verify_plan
         self._consolidate_on_teardown = consolidate_on_teardown
         self._save_distributed_checkpoint = save_distributed_checkpoint
@@ -147,6 +146,7 @@ class DPMPStrategy(DDPStrategy):
         self._plan_result: Optional[PlanResult] = None
         self._split_params: set[int] = set()
         self._rng: Optional[RNGTracker] = None
+        self._sequence_partial: list[torch.nn.Parameter] = []
         self._failed = False
 
     # ------------------------------------------------------------------ sizes and topology
@@ -262,7 +262,7 @@ class DPMPStrategy(DDPStrategy):
                 f"mp={mp} does not divide the {self.num_processes} devices per node: MP groups span nodes, and every"
                 " tensor-parallel all-reduce crosses the slower inter-node link."
             )
-        self._grid = build_grid(dp, mp)
+        self._grid = build_grid(dp, mp, timeout=self._timeout)  # subgroups do not inherit the world's timeout
 
     # ------------------------------------------------------------------ model setup
     @override
@@ -301,8 +301,12 @@ class DPMPStrategy(DDPStrategy):
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self._rng = RNGTracker(seed, self.grid.mp_rank, self.root_device) if self.mp > 1 else None
         self._plan_result = plan_module(
-            lm, self.grid, run, self._user_plan, self._verify_plan, self.root_device, notes, self._rng
+            lm, self.grid, run, self._user_plan, self._verify_plan, self.root_device, notes, self._rng,
+            self._sequence_parallel,
         )
+        sp = self._plan_result.plan.sequence
+        names = set(sp.partial_params) if sp is not None else set()
+        self._sequence_partial = [p for n, p in lm.named_parameters() if n in names]
         self._split_params = {id(p) for n, p in lm.named_parameters() if n in shard_dims(lm)}
         rank_zero_info(f"{self._plan_result.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
 
@@ -314,17 +318,50 @@ class DPMPStrategy(DDPStrategy):
                     dist.broadcast(t.data, src=0)
 
     def _install_clipping(self) -> None:
-        # Lightning clips through the precision plugin; shadow its method on this instance with the global-norm
-        # version (local norms would differ per MP rank and clip each shard by a different factor).
+        # Lightning clips through the precision plugin; shadow two of its methods on this instance. Local norms
+        # would differ per MP rank and clip each shard by a different factor, so clipping uses the global norm;
+        # and, with sequence parallelism, the gradients of parameters that saw 1/mp of the tokens are summed
+        # over MP once per optimizer step, after the closure (all micro-batches) and before clipping.
         if self.mp == 1:
             return
         plugin, strategy = self.precision_plugin, self
+        after_closure = plugin._after_closure
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
             params = list(plugin.main_params(optimizer))
             clip_grad_norm_(params, float(clip_val), strategy._split_params, strategy.grid.mp_group)
 
+        def sum_sequence_partial_then(model: Any, optimizer: Any) -> None:
+            mine = {id(p) for p in plugin.main_params(optimizer)}
+            sync_sequence_partial_grads([p for p in strategy._sequence_partial if id(p) in mine], strategy.grid.mp_group)
+            after_closure(model, optimizer)
+
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        if self._sequence_partial:
+            plugin._after_closure = sum_sequence_partial_then  # type: ignore[method-assign]
+
+    def _step_then_leave_sharded_rng(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(super(), name)(*args, **kwargs)
+        finally:
+            if self._rng is not None:
+                self._rng.exit()  # the data pipeline between steps must see the replicated RNG stream
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_then_leave_sharded_rng("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_then_leave_sharded_rng("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_then_leave_sharded_rng("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_then_leave_sharded_rng("predict_step", *args, **kwargs)
 
     # ------------------------------------------------------------------ reductions
     @override
@@ -464,6 +501,7 @@ class DPMPStrategy(DDPStrategy):
             for optimizer in self.optimizers:
                 consolidate_optimizer(getattr(optimizer, "_optimizer", optimizer), moved, self.grid.mp_group)
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        self.precision_plugin.__dict__.pop("_after_closure", None)
         super().teardown()
 
     @classmethod

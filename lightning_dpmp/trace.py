@@ -54,6 +54,9 @@ class Trace:
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     escapes: set[int] = field(default_factory=set)
     embeddings: dict[str, int] = field(default_factory=dict)  # nn.Embedding name -> calls through forward()
+    embedding_outputs: dict[int, str] = field(default_factory=dict)  # output node -> nn.Embedding name
+    params: dict[int, str] = field(default_factory=dict)  # node -> parameter name, for parameters read by ops
+    modules: list[tuple[str, int, int]] = field(default_factory=list)  # other modules: (name, first input, output)
     result: Any = None
 
     def linear_calls(self) -> list[LinearCall]:
@@ -122,8 +125,25 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
 
     def emb_post(module: nn.Module, args: tuple, output: Any) -> None:
         recorder.hidden -= 1
+        if recorder.hidden == 0 and isinstance(output, Tensor):
+            trace.embedding_outputs[recorder.node(output)] = embeddings[module]
+
+    others = {m: n for n, m in model.named_modules() if n and m not in names and m not in embeddings}
+    opened: dict[nn.Module, list[Optional[int]]] = {}
+
+    def mod_pre(module: nn.Module, args: tuple) -> None:
+        first = args[0] if args and isinstance(args[0], Tensor) and recorder.hidden == 0 else None
+        opened.setdefault(module, []).append(recorder.node(first) if first is not None else None)
+
+    def mod_post(module: nn.Module, args: tuple, output: Any) -> None:
+        node = opened[module].pop() if opened.get(module) else None
+        if node is not None and isinstance(output, Tensor) and recorder.hidden == 0:
+            trace.modules.append((others[module], node, recorder.node(output)))
 
     handles = []
+    for module in others:
+        handles.append(module.register_forward_pre_hook(mod_pre))
+        handles.append(module.register_forward_hook(mod_post))
     for module in names:
         handles.append(module.register_forward_pre_hook(pre_hook))
         handles.append(module.register_forward_hook(post_hook))
@@ -135,6 +155,8 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
             result = run()
         trace.result = result
         trace.escapes = {recorder.node(t) for t in tree_leaves(result) if isinstance(t, Tensor)}
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        trace.params = {node: by_id[key] for key, node in recorder._ids.items() if key in by_id}
     finally:
         for h in handles:
             h.remove()

@@ -30,6 +30,11 @@ class Probe(L.Callback):
 
     def __init__(self, step: int = 3) -> None:
         self.step, self.mode, self.counts, self.consistent = step, None, {}, {}
+        self.drop_sequence_sync = False
+
+    def on_train_start(self, trainer, pl_module):
+        if self.drop_sequence_sync:
+            trainer.strategy._sequence_partial.clear()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
@@ -63,9 +68,12 @@ class Probe(L.Callback):
 
 def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     L.seed_everything(SEED, workers=True)
-    model, dataset = build(name)
+    base, _, variant = name.partition("+")
+    model, dataset = build(base)
     probe = Probe()
-    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120)
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, sequence_parallel=variant in ("sp", "sp_nosync"))
+    if variant == "sp_nosync":  # the bug sequence parallelism invites: never summing the partial gradients
+        probe.drop_sequence_sync = True
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * mp, strategy=strategy, precision=precision, max_steps=STEPS,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,

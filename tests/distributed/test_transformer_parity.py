@@ -14,7 +14,7 @@ import torch
 from tests.conftest import run_script
 from tests.support.reference import max_weight_diff, reference_run
 
-MODELS = ("gpt", "gpt_untied", "llama")
+MODELS = ("gpt", "gpt_untied", "llama", "gpt+sp", "gpt_untied+sp")
 LAYOUTS = [(1, 2), (2, 2), (1, 4)]
 TOL = {"64": 1e-8, "32": 1e-4}
 N_LAYERS = 2
@@ -23,16 +23,17 @@ N_LAYERS = 2
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lm_reference")
-    return {
-        f"{m}_{p.split('-')[0]}": reference_run(m, p, tmp / f"{m}_{p}.ckpt") for m in MODELS for p in ("64-true", "32-true")
-    }
+    base = sorted({m.split("+")[0] for m in MODELS})  # sequence parallelism must not change the result
+    refs = {f"{m}_{p.split('-')[0]}": reference_run(m, p, tmp / f"{m}_{p}.ckpt") for m in base for p in ("64-true", "32-true")}
+    return {f"{m}_{b}": refs[f"{m.split('+')[0]}_{b}"] for m in MODELS + ("gpt+sp_nosync",) for b in ("64", "32")}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda l: f"dp{l[0]}_mp{l[1]}")
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"lm_dp{dp}_mp{mp}")
-    proc = run_script(["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(MODELS)], timeout=600)
+    models = MODELS + (("gpt+sp_nosync",) if (dp, mp) == (1, 2) else ())
+    proc = run_script(["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(models)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
     return dp, mp, out, ranks
@@ -53,6 +54,15 @@ def test_weights_match_single_process(run, reference, model, bits):
 
 
 @pytest.mark.slow
+def test_forgetting_the_sequence_parallel_gradient_sum_is_caught(run, reference):
+    dp, mp, out, _ = run
+    if (dp, mp) != (1, 2):
+        pytest.skip("run at one layout")
+    ckpt = torch.load(out / "gpt+sp_nosync_64.ckpt", weights_only=True)
+    assert max_weight_diff(ckpt, reference["gpt+sp_nosync_64"]) > 1e-4  # the oracle sees the bug
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_plan_and_collectives_per_block(run, model):
     dp, mp, _, ranks = run
@@ -62,6 +72,14 @@ def test_plan_and_collectives_per_block(run, model):
             assert r["verified"] is True, (rank, model, bits)
             assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}
             styles, counts = r["styles"], {k: v for k, v in r["counts"].items() if k.startswith("mp/")}
+            if model.endswith("+sp"):
+                # per block 2 all-gathers + 2 reduce-scatters each way; plus the embedding's reduce-scatter, the
+                # position table's scatter, the LM head's entry, the loss's 2 all-reduces, the clipping norm and
+                # the one flat all-reduce of the sequence-partial gradients (norms, row biases)
+                assert r["analytic"]["forward"] == {"all_reduce": 2, "all_gather": 2 * N_LAYERS + 1, "reduce_scatter": 2 * N_LAYERS + 1}
+                assert r["analytic"]["backward"] == {"all_reduce": 0, "all_gather": 2 * N_LAYERS + 2, "reduce_scatter": 2 * N_LAYERS + 1}
+                assert counts == {"mp/all_reduce": 4, "mp/all_gather": 4 * N_LAYERS + 3, "mp/reduce_scatter": 4 * N_LAYERS + 2}, counts
+                continue
             head = "net.out" if model == "llama" else "net.lm_head"
             emb = "net.tok" if model == "llama" else "net.wte"
             assert styles[head] == "vocab" and styles[emb] == "vocab"

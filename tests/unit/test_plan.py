@@ -237,3 +237,29 @@ def test_mp1_splits_nothing():
     styles, plan = plan_of(ResMLP(), torch.randn(4, 12), mp=1)
     assert set(styles.values()) == {"replicate"}
     assert plan.comm_per_step()["forward"] == {"all_reduce": 0, "all_gather": 0}
+
+
+def test_sequence_parallel_analysis_on_gpt_and_refusals():
+    from lightning_dpmp.sequence import plan_sequence_parallel
+    from tests.support.models import build
+
+    model, ds = build("gpt")
+    x, y = ds.tensors[0][:4], ds.tensors[1][:4]
+    model.log = lambda *a, **k: None
+    trace = trace_step(model, lambda: model.training_step((x, y), 0))
+    plan = make_plan(model, 2, trace)
+    sp = plan_sequence_parallel(trace, plan, 2, {n for n, _ in model.named_parameters()})
+    assert sp.problem is None
+    assert sp.scatter == {"net.wte": 1, "net.wpe": 0}
+    assert set(sp.owner_gather) == {"net.blocks.0.attn", "net.blocks.1.attn", "net.blocks.0.mlp", "net.blocks.1.mlp"}
+    # norms and row biases see 1/mp of the tokens; column biases and embeddings do not
+    assert "net.blocks.0.ln_1.weight" in sp.partial_params and "net.blocks.0.attn.out_proj.bias" in sp.partial_params
+    assert "net.ln_f.bias" in sp.partial_params and "net.blocks.0.mlp.fc1.bias" not in sp.partial_params
+    assert not any("wte" in p or "wpe" in p for p in sp.partial_params)
+
+    # a 15-token sequence cannot be split 2 ways; a model with no embedding has no sequence to split
+    trace15 = trace_step(model, lambda: model.training_step((x[:, :15], y[:, :15]), 0))
+    assert "not divisible by mp=2" in plan_sequence_parallel(trace15, make_plan(model, 2, trace15), 2).problem
+    mlp = ResMLP()
+    t = trace_step(mlp, lambda: mlp(torch.randn(4, 12)))
+    assert "no nn.Embedding" in plan_sequence_parallel(t, make_plan(mlp, 2, t), 2).problem

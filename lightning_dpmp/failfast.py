@@ -1,0 +1,163 @@
+"""Fail before anything starts: configuration checks that run when the ``Trainer`` is built, and a data warning.
+
+Each check raises (or warns) with the numbers involved and the fix, before any process is launched or any
+collective is issued, because a bad configuration found inside a collective is a hang, not an error.
+
+* :func:`check_backend`: ``process_group_backend="nccl"`` on CPU devices (NCCL would fail or hang at init).
+* :func:`check_sync_batchnorm`: ``sync_batchnorm=True`` with ``mp > 1`` (each batch would be counted mp times).
+* :func:`warn_if_data_not_sharded`: ``use_distributed_sampler=False`` or an ``IterableDataset`` with ``dp > 1``:
+  Lightning cannot shard such data, so the user must, by ``strategy.dp_rank`` / ``strategy.dp_size``.
+* :func:`die_with_parent`: a rank started by a launcher (Lightning's popen launcher, torchrun) is killed by the
+  kernel when its launcher dies, so that a rank stuck outside any collective cannot outlive the job as an orphan.
+
+What happens when a rank fails at run time is measured in ``tests/integration/test_reliability.py``: gloo raises
+"Connection closed by peer" on the survivors as soon as the failed process is gone, Lightning's launcher (or
+torchrun's agent) kills the rest, and the process-group timeout (``DPMPStrategy(timeout_s=...)``) bounds the
+remaining case, a peer that is alive but never joins the collective.
+
+Example:
+    >>> check_backend("gloo", [torch.device("cpu")] * 4)
+    >>> check_sync_batchnorm(None, mp=2)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+from torch.utils.data import DataLoader, IterableDataset  # noqa: F401  (DataLoader: doctest)
+
+__all__ = [
+    "DataShardingWarning",
+    "check_backend",
+    "check_sync_batchnorm",
+    "die_with_parent",
+    "is_launched_rank",
+    "warn_if_data_not_sharded",
+]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class DataShardingWarning(UserWarning):
+    """The training data is not sharded by Lightning; each DP rank must read its own part."""
+
+
+def check_backend(backend: Optional[str], devices: Sequence[torch.device]) -> None:
+    """Refuse NCCL for non-CUDA devices, or where this torch build has no NCCL.
+
+    Example:
+        >>> check_backend("nccl", [torch.device("cpu")] * 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: process_group_backend='nccl' needs CUDA devices, but the Trainer runs on 2 cpu device(s). Use process_group_backend='gloo' (or leave it unset: gloo on CPU, nccl on CUDA), or Trainer(accelerator='gpu').
+    """
+    if backend != "nccl":
+        return
+    kinds = sorted({d.type for d in devices})
+    if kinds != ["cuda"]:
+        raise ValueError(
+            f"process_group_backend='nccl' needs CUDA devices, but the Trainer runs on {len(devices)}"
+            f" {'/'.join(kinds)} device(s). Use process_group_backend='gloo' (or leave it unset: gloo on CPU, nccl on"
+            " CUDA), or Trainer(accelerator='gpu')."
+        )
+    if not (dist.is_available() and dist.is_nccl_available()):
+        raise ValueError(
+            f"process_group_backend='nccl', but this torch build ({torch.__version__}) has no NCCL. Install a CUDA"
+            " build of torch, or use process_group_backend='gloo'."
+        )
+
+
+def check_sync_batchnorm(layer_sync: Any, mp: int) -> None:
+    """Refuse ``Trainer(sync_batchnorm=True)`` with ``mp > 1`` (statistics would be synchronised over the world).
+
+    Example:
+        >>> check_sync_batchnorm(object(), mp=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: sync_batchnorm=True is not supported with mp=2: BatchNorm statistics would be synchronised over the whole world, where the mp=2 ranks of an MP group hold the same batch, so each sample would count 2 times. Use Trainer(sync_batchnorm=False), or mp=1.
+    """
+    if layer_sync is not None and mp > 1:
+        raise ValueError(
+            f"sync_batchnorm=True is not supported with mp={mp}: BatchNorm statistics would be synchronised over the"
+            f" whole world, where the mp={mp} ranks of an MP group hold the same batch, so each sample would count"
+            f" {mp} times. Use Trainer(sync_batchnorm=False), or mp=1."
+        )
+
+
+def _loaders(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _loaders(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _loaders(v)]
+    return [] if obj is None else [obj]
+
+
+def warn_if_data_not_sharded(loaders: Any, use_distributed_sampler: bool, dp: int, mp: int) -> Optional[str]:
+    """Warn (and return the message) when the training data cannot have been sharded over DP by Lightning.
+
+    Example:
+        >>> warn_if_data_not_sharded(DataLoader(range(8)), use_distributed_sampler=True, dp=2, mp=2) is None
+        True
+    """
+    if dp == 1:
+        return None  # a single replica reads everything; MP ranks read the same loader with the same seed
+    iterable = [l for l in _loaders(loaders) if isinstance(getattr(l, "dataset", None), IterableDataset)]
+    if iterable:
+        why = f"the training data is an IterableDataset ({type(iterable[0].dataset).__name__}), which no sampler can shard"
+    elif not use_distributed_sampler:
+        why = "Trainer(use_distributed_sampler=False) leaves the DataLoaders as given"
+    else:
+        return None
+    msg = (
+        f"DPMPStrategy(dp={dp}, mp={mp}): {why}. The data must be sharded by DP rank: give each of the dp={dp}"
+        " replicas a different part (`trainer.strategy.dp_rank` in 0..dp-1 and `trainer.strategy.dp_size`), and the"
+        f" same batches to the mp={mp} ranks of one MP group (those with the same dp_rank). Otherwise every replica"
+        " trains on the same samples. `check_consistency_every_n_steps` verifies the MP side."
+    )
+    warnings.warn(msg, DataShardingWarning, stacklevel=2)
+    return msg
+
+
+def die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent exits; returns whether that is now in place.
+
+    Call it only in a process whose parent is a launcher (never in the main process: a training started with
+    ``nohup`` would die with its shell). Lightning's popen launcher kills its children only on Ctrl-C, so when
+    rank 0 fails and exits, a rank that is not waiting on rank 0 (stuck in a dataloader or a long computation)
+    would otherwise live on. Elsewhere than Linux this is a no-op, and ``timeout_s`` bounds the wait instead.
+
+    Example:
+        >>> die_with_parent() if False else None   # in a launched rank: True on Linux
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the parent died before the request: it will never fire
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def is_launched_rank(environment: Any, local_rank: int) -> bool:
+    """Whether this process was started by a launcher that owns it: a torchrun worker, or a popen child (local rank > 0).
+
+    Example:
+        >>> is_launched_rank(LightningEnvironment(), 0)
+        False
+    """
+    if isinstance(environment, TorchElasticEnvironment):
+        return True
+    return type(environment) is LightningEnvironment and environment.creates_processes_externally and local_rank > 0
