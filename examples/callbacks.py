@@ -27,8 +27,8 @@ class RunStats(Callback):
     """Times the training steps and collects the figures of ``summary.json``.
 
     Throughput counts the *global* batch (``dp`` x the local batch; MP ranks share a batch) over the time spent inside
-    training steps (forward, backward, optimizer), after ``warmup_steps`` steps; data loading and validation are
-    excluded. Figures that differ per rank (memory, parameters) are reduced to the max over all ranks.
+    training steps (forward, backward, optimizer), leaving out the first ``warmup_steps`` steps (fewer in a very short
+    run: at least one step is always timed); data loading and validation are excluded. Figures that differ per rank (memory, parameters) are reduced to the max over all ranks.
 
     Args:
         dp: data-parallel size (the number of distinct batches per step).
@@ -40,10 +40,7 @@ class RunStats(Callback):
         self.warmup_steps = warmup_steps
         self.stats: dict[str, Any] = {}
         self._t0 = 0.0
-        self._timed_s = 0.0
-        self._timed_steps = 0
-        self._samples = 0
-        self._tokens = 0
+        self._steps: list[tuple[float, int, int]] = []  # (seconds, global samples, global tokens) per batch
         self._losses: list[float] = []
 
     def _sync(self, trainer: "pl.Trainer") -> None:
@@ -70,14 +67,9 @@ class RunStats(Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._losses.append(float(loss.detach()))
-        if trainer.global_step <= self.warmup_steps:
-            return
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
-        self._timed_s += elapsed
-        self._timed_steps += 1
-        self._samples += int(x.shape[0]) * self.dp
-        if not torch.is_floating_point(x) and x.ndim == 2:  # token ids (B, T)
-            self._tokens += x.numel() * self.dp
+        tokens = x.numel() * self.dp if not torch.is_floating_point(x) and x.ndim == 2 else 0  # token ids (B, T)
+        self._steps.append((elapsed, int(x.shape[0]) * self.dp, tokens))
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -89,14 +81,18 @@ class RunStats(Callback):
         local = torch.tensor([params, _peak_memory_mb(device), first, last], dtype=torch.float64, device=device)
         maxed = trainer.strategy.reduce(local.clone(), reduce_op="max")
         meaned = trainer.strategy.reduce(local.clone(), reduce_op="mean")  # MP ranks agree: mean over DP
-        timed = self._timed_s if self._timed_s > 0 else float("nan")
+        # Leave out the warm-up steps, but always keep at least one timed step.
+        timed_steps = self._steps[min(self.warmup_steps, max(0, len(self._steps) - 1)) :]
+        timed = sum(t for t, _, _ in timed_steps)
+        samples = sum(s for _, s, _ in timed_steps)
+        tokens = sum(k for _, _, k in timed_steps)
         val = trainer.callback_metrics.get("val/loss")
         self.stats = {
             "steps": int(trainer.global_step),
-            "timed_steps": self._timed_steps,
-            "step_time_s": timed / self._timed_steps if self._timed_steps else None,
-            "samples_per_s": self._samples / timed if self._timed_steps else None,
-            "tokens_per_s": self._tokens / timed if self._tokens else None,
+            "timed_steps": len(timed_steps),
+            "step_time_s": timed / len(timed_steps) if timed_steps else None,
+            "samples_per_s": samples / timed if timed > 0 else None,
+            "tokens_per_s": tokens / timed if timed > 0 and tokens else None,
             "params_per_rank": int(maxed[0].item()),
             "peak_mem_mb": round(float(maxed[1].item()), 1),
             "first_loss": float(meaned[2].item()) if n else None,

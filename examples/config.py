@@ -23,7 +23,7 @@ class StrategyConfig:
     _target_: str = "lightning_dpmp.DPMPStrategy"
     dp: int = 2
     mp: int = 2
-    plan: Optional[Dict[str, str]] = None
+    plan: Any = None  # {glob: style}; untyped so a command-line dict replaces it (typed dicts are closed)
     sequence_parallel: bool = False
     verify_plan: bool = True
     timeout_s: float = 600.0
@@ -73,6 +73,7 @@ class TrainConfig:
     ckpt_path: Optional[str] = None
     print_config: bool = True
     summary_warmup_steps: int = 3
+    cpu_threads: Optional[int] = None
 
 
 def _devices(dp: int, mp: int, num_nodes: int = 1) -> int:

@@ -22,7 +22,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import examples.config  # noqa: E402,F401  (registers the typed schemas and resolvers)
-from examples.training import train  # noqa: E402
+from examples.training import train  # noqa: E402  (imports Lightning before Hydra sets up logging: no doubled lines)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

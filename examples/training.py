@@ -100,10 +100,8 @@ def _release_children(trainer: Optional[pl.Trainer], failed: bool) -> list[Optio
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if not isinstance(launcher, DPMPScriptLauncher) or not launcher.procs:
         return []
-    if failed:
-        import signal
-
-        launcher.kill(signal.SIGKILL)
+    # After a failure the children usually exit on their own (their peer is gone) with their own error; give them a
+    # moment so their exit codes say which rank failed first, then kill what is left (it may sit in a collective).
     return launcher.shutdown(timeout_s=5.0 if failed else 120.0)
 
 
@@ -137,7 +135,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             f" (max_world_size={cfg.get('max_world_size')}). Skipped."
         )
         log.warning(message)
-        summary.update(status="skipped", error=message, wall_s=time.perf_counter() - started)
+        summary.update(status="skipped", world_size=dp * mp, error=message, wall_s=time.perf_counter() - started)
         if launching:
             _write_summary(summary, output_dir)
         if not multirun:
@@ -164,9 +162,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             loggers = instantiate_loggers(cfg.get("logger"))
             strategy = instantiate_strategy(cfg.strategy)
             trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
-            if trainer.accelerator.__class__.__name__ == "CPUAccelerator" and dp * mp > 1:
-                # CPU processes share the cores: one BLAS/OpenMP thread each unless there are cores to spare.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, trainer.num_devices)))
+            if trainer.accelerator.__class__.__name__ == "CPUAccelerator":
+                # CPU processes share the cores: oversubscribed OpenMP threads spin and slow every rank down.
+                threads = cfg.get("cpu_threads") or max(1, (os.cpu_count() or 1) // max(1, trainer.num_devices))
+                torch.set_num_threads(int(threads))
 
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 
@@ -188,7 +187,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             _destroy_process_group()
             if any(codes):
                 summary["status"] = "failed"
-                summary.setdefault("error", f"child process exit codes {codes}")
+                summary["error"] = f"{summary.get('error') or 'a child process failed'} (exit codes of local ranks 1..: {codes})"
             summary["wall_s"] = time.perf_counter() - started
             global_rank = trainer.global_rank if trainer is not None else (0 if launching else -1)
             if global_rank == 0:
