@@ -10,10 +10,12 @@ Importing the package registers the strategy names ``"dpmp"`` and ``"dpmp_spawn"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dpmp.accounting import CommAccounting, CommCounter
 from lightning_dpmp.clipping import clip_grad_norm_
 from lightning_dpmp.comm import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from lightning_dpmp.grid import Grid, build_grid
-from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy
+from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy, VocabParallelEmbedding
+from lightning_dpmp.loss import VocabShardedLogits, vocab_parallel_cross_entropy
 from lightning_dpmp.parallelize import consolidate, consolidated_state_dict, parallelize
 from lightning_dpmp.plan import LayerPlan, Plan, make_plan
 from lightning_dpmp.strategy import DPMPStrategy
@@ -23,12 +25,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColumnParallelLinear",
+    "CommAccounting",
+    "CommCounter",
     "DPMPStrategy",
     "Grid",
     "LayerPlan",
     "Plan",
     "RowParallelLinear",
     "SharedInputCopy",
+    "VocabParallelEmbedding",
+    "VocabShardedLogits",
     "build_grid",
     "clip_grad_norm_",
     "consolidate",
@@ -40,6 +46,7 @@ __all__ = [
     "reduce_from_group",
     "scatter_to_group",
     "trace_step",
+    "vocab_parallel_cross_entropy",
 ]
 
 DPMPStrategy.register_strategies(StrategyRegistry)

@@ -18,11 +18,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CommCounter"]
+__all__ = ["CommAccounting", "CommCounter"]
 
 # c10d op name -> the name users know
 _OPS = {
@@ -93,3 +94,40 @@ class CommCounter(TorchDispatchMode):
             out[f"{label}/{op}_calls"] = n
             out[f"{label}/{op}_bytes"] = self.bytes[(label, op)]
         return out
+
+
+class CommAccounting(Callback):
+    """Log what each training step sends: ``comm/mp_calls``, ``comm/mp_bytes``, ``comm/dp_calls``,
+    ``comm/dp_bytes`` (this rank's payload; forward, backward and optimizer step together).
+
+    Args:
+        every_n_steps: measure one step in this many (the dispatch mode costs a little Python per op).
+
+    Example:
+        >>> trainer = L.Trainer(strategy=DPMPStrategy(dp=2, mp=2), callbacks=[CommAccounting()])  # doctest: +SKIP
+        >>> trainer.callback_metrics["comm/mp_calls"]                                            # doctest: +SKIP
+    """
+
+    def __init__(self, every_n_steps: int = 1) -> None:
+        self.every_n_steps = every_n_steps
+        self.counter: Optional[CommCounter] = None
+        self.last: dict[str, int] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        grid = getattr(trainer.strategy, "_grid", None)
+        if trainer.global_step % self.every_n_steps == 0 and grid is not None:
+            self.counter = CommCounter({"mp": grid.mp_group, "dp": grid.dp_group})
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.counter is None:
+            return
+        self.counter.__exit__(None, None, None)
+        totals = {"mp_calls": 0, "mp_bytes": 0, "dp_calls": 0, "dp_bytes": 0}
+        for (label, _), n in self.counter.counts.items():
+            if label in ("mp", "dp"):
+                totals[f"{label}_calls"] += n
+                totals[f"{label}_bytes"] += self.counter.bytes[(label, _)]
+        self.counter, self.last = None, totals
+        # No sync_dist: logging must not add collectives to what it measures; each rank reports its own.
+        pl_module.log_dict({f"comm/{k}": float(v) for k, v in totals.items()}, on_step=True, sync_dist=False)

@@ -15,7 +15,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_dpmp import DPMPStrategy  # noqa: E402
+from lightning_dpmp import CommAccounting, DPMPStrategy  # noqa: E402
 from lightning_dpmp.layers import shard_dims  # noqa: E402
 from tests.support.models import ResMLP, make_dataset  # noqa: E402
 
@@ -26,9 +26,11 @@ def main() -> None:
     L.seed_everything(0)
     model = ResMLP()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    accounting = CommAccounting()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=DPMPStrategy(dp=dp, mp=mp, start_method=mode, timeout_s=60),
         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[accounting],
     )
     trainer.fit(model, DataLoader(make_dataset(), batch_size=4))
     trainer.save_checkpoint(os.path.join(out, "last.ckpt"))
@@ -39,6 +41,7 @@ def main() -> None:
             "dense_in_main_process": not shard_dims(model) and all(state[k].shape == before[k].shape for k in before),
             "trained": any(not torch.equal(state[k], before[k]) for k in before),
             "env_rank": os.environ.get("RANK"),
+            "comm": accounting.last,
         }
         with open(os.path.join(out, f"report_{mode}.json"), "w") as f:
             json.dump(report, f)

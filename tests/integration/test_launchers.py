@@ -30,6 +30,10 @@ def test_torchrun_trains_and_writes_a_consolidated_checkpoint(tmp_path):
     assert report["world_size"] == 4 and report["env_rank"] == "0"  # torchrun, not Lightning, made the processes
     assert report["dense_in_main_process"] and report["trained"]
     _plain_model_loads(tmp_path / "last.ckpt")
+    # CommAccounting: 2 blocks x 2 all-reduces + the clipping-free step's inp gather = 5 MP calls; DDP's bucket
+    comm = report["comm"]
+    assert comm["mp_calls"] == 5 and comm["dp_calls"] >= 1, comm
+    assert comm["mp_bytes"] > 0 and comm["dp_bytes"] > 0, comm
 
 
 @pytest.mark.slow
