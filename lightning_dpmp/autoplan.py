@@ -52,23 +52,66 @@ class PlanResult:
     max_error: float = 0.0
 
 
+class _InertOptimizer:
+    """Stands in for an optimizer while a manual-optimization step is traced: steps and zero_grad do nothing."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer, self.param_groups = optimizer, optimizer.param_groups
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        return closure() if closure is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def _manual_optimization_stand_ins(module: nn.Module, losses: list[Tensor]) -> dict[str, Any]:
+    """``optimizers()``/``lr_schedulers()``/``manual_backward`` for tracing a manual-optimization step outside
+    the loop: the step's losses are collected instead of back-propagated, and nothing is stepped."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    optimizers, _ = _init_optimizers_and_lr_schedulers(module)  # type: ignore[arg-type]
+    inert = [_InertOptimizer(o) for o in optimizers]
+    return {
+        "optimizers": lambda use_pl_optimizer=True: inert[0] if len(inert) == 1 else inert,
+        "lr_schedulers": lambda: None,
+        "manual_backward": lambda loss, *a, **k: losses.append(loss),
+    }
+
+
 @contextlib.contextmanager
-def isolated(module: nn.Module) -> Iterator[None]:
-    """Eval mode, saved RNG states and silenced ``log``/``log_dict`` for a side-effect-free extra step."""
+def isolated(module: nn.Module, losses: Optional[list[Tensor]] = None) -> Iterator[None]:
+    """Eval mode, saved RNG states and silenced ``log``/``log_dict`` for a side-effect-free extra step.
+
+    With ``losses`` and a LightningModule in manual optimization, the losses it back-propagates are collected there.
+    """
     rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
     modes = [(m, m.training) for m in module.modules()]
-    silenced = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    patches: dict[str, Any] = {name: (lambda *a, **k: None) for name in ("log", "log_dict") if hasattr(module, name)}
+    if losses is not None and getattr(module, "automatic_optimization", True) is False:
+        patches.update(_manual_optimization_stand_ins(module, losses))
     module.eval()
-    for name in silenced:
-        setattr(module, name, lambda *a, **k: None)
+    for name, fn in patches.items():
+        setattr(module, name, fn)
     try:
         yield
     finally:
-        for name in silenced:
+        for name in patches:
             delattr(module, name)
         for m, mode in modes:
             m.training = mode
         _set_rng_states(rng)
+
+
+def _step_loss(out: Any, losses: list[Tensor]) -> Optional[Tensor]:
+    """The step's loss: what it returned, or (manual optimization) the sum of what it back-propagated."""
+    loss = loss_of(out)
+    if loss is None and losses:
+        loss = torch.stack([x.reshape(()) for x in losses]).sum()
+    return loss
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -76,14 +119,12 @@ def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-7, torch.float32: 1e-3}.get(dtype, 5e-2)
 
 
-def _dense_grads(module: nn.Module, run: Callable[[], Any], record: bool) -> tuple[Optional[Trace], Optional[Tensor], dict]:
+def _dense_grads(
+    module: nn.Module, run: Callable[[], Any], losses: list[Tensor]
+) -> tuple[Optional[Trace], Optional[Tensor], dict]:
     with torch.enable_grad():
-        if record:
-            trace = trace_step(module, run)
-            out = trace.result
-        else:
-            trace, out = None, run()
-        loss = loss_of(out)
+        trace = trace_step(module, run)
+        loss = _step_loss(trace.result, losses)
         grads: dict[str, Tensor] = {}
         if loss is not None and loss.requires_grad:
             loss.backward()
@@ -94,10 +135,13 @@ def _dense_grads(module: nn.Module, run: Callable[[], Any], record: bool) -> tup
     return trace, (loss.detach() if loss is not None else None), grads
 
 
-def _check(module: nn.Module, run: Callable[[], Any], loss_ref: Tensor, grads_ref: dict, group: Any, plan: Plan) -> float:
+def _check(
+    module: nn.Module, run: Callable[[], Any], loss_ref: Tensor, grads_ref: dict, group: Any, plan: Plan,
+    losses: list[Tensor],
+) -> float:
     """Largest relative error of this rank's loss and gradient shards against the dense step."""
     with torch.enable_grad():
-        loss = loss_of(run())
+        loss = _step_loss(run(), losses)
         assert loss is not None
         loss.backward()
     if plan.sequence is not None:  # as the strategy does before each optimizer step
@@ -168,8 +212,9 @@ def plan_module(
     notes = list(notes or [])
     if run is not None:
         try:
-            with isolated(module):
-                trace, loss_ref, grads_ref = _dense_grads(module, run, record=True)
+            losses: list[Tensor] = []
+            with isolated(module, losses):
+                trace, loss_ref, grads_ref = _dense_grads(module, run, losses)
         except Exception as exc:  # a step that cannot run outside the loop (e.g. manual optimization)
             trace = None
             notes.append(f"could not trace the step ({type(exc).__name__}: {exc})")
@@ -190,9 +235,10 @@ def plan_module(
         originals = parallelize(module, plan, grid.mp_group, rng)
         if not checkable:
             return PlanResult(plan, text)
-        with isolated(module):
+        losses = []
+        with isolated(module, losses):
             try:
-                err = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan)  # type: ignore[arg-type]
+                err = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan, losses)  # type: ignore[arg-type]
             except Exception as exc:  # a reshape that cannot take local sizes fails the same way on every rank
                 err, reason = float("inf"), f"{type(exc).__name__}: {exc}"
             else:

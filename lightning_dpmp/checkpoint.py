@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dpmp.comm import gather_from_group, group_rank, group_size
-from lightning_dpmp.layers import shard_dims
+from lightning_dpmp.comm import group_rank, group_size
+from lightning_dpmp.layers import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
 
 __all__ = [
     "CheckpointMismatchError",
@@ -68,7 +68,7 @@ class CheckpointMismatchError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- gathering / slicing
-def gather_to_first(t: Tensor, group: Any, dim: int) -> Optional[Tensor]:
+def gather_to_first(t: Tensor, group: Any, dim: int, blocks: int = 1) -> Optional[Tensor]:
     """Concatenate the group's shards of ``t`` along ``dim`` on the group's first rank, on CPU; ``None`` elsewhere.
 
     A ``gather`` rather than an ``all_gather``: the other ranks never hold the dense tensor.
@@ -81,16 +81,18 @@ def gather_to_first(t: Tensor, group: Any, dim: int) -> Optional[Tensor]:
     if group_rank(group) == 0:
         parts = [torch.empty_like(t) for _ in range(n)]
         dist.gather(t, parts, dst=dst, group=group)
-        return torch.cat(parts, dim=dim).cpu()
+        return interleave_blocks(parts, dim, blocks).cpu()
     dist.gather(t, None, dst=dst, group=group)
     return None
 
 
-def gather_state_dict(state: Mapping[str, Any], dims: Mapping[str, int], group: Any) -> dict[str, Any]:
+def gather_state_dict(
+    state: Mapping[str, Any], dims: Mapping[str, int], group: Any, blocks: Optional[Mapping[str, int]] = None
+) -> dict[str, Any]:
     """Dense ``state`` on the group's first rank (split entries gathered one by one); ``state`` unchanged elsewhere."""
     out = dict(state)
     for key, dim in dims.items():
-        full = gather_to_first(state[key], group, dim)
+        full = gather_to_first(state[key], group, dim, (blocks or {}).get(key, 1))
         if full is not None:
             out[key] = full
     return out
@@ -103,6 +105,13 @@ def optimizer_param_dims(optimizer: Optimizer, module: Any) -> list[Optional[int
     return [by_id.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
 
 
+def optimizer_param_blocks(optimizer: Optimizer, module: Any) -> list[int]:
+    """For each parameter in the optimizer's order, its fused block count (1 unless a fused projection)."""
+    blocks = shard_blocks(module)
+    by_id = {id(p): blocks.get(name, 1) for name, p in module.named_parameters()}
+    return [by_id.get(id(p), 1) for group in optimizer.param_groups for p in group["params"]]
+
+
 def optimizer_param_names(optimizer: Optimizer, module: nn.Module) -> list[str]:
     """Dense name of each parameter in the optimizer's order (``param_<i>`` for one the module does not own)."""
     by_id = {id(p): name for name, p in module.named_parameters()}
@@ -110,58 +119,68 @@ def optimizer_param_names(optimizer: Optimizer, module: nn.Module) -> list[str]:
     return [by_id.get(id(p), f"param_{i}") for i, p in enumerate(params)]
 
 
-def _map_state(state: dict[str, Any], param_dims: list[Optional[int]], fn: Callable[[Tensor, int], Any]) -> dict[str, Any]:
+def _map_state(
+    state: dict[str, Any], param_dims: list[Optional[int]], fn: Callable[[Tensor, int, int], Any],
+    param_blocks: Optional[list[int]] = None,
+) -> dict[str, Any]:
     out = copy.copy(state)
     out["state"] = {}
-    for idx, per_param in state["state"].items():
+    for idx, per_param in state.get("state", {}).items():
         dim = param_dims[idx] if idx < len(param_dims) else None
+        blocks = param_blocks[idx] if param_blocks and idx < len(param_blocks) else 1
         out["state"][idx] = {
-            k: (fn(v, dim) if dim is not None and isinstance(v, Tensor) and v.dim() > dim else v)
+            k: (fn(v, dim, blocks) if dim is not None and isinstance(v, Tensor) and v.dim() > dim else v)
             for k, v in per_param.items()
         }
     return out
 
 
-def consolidate_optimizer_state(state: dict[str, Any], param_dims: list[Optional[int]], group: Any) -> dict[str, Any]:
+def consolidate_optimizer_state(
+    state: dict[str, Any], param_dims: list[Optional[int]], group: Any, param_blocks: Optional[list[int]] = None
+) -> dict[str, Any]:
     """Gather the split per-parameter tensors of an optimizer ``state_dict`` onto the group's first rank.
 
     Collective over ``group``; the other ranks get ``state`` back unchanged.
     """
     if group_size(group) == 1:
         return state
-    gathered = _map_state(state, param_dims, lambda v, d: gather_to_first(v, group, d))
+    gathered = _map_state(state, param_dims, lambda v, d, b: gather_to_first(v, group, d, b), param_blocks)
     return gathered if group_rank(group) == 0 else state
 
 
-def shard_optimizer_state(state: dict[str, Any], param_dims: list[Optional[int]], group: Any) -> dict[str, Any]:
+def shard_optimizer_state(
+    state: dict[str, Any], param_dims: list[Optional[int]], group: Any, param_blocks: Optional[list[int]] = None
+) -> dict[str, Any]:
     """Keep this rank's slice of each split per-parameter tensor of a consolidated optimizer ``state_dict``."""
     n, r = group_size(group), group_rank(group)
     if n == 1:
         return state
-    return _map_state(state, param_dims, lambda v, d: v.chunk(n, dim=d)[r].clone())
+    return _map_state(state, param_dims, lambda v, d, b: shard_tensor(v, d, n, r, b).clone(), param_blocks)
 
 
-def shard_state_dict(state: Mapping[str, Any], dims: Mapping[str, int], group: Any) -> dict[str, Any]:
+def shard_state_dict(
+    state: Mapping[str, Any], dims: Mapping[str, int], group: Any, blocks: Optional[Mapping[str, int]] = None
+) -> dict[str, Any]:
     """Slice the dense entries of a consolidated model ``state_dict`` for a parallelised module (no communication)."""
     n, r = group_size(group), group_rank(group)
     out = dict(state)
     for key, dim in dims.items():
         if key in out and isinstance(out[key], Tensor) and out[key].shape[dim] % n == 0:
-            out[key] = out[key].chunk(n, dim=dim)[r]
+            out[key] = shard_tensor(out[key], dim, n, r, (blocks or {}).get(key, 1))
     return out
 
 
-def consolidate_optimizer(optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int]]], group: Any) -> None:
+def consolidate_optimizer(optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any) -> None:
     """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.parallelize.consolidate` made, with its
     per-parameter state gathered to dense shapes (collective over MP; every rank ends up dense)."""
     for pg in optimizer.param_groups:
         new_params = []
         for p in pg["params"]:
-            dense, dim = moved.get(id(p), (p, None))
+            dense, dim, blocks = moved.get(id(p), (p, None, 1))
             state = optimizer.state.pop(p, None)
             if state is not None:
                 optimizer.state[dense] = {
-                    k: (gather_from_group(v.detach(), group, dim)
+                    k: (gather_tensor(v.detach(), dim, group, blocks)
                         if dim is not None and isinstance(v, Tensor) and v.shape == p.shape else v)
                     for k, v in state.items()
                 }

@@ -243,7 +243,7 @@ class _Analysis:
         if ev.name == "unbind":
             dim = (ints[0] if ints else 0) % len(shape)
             if dim == sh.dim:
-                return f"unbound by 'unbind' along the split dim"
+                return "unbound by 'unbind' along the split dim"
             return [(sh.dim - (dim < sh.dim), None)] * len(ev.outputs)
         dim = (ints[-1] if len(ints) >= 2 else 0) % len(shape)
         if dim != sh.dim:

@@ -43,6 +43,8 @@ __all__ = [
     "VocabParallelEmbedding",
     "divide",
     "gather_tensor",
+    "interleave_blocks",
+    "shard_blocks",
     "shard_dims",
     "shard_tensor",
 ]
@@ -135,6 +137,18 @@ class _ParallelLinear(nn.Module):
         p = self.weight
         return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
 
+    def reset_parameters(self) -> None:
+        """nn.Linear's default distribution with the *dense* fan-in (a shard's own fan-in would differ for rows).
+
+        ``from_dense`` is the exact path (the very values of an initialised dense layer); this one serves fresh
+        layers and models materialised from the meta device.
+        """
+        bound = 1 / self.in_features**0.5  # kaiming_uniform(a=sqrt(5)) on the dense weight has this bound
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
     def to_dense(self) -> nn.Module:
         """Gather the shards into the dense module (collective: every rank of the group must call it)."""
         dense = self._dense_module()
@@ -212,12 +226,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
-            # Same init as nn.Linear on the full matrix would not be reproducible shard-wise; from_dense is the
-            # exact path. A fresh layer gets nn.Linear's default distribution on its shard.
-            nn.init.kaiming_uniform_(self.weight, a=5**0.5)
-            if self.bias is not None:
-                bound = 1 / in_features**0.5
-                nn.init.uniform_(self.bias, -bound, bound)
+            self.reset_parameters()
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> "ColumnParallelLinear":
@@ -287,10 +296,7 @@ class RowParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
-            nn.init.kaiming_uniform_(self.weight, a=5**0.5)
-            if self.bias is not None:
-                bound = 1 / in_features**0.5
-                nn.init.uniform_(self.bias, -bound, bound)
+            self.reset_parameters()
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> "RowParallelLinear":
@@ -344,7 +350,15 @@ class VocabParallelEmbedding(_ParallelLinear):
         self.padding_idx = padding_idx
         self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
         if self.weight.device.type != "meta":
-            nn.init.normal_(self.weight)
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Embedding's default: N(0, 1), with the padding row (if this rank holds it) zeroed."""
+        with torch.no_grad():
+            self.weight.normal_()
+            pad = None if self.padding_idx is None else self.padding_idx - self.start
+            if pad is not None and 0 <= pad < self.weight.shape[0]:
+                self.weight[pad].zero_()
 
     @classmethod
     def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> "VocabParallelEmbedding":
@@ -394,3 +408,26 @@ def shard_dims(module: nn.Module) -> dict[str, int]:
                 if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = dim
     return out
+
+
+def shard_blocks(module: nn.Module) -> dict[str, int]:
+    """Split parameters of fused layers (q|k|v in one weight) and their block count; others have one block.
+
+    A fused parameter's shards do not concatenate to the dense tensor: use :func:`shard_tensor` and
+    :func:`gather_tensor` (or :func:`interleave_blocks`) with this count.
+    """
+    out: dict[str, int] = {}
+    for prefix, mod in module.named_modules():
+        if isinstance(mod, _ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
+            for name, dim in mod._shard_dims.items():
+                if dim == 0 and getattr(mod, name, None) is not None:
+                    out[f"{prefix}.{name}" if prefix else name] = mod.blocks
+    return out
+
+
+def interleave_blocks(parts: list[Tensor], dim: int, blocks: int) -> Tensor:
+    """The dense tensor from per-rank shards ``parts`` (rank order) of a ``blocks``-fused parameter."""
+    if blocks == 1:
+        return torch.cat(parts, dim=dim)
+    chunks = [p.chunk(blocks, dim=dim) for p in parts]
+    return torch.cat([c[b] for b in range(blocks) for c in chunks], dim=dim)

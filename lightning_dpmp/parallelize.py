@@ -139,20 +139,20 @@ def restore(model: nn.Module, originals: dict[str, nn.Module]) -> None:
     _restore_attrs(model)
 
 
-def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]]]:
+def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int], int]]:
     """Replace every parallel layer by its dense module holding the gathered weights (collective over MP).
 
-    Returns ``{id(shard parameter): (dense parameter, split dim or None)}`` so that optimizers can follow
+    Returns ``{id(shard parameter): (dense parameter, split dim or None, fused blocks)}`` so that optimizers can follow
     (:func:`lightning_dpmp.checkpoint.consolidate_optimizer`).
     """
-    moved: dict[int, tuple[nn.Parameter, Optional[int]]] = {}
+    moved: dict[int, tuple[nn.Parameter, Optional[int], int]] = {}
     for name, mod in list(model.named_modules()):
         if isinstance(mod, _ParallelLinear):
             tied = moved.get(id(mod.weight))
             dense = mod.to_dense()
             for pname, dim in mod._shard_dims.items():
                 if getattr(mod, pname, None) is not None:
-                    moved.setdefault(id(getattr(mod, pname)), (getattr(dense, pname), dim))
+                    moved.setdefault(id(getattr(mod, pname)), (getattr(dense, pname), dim, mod.blocks if dim == 0 else 1))
             if tied is not None:
                 dense.weight = tied[0]
             set_submodule(model, name, dense)

@@ -14,6 +14,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_dpmp.autoplan import isolated
+from lightning_dpmp.materialize import to_meta
 
 __all__ = ["first_batch", "step_runner"]
 
@@ -52,15 +53,16 @@ def first_batch(trainer: Any, strategy: Any) -> tuple[Optional[Any], list[str]]:
     return box[0], box[1]
 
 
-def step_runner(trainer: Any, strategy: Any, batch: Any) -> Callable[[], Any]:
-    """A callable running the stage's step hook on ``batch`` as the loop would (device, precision, context)."""
+def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> Callable[[], Any]:
+    """A callable running the stage's step hook on ``batch`` as the loop would (device, precision, context);
+    with ``meta``, on meta tensors (shapes only), for a model built on the meta device."""
     lm = strategy.lightning_module
     _, hook, context = _STEPS[trainer.state.fn]
     plugin = strategy.precision_plugin
 
     def run() -> Any:
         b = lm._apply_batch_transfer_handler(batch, device=strategy.root_device)
-        b = plugin.convert_input(b)
+        b = plugin.convert_input(to_meta(b) if meta else b)
         with getattr(plugin, context)():
             return getattr(lm, hook)(b, 0)
 

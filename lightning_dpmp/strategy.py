@@ -12,42 +12,28 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dpmp.autoplan import PlanResult, plan_module
 from lightning_dpmp.checkpoint import (
-    atomic_save,
-    check_state_matches,
     consolidate_optimizer,
-    consolidate_optimizer_state,
-    dense_shapes,
-    gather_state_dict,
-    layout_info,
-    load_file,
-    make_weights_only_safe,
-    optimizer_param_dims,
-    recover_path,
-    restore_rng_from,
-    shard_optimizer_state,
-    shard_state_dict,
-    write_on_rank_zero,
 )
-from lightning_dpmp.clipping import clip_grad_norm_, sync_sequence_partial_grads
+from lightning_dpmp import hooks
 from lightning_dpmp.failfast import (
     check_backend,
     check_sync_batchnorm,
@@ -59,16 +45,21 @@ from lightning_dpmp.grid import Grid, build_grid, check_parallel_size, check_wor
 from lightning_dpmp.guard import ConsistencyGuard
 from lightning_dpmp.launcher import DPMPScriptLauncher
 from lightning_dpmp.layers import shard_dims
-from lightning_dpmp.parallelize import consolidate, consolidated_state_dict
+from lightning_dpmp.parallelize import consolidate
+from lightning_dpmp.loss import VocabShardedLogits
+from lightning_dpmp.materialize import is_meta, materialize
+from lightning_dpmp.metrics import route_metrics
 from lightning_dpmp.rng import RNGTracker
+from lightning_dpmp.strategy_checkpoint import CheckpointMixin
 from lightning_dpmp.stepdata import first_batch, step_runner
+from lightning_dpmp.zero import shard_over_dp
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DPMPStrategy"]
 
 
-class DPMPStrategy(DDPStrategy):
+class DPMPStrategy(CheckpointMixin, DDPStrategy):
     """Data parallel (``dp`` replicas) x tensor model parallel (``mp``-way split Linears) training, no plan needed.
 
     Args:
@@ -83,6 +74,8 @@ class DPMPStrategy(DDPStrategy):
         save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel (:mod:`lightning_dpmp.sharded`)
             instead of one consolidated file; both load into any layout.
         timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging).
+        zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.zero`): 1/dp of it per
+            rank, same training trajectory; checkpoints stay consolidated.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -109,6 +102,7 @@ class DPMPStrategy(DDPStrategy):
         save_distributed_checkpoint: bool = False,
         timeout_s: float = 600.0,
         check_consistency_every_n_steps: int = 0,
+        zero: int = 0,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -123,6 +117,11 @@ class DPMPStrategy(DDPStrategy):
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
+        if zero not in (0, 1) or isinstance(zero, bool):
+            raise ValueError(f"`zero` must be 0 (off) or 1 (optimizer state sharded over DP), got {zero!r}.")
+        if zero and save_distributed_checkpoint:
+            raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
+        self._zero = zero
         if "process_group" in ddp_kwargs:
             raise ValueError("DPMPStrategy builds the DP process group itself; do not pass `process_group`.")
         super().__init__(
@@ -270,16 +269,15 @@ class DPMPStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self._layer_sync is not None and self.mp > 1:
-            raise ValueError(
-                f"sync_batchnorm=True is not supported with mp={self.mp}: BatchNorm statistics would be synchronised"
-                " over the whole world, counting each batch mp times. Use sync_batchnorm=False or mp=1."
-            )
+        check_sync_batchnorm(self._layer_sync, self.mp)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self._parallelize(trainer)
+        meta = is_meta(self.model)
+        if not meta:
+            self.model_to_device()
+        self._parallelize(trainer, meta)
+        route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
         if fitting:
             if self.dp > 1:
                 self._ddp_kwargs["process_group"] = self.grid.dp_group
@@ -290,20 +288,23 @@ class DPMPStrategy(DDPStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._install_clipping()
+        if self.mp > 1:
+            hooks.install(self.precision_plugin, self._split_params, self._sequence_partial, self.grid.mp_group)
 
-    def _parallelize(self, trainer: "pl.Trainer") -> None:
+    def _parallelize(self, trainer: "pl.Trainer", meta: bool) -> None:
         lm = self.lightning_module
         assert lm is not None
         self._broadcast_dense(lm)
         batch, notes = first_batch(trainer, self)
-        run = step_runner(trainer, self, batch) if batch is not None else None
+        run = step_runner(trainer, self, batch, meta) if batch is not None else None
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self._rng = RNGTracker(seed, self.grid.mp_rank, self.root_device) if self.mp > 1 else None
         self._plan_result = plan_module(
-            lm, self.grid, run, self._user_plan, self._verify_plan, self.root_device, notes, self._rng,
+            lm, self.grid, run, self._user_plan, self._verify_plan and not meta, self.root_device, notes, self._rng,
             self._sequence_parallel,
         )
+        if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
+            materialize(lm, self.root_device, seed, self.grid.mp_rank)
         sp = self._plan_result.plan.sequence
         names = set(sp.partial_params) if sp is not None else set()
         self._sequence_partial = [p for n, p in lm.named_parameters() if n in names]
@@ -316,29 +317,6 @@ class DPMPStrategy(DDPStrategy):
             for t in list(module.parameters()) + list(module.buffers()):
                 if t.device.type != "meta":
                     dist.broadcast(t.data, src=0)
-
-    def _install_clipping(self) -> None:
-        # Lightning clips through the precision plugin; shadow two of its methods on this instance. Local norms
-        # would differ per MP rank and clip each shard by a different factor, so clipping uses the global norm;
-        # and, with sequence parallelism, the gradients of parameters that saw 1/mp of the tokens are summed
-        # over MP once per optimizer step, after the closure (all micro-batches) and before clipping.
-        if self.mp == 1:
-            return
-        plugin, strategy = self.precision_plugin, self
-        after_closure = plugin._after_closure
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-            params = list(plugin.main_params(optimizer))
-            clip_grad_norm_(params, float(clip_val), strategy._split_params, strategy.grid.mp_group)
-
-        def sum_sequence_partial_then(model: Any, optimizer: Any) -> None:
-            mine = {id(p) for p in plugin.main_params(optimizer)}
-            sync_sequence_partial_grads([p for p in strategy._sequence_partial if id(p) in mine], strategy.grid.mp_group)
-            after_closure(model, optimizer)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        if self._sequence_partial:
-            plugin._after_closure = sum_sequence_partial_then  # type: ignore[method-assign]
 
     def _step_then_leave_sharded_rng(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -361,7 +339,23 @@ class DPMPStrategy(DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_then_leave_sharded_rng("predict_step", *args, **kwargs)
+        out = self._step_then_leave_sharded_rng("predict_step", *args, **kwargs)
+        return apply_to_collection(out, VocabShardedLogits, lambda t: t.full())  # predictions are never MP shards
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        if self._zero and self.dp > 1:
+            self.optimizers = shard_over_dp(self.optimizers, self.lr_scheduler_configs, self.grid.dp_group)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)``: build on the meta device; each rank materialises its shards
+        after the split (:mod:`lightning_dpmp.materialize`), so the dense model never exists in memory."""
+        device_ctx = torch.device("meta") if empty_init else nullcontext()
+        with device_ctx, self.precision_plugin.tensor_init_context():
+            yield
 
     # ------------------------------------------------------------------ reductions
     @override
@@ -382,110 +376,6 @@ class DPMPStrategy(DDPStrategy):
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return bool(t == self.world_size) if all else bool(t)
 
-    # ------------------------------------------------------------------ checkpoints
-    # Consolidated (default): dense tensors under the dense names, gathered parameter by parameter onto rank 0, which
-    # writes one file atomically. Sharded: every rank writes its own shards into a folder (lightning_dpmp.sharded).
-    # Both load after setup, into the parallelised model, so each rank reads only its slices.
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        state = self.lightning_module.state_dict()
-        dims = shard_dims(self.lightning_module)
-        if self._grid is None or not dims or self._save_distributed_checkpoint or self.grid.dp_rank != 0:
-            return state  # local shards: sharded saves write them as they are, and DP ranks > 0 do not write
-        return gather_state_dict(state, dims, self.grid.mp_group)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        state = super().optimizer_state(optimizer)
-        if self._grid is None or self.mp == 1 or self._save_distributed_checkpoint or self.grid.dp_rank != 0:
-            return state
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        return consolidate_optimizer_state(state, optimizer_param_dims(inner, self.lightning_module), self.grid.mp_group)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write ``checkpoint`` atomically: one file from rank 0, or a folder from all ranks (collective)."""
-        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-        from lightning_dpmp.sharded import save_sharded
-
-        path = str(self.broadcast(str(filepath)))
-        checkpoint["dpmp"] = layout_info(self.dp, self.mp, self.root_device)
-        make_weights_only_safe(checkpoint)
-        if self._save_distributed_checkpoint:
-            if storage_options is not None:
-                raise TypeError("DPMPStrategy(save_distributed_checkpoint=True) does not take `storage_options`.")
-            checkpoint["dpmp"]["format"] = "sharded"
-            assert self.lightning_module is not None
-            save_sharded(checkpoint, path, self.lightning_module, self.optimizers, self._grid, self.root_device.type)
-            return
-        if "://" in path or type(self.checkpoint_io) is not TorchCheckpointIO:
-            write = lambda: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
-        else:
-            write = lambda: atomic_save(checkpoint, path)  # noqa: E731
-        # The others wait for rank 0 with a long timeout of their own, not at a barrier bound by `timeout_s`.
-        write_on_rank_zero(write, max(self._timeout, timedelta(hours=1)))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a consolidated file (``weights_only=True``, memory-mapped) or this rank's slices of a sharded folder."""
-        from lightning_dpmp.sharded import is_sharded_checkpoint, load_sharded
-
-        if weights_only is False:
-            rank_zero_warn("DPMPStrategy always loads checkpoints with weights_only=True; `weights_only=False` is ignored.")
-        path = str(self.broadcast(str(checkpoint_path)))
-        found = recover_path(path)
-        if found != path:
-            rank_zero_warn(f"{path} is missing (a save was interrupted while swapping it); loading the previous one, {found}.")
-        lm = self.lightning_module
-        assert lm is not None
-        if is_sharded_checkpoint(found):
-            return load_sharded(found, lm, self.optimizers, self.grid, lm.strict_loading, self.root_device.type)
-        if "://" in found or not os.path.exists(found):
-            return self.checkpoint_io.load_checkpoint(found, weights_only=True)
-        return load_file(found)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            path = str(filepath)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                self.checkpoint_io.remove_checkpoint(filepath)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        from lightning_dpmp.sharded import LOCAL_LAYOUT_KEY
-
-        lm = self.lightning_module
-        assert lm is not None
-        state = checkpoint["state_dict"]
-        if self._grid is not None and not checkpoint.get(LOCAL_LAYOUT_KEY):
-            found = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
-            check_state_matches(dense_shapes(lm, self.grid.mp_group), found, strict)  # names the first difference
-            if shard_dims(lm):
-                state = shard_state_dict(state, shard_dims(lm), self.grid.mp_group)
-        lm.load_state_dict(state, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        from lightning_dpmp.sharded import LOCAL_LAYOUT_KEY
-
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if self._grid is not None and self.mp > 1 and not checkpoint.get(LOCAL_LAYOUT_KEY):
-                state = shard_optimizer_state(state, optimizer_param_dims(optimizer, self.lightning_module), self.grid.mp_group)
-            optimizer.load_state_dict(state)
-            _optimizer_to_device(optimizer, self.root_device)
-        # Called last before the fit loop runs: the RNG streams continue where the saving run left them.
-        restore_rng_from(checkpoint, self.dp, self.mp, self.global_rank, self.root_device)
-
     # ------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -500,8 +390,7 @@ class DPMPStrategy(DDPStrategy):
             moved = consolidate(lm)
             for optimizer in self.optimizers:
                 consolidate_optimizer(getattr(optimizer, "_optimizer", optimizer), moved, self.grid.mp_group)
-        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
-        self.precision_plugin.__dict__.pop("_after_closure", None)
+        hooks.remove(self.precision_plugin)
         super().teardown()
 
     @classmethod

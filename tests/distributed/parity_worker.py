@@ -31,6 +31,7 @@ class Probe(L.Callback):
     def __init__(self, step: int = 3) -> None:
         self.step, self.mode, self.counts, self.consistent = step, None, {}, {}
         self.drop_sequence_sync = False
+        self.save_to = ""
 
     def on_train_start(self, trainer, pl_module):
         if self.drop_sequence_sync:
@@ -49,6 +50,8 @@ class Probe(L.Callback):
             self.mode = None
 
     def on_train_end(self, trainer, pl_module):
+        if self.save_to:  # a save while the model is still split: the gather path, not the consolidated teardown
+            trainer.save_checkpoint(self.save_to)
         grid = trainer.strategy.grid
         dims = shard_dims(pl_module)
         dp_ok = mp_ok = True
@@ -80,6 +83,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )
     loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp)
+    probe.save_to = os.path.join(out, f"{name}_{precision.split('-')[0]}_split.ckpt")
     trainer.fit(model, loader)
     tag = f"{name}_{precision.split('-')[0]}"
     trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))

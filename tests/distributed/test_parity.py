@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.conftest import run_script
-from tests.distributed import parity_worker as W
 from tests.support.models import ResMLP
 from tests.support.reference import reference_run
 

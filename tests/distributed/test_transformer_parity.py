@@ -14,7 +14,7 @@ import torch
 from tests.conftest import run_script
 from tests.support.reference import max_weight_diff, reference_run
 
-MODELS = ("gpt", "gpt_untied", "llama", "gpt+sp", "gpt_untied+sp")
+MODELS = ("gpt", "gpt_untied", "llama", "fused", "gpt+sp", "gpt_untied+sp")
 LAYOUTS = [(1, 2), (2, 2), (1, 4)]
 TOL = {"64": 1e-8, "32": 1e-4}
 N_LAYERS = 2
@@ -51,6 +51,11 @@ def test_weights_match_single_process(run, reference, model, bits):
     if model == "gpt":  # the tie survives training, consolidation and the checkpoint
         sd = ckpt["state_dict"]
         assert torch.equal(sd["net.wte.weight"], sd["net.lm_head.weight"])
+    # a save made while the model is still split (gathered shard by shard) holds exactly the same tensors
+    split = torch.load(out / f"{model}_{bits}_split.ckpt", weights_only=True)
+    assert all(torch.equal(split["state_dict"][k], v) for k, v in ckpt["state_dict"].items())
+    for i, st in ckpt["optimizer_states"][0]["state"].items():
+        assert torch.equal(split["optimizer_states"][0]["state"][i]["exp_avg"], st["exp_avg"]), i
 
 
 @pytest.mark.slow
@@ -79,6 +84,10 @@ def test_plan_and_collectives_per_block(run, model):
                 assert r["analytic"]["forward"] == {"all_reduce": 2, "all_gather": 2 * N_LAYERS + 1, "reduce_scatter": 2 * N_LAYERS + 1}
                 assert r["analytic"]["backward"] == {"all_reduce": 0, "all_gather": 2 * N_LAYERS + 2, "reduce_scatter": 2 * N_LAYERS + 1}
                 assert counts == {"mp/all_reduce": 4, "mp/all_gather": 4 * N_LAYERS + 3, "mp/reduce_scatter": 4 * N_LAYERS + 2}, counts
+                continue
+            if model == "fused":
+                assert styles["net.blocks.0.qkv"] == "column" and styles["net.blocks.0.proj"] == "row"
+                assert counts == {"mp/all_reduce": N_LAYERS * 4 + 1 + 2 + 1 + 1}, counts
                 continue
             head = "net.out" if model == "llama" else "net.lm_head"
             emb = "net.tok" if model == "llama" else "net.wte"

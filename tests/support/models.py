@@ -124,6 +124,39 @@ class LlamaBlock(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+class FusedBlock(nn.Module):
+    """Pre-LN block with one fused qkv projection split by ``chunk(3, -1)``."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # no qkv bias: the key bias has an exactly-zero gradient (softmax ignores it), which AdamW turns from
+        # rounding noise into lr-sized steps in float32, making any two float32 runs differ by ~1e-4
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class FusedLM(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32, n_layers: int = 2, n_heads: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(FusedBlock(dim, n_heads) for _ in range(n_layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class TinyLlama(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2) -> None:
         super().__init__()
@@ -151,7 +184,7 @@ def make_lm_dataset(n: int = 160, vocab: int = 64, seq: int = 16, seed: int = 12
 
 
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
-    """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP)."""
+    """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
     if name in ("gpt", "gpt_untied"):
@@ -161,4 +194,6 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return LMModule(net), make_lm_dataset()
     if name == "llama":
         return LMModule(TinyLlama()), make_lm_dataset()
+    if name == "fused":
+        return LMModule(FusedLM()), make_lm_dataset()
     raise ValueError(name)
