@@ -52,7 +52,7 @@ from lightning_dpmp.metrics import route_metrics
 from lightning_dpmp.rng import RNGTracker
 from lightning_dpmp.strategy_checkpoint import CheckpointMixin
 from lightning_dpmp.stepdata import first_batch, step_runner
-from lightning_dpmp.zero import shard_over_dp
+from lightning_dpmp.zero import is_zero, shard_over_dp, unshard
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         self._rng = RNGTracker(seed, self.grid.mp_rank, self.root_device) if self.mp > 1 else None
         self._plan_result = plan_module(
             lm, self.grid, run, self._user_plan, self._verify_plan and not meta, self.root_device, notes, self._rng,
-            self._sequence_parallel,
+            self._sequence_parallel, str(trainer.precision),
         )
         if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
             materialize(lm, self.root_device, seed, self.grid.mp_rank)
@@ -386,10 +386,15 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     def teardown(self) -> None:
         lm = self.lightning_module
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
-            # Before super(): it moves the module to CPU, where NCCL cannot gather.
+            # Before super(): it moves the module to CPU, where NCCL cannot gather. ZeRO optimizers cannot be
+            # re-pointed at dense parameters: their consolidated state goes into a plain optimizer instead.
+            zero_states = [self.broadcast(self.optimizer_state(o)) if is_zero(o) else None for o in self.optimizers]
             moved = consolidate(lm)
-            for optimizer in self.optimizers:
-                consolidate_optimizer(getattr(optimizer, "_optimizer", optimizer), moved, self.grid.mp_group)
+            for i, optimizer in enumerate(self.optimizers):
+                if zero_states[i] is not None:
+                    self.optimizers[i] = unshard(optimizer, moved, zero_states[i])
+                else:
+                    consolidate_optimizer(getattr(optimizer, "_optimizer", optimizer), moved, self.grid.mp_group)
         hooks.remove(self.precision_plugin)
         super().teardown()
 

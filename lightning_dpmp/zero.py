@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -29,8 +30,11 @@ def shard_over_dp(optimizers: list[Optimizer], scheduler_configs: list[Any], gro
             continue
         if opt.state:
             raise RuntimeError("ZeRO-1 must wrap the optimizer before its first step (it already holds state).")
+        # `defaults` can hold keys the constructor does not take (AdamW's decoupled_weight_decay): keep the others
+        accepted = inspect.signature(type(opt).__init__).parameters
+        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
         zero = ZeroRedundancyOptimizer(
-            [dict(g) for g in opt.param_groups], optimizer_class=type(opt), process_group=group, **opt.defaults
+            [dict(g) for g in opt.param_groups], optimizer_class=type(opt), process_group=group, **defaults
         )
         for cfg in scheduler_configs:
             if getattr(cfg.scheduler, "optimizer", None) is opt:
@@ -55,3 +59,16 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     inner = getattr(optimizer, "_optimizer", optimizer)
     inner = inner.optim if isinstance(inner, ZeroRedundancyOptimizer) else inner
     return sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if hasattr(v, "numel"))
+
+
+def unshard(zero: Any, moved: Any, full_state: dict[str, Any]) -> Optimizer:
+    """A plain optimizer of the wrapped class over the dense parameters :func:`~lightning_dpmp.parallelize.consolidate`
+    made, loaded with the consolidated ``full_state``: what the model's owner gets back after ``fit``."""
+    inner = getattr(zero, "_optimizer", zero)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [moved.get(id(p), (p,))[0] for p in g["params"]]}
+              for g in inner.param_groups]
+    accepted = inspect.signature(inner._optim_constructor.__init__).parameters
+    plain = inner._optim_constructor(groups, **{k: v for k, v in inner._optim_defaults.items() if k in accepted})
+    if full_state:
+        plain.load_state_dict(full_state)
+    return plain
