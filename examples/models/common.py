@@ -60,20 +60,3 @@ def build_optimizers(
 def count_parameters(module: nn.Module) -> int:
     """Parameters held by this process (tied weights counted once; MP shards count their local size)."""
     return sum(p.numel() for p in module.parameters())
-
-
-def sync_metrics_over_dp(module: nn.Module, strategy: Any) -> None:
-    """Points every torchmetrics Metric in ``module`` at the strategy's DP group (if it has one).
-
-    MP ranks see identical batches, so syncing sums/counts over the whole world would count each sample ``mp``
-    times; means and ratios survive, but sums do not. The DP group counts each sample once.
-    """
-    from torchmetrics import Metric
-
-    grid = getattr(strategy, "grid", None)
-    group = getattr(grid, "dp_group", None) if grid is not None else None
-    if group is None:
-        return
-    for m in module.modules():
-        if isinstance(m, Metric):
-            m.process_group = group

@@ -21,7 +21,6 @@ from examples.models.common import (
     SchedulerFactory,
     build_optimizers,
     count_parameters,
-    sync_metrics_over_dp,
 )
 
 __all__ = ["GPT", "GPTLitModule"]
@@ -187,9 +186,6 @@ class GPTLitModule(pl.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.val_loss.update(self._loss(batch))
         self.log("val/loss", self.val_loss, prog_bar=True, on_step=False, on_epoch=True)
-
-    def setup(self, stage: str) -> None:
-        sync_metrics_over_dp(self, self.trainer.strategy)
 
     def configure_optimizers(self) -> Any:
         total = self.trainer.estimated_stepping_batches if self.trainer is not None else 1

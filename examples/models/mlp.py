@@ -19,7 +19,6 @@ from examples.models.common import (
     SchedulerFactory,
     build_optimizers,
     count_parameters,
-    sync_metrics_over_dp,
 )
 
 __all__ = ["ResidualMLP", "MLPLitModule"]
@@ -107,9 +106,6 @@ class MLPLitModule(pl.LightningModule):
         self.val_acc.update(logits, y)
         self.log("val/loss", self.val_loss, prog_bar=True, on_step=False, on_epoch=True)
         self.log("val/acc", self.val_acc, prog_bar=True, on_step=False, on_epoch=True)
-
-    def setup(self, stage: str) -> None:
-        sync_metrics_over_dp(self, self.trainer.strategy)
 
     def configure_optimizers(self) -> Any:
         total = self.trainer.estimated_stepping_batches if self.trainer is not None else 1
