@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from lightning_dpmp.comm import (
     copy_to_group,
@@ -123,6 +124,17 @@ class _ParallelLinear(nn.Module):
     # Fused projections (q|k|v in one weight) are split block by block, so that each rank holds the same heads
     # of every block: weight rows viewed as (blocks, rows/blocks) are chunked along the second axis.
     blocks: int = 1
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> Self:
+        """Slice an initialised ``nn.Linear`` so that training starts from exactly its weights."""
+        layer = cls(  # type: ignore[call-arg]
+            linear.in_features, linear.out_features, linear.bias is not None, group=group,
+            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
+        )
+        layer._init_from(linear)
+        layer.train(linear.training)
+        return layer
 
     def _init_from(self, dense: nn.Module) -> None:
         with torch.no_grad():
@@ -228,17 +240,6 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> "ColumnParallelLinear":
-        """Slice an initialised ``nn.Linear`` so that training starts from exactly its weights."""
-        layer = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, group=group,
-            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
-        )
-        layer._init_from(linear)
-        layer.train(linear.training)
-        return layer
-
     def forward(self, x: Tensor) -> Tensor:
         x = self.shared_input(x) if self.shared_input is not None else enter_region(x, self.group, self.sequence_dim)
         y = F.linear(x, self.weight, self.bias)
@@ -298,17 +299,6 @@ class RowParallelLinear(_ParallelLinear):
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> "RowParallelLinear":
-        """Slice an initialised ``nn.Linear`` so that training starts from exactly its weights."""
-        layer = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, group=group,
-            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
-        )
-        layer._init_from(linear)
-        layer.train(linear.training)
-        return layer
-
     def forward(self, x: Tensor) -> Tensor:
         if self.rng is not None:
             self.rng.exit()  # back to the replicated stream: the output is the same on every MP rank
@@ -361,7 +351,7 @@ class VocabParallelEmbedding(_ParallelLinear):
                 self.weight[pad].zero_()
 
     @classmethod
-    def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> "VocabParallelEmbedding":
+    def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> Self:  # type: ignore[override]
         if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
             raise ValueError("VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq).")
         layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, padding_idx=emb.padding_idx,
