@@ -24,6 +24,7 @@ from lightning_dpmp.accounting import CommCounter  # noqa: E402
 from lightning_dpmp.comm import gather_from_group  # noqa: E402
 from lightning_dpmp.grid import build_grid  # noqa: E402
 from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy  # noqa: E402
+from lightning_dpmp.loss import vocab_parallel_cross_entropy  # noqa: E402
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,6 +100,26 @@ def check(group, mp: int, bias: bool) -> dict:
     fc2(fc1(xr) * fc1(xr)).sum().backward()
     out["fanout_input_grad_err"] = _err(xf.grad, xr.grad)
     out["fanout_counts"] = {f"{g}/{op}": n for (g, op), n in c.counts.items()}
+
+    # vocab-parallel cross-entropy against F.cross_entropy: values and gradients, ignore_index, smoothing
+    logits = torch.randn(6, 5, 8 * mp, dtype=torch.float64)
+    target = torch.randint(0, 8 * mp, (6, 5))
+    target[0, :2] = -100
+    rank, errs, counts = dist.get_rank(group), [], set()
+    for reduction in ("mean", "sum", "none"):
+        for smoothing in (0.0, 0.1):
+            full = logits.clone().requires_grad_(True)
+            ref = F.cross_entropy(full.view(-1, 8 * mp), target.view(-1), reduction=reduction, label_smoothing=smoothing)
+            (ref.sum() * 1.7).backward()
+            local = logits.chunk(mp, dim=-1)[rank].clone().requires_grad_(True)
+            with CommCounter({"mp": group}) as cc:
+                ours = vocab_parallel_cross_entropy(local, target, group, reduction=reduction, label_smoothing=smoothing)
+                (ours.sum() * 1.7).backward()
+            counts.add(tuple(sorted((f"{g}/{op}", n) for (g, op), n in cc.counts.items())))
+            errs.append(_err(ours.reshape(-1), ref.reshape(-1)))
+            errs.append(_err(local.grad, full.grad.chunk(mp, dim=-1)[rank]))
+    out["vocab_ce_err"] = max(errs)
+    out["vocab_ce_counts"] = [dict(c) for c in counts]
     return out
 
 

@@ -146,6 +146,12 @@ def grid_checks(dp: int, mp: int, out: str) -> dict:
         t.save_checkpoint(os.path.join(out, "plain.ckpt"))
 
         L.seed_everything(0)
+        m = ResMLP()
+        t = trainer(dp, mp, precision="64-true", max_steps=10, gradient_clip_val=0.05, gradient_clip_algorithm="value")
+        t.fit(m, DataLoader(make_dataset(), batch_size=4))
+        res["value_clip_weights"] = weights(m)
+
+        L.seed_everything(0)
         m, ds = build("gpt")
         losses: list = []
 

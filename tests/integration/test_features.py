@@ -37,10 +37,11 @@ def grid12(tmp_path_factory):
     return _launch(tmp_path_factory, 1, 2)
 
 
-def _single(model: L.LightningModule, batch: int, steps: int, clip: float | None = 0.5) -> dict:
+def _single(model: L.LightningModule, batch: int, steps: int, clip: float | None = 0.5, algorithm: str = "norm") -> dict:
     L.seed_everything(0)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=steps, gradient_clip_val=clip,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        gradient_clip_algorithm=algorithm, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, reference_loader(make_dataset(), batch, 0))
     return model.state_dict()
 
@@ -87,6 +88,15 @@ def test_zero1_keeps_parity_and_divides_optimizer_state(grid22):
     zero, plain = torch.load(out / "zero.ckpt", weights_only=True), torch.load(out / "plain.ckpt", weights_only=True)
     for i, st in plain["optimizer_states"][0]["state"].items():  # consolidated after fit, as without ZeRO
         assert torch.equal(zero["optimizer_states"][0]["state"][i]["exp_avg"], st["exp_avg"])
+
+
+@pytest.mark.slow
+def test_value_clipping_matches_single_process(grid22):
+    _, ranks = grid22
+    L.seed_everything(0)
+    ref = _single(ResMLP(), batch=8, steps=10, clip=0.05, algorithm="value")
+    for r in ranks:
+        assert _max_diff(r["value_clip_weights"], ref) <= 1e-8
 
 
 @pytest.mark.slow

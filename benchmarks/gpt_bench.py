@@ -1,0 +1,505 @@
+"""GPT training throughput, memory and communication: DPMPStrategy vs Lightning's ModelParallelStrategy vs DDP.
+
+One command runs every layout, interleaved round by round (A B C ... A B C ...), so that a machine whose speed
+drifts slows all layouts alike, and writes a markdown table, a CSV, a JSON of every measurement and a PNG::
+
+    python benchmarks/gpt_bench.py                       # default sweep, 2 rounds, ~6 min on 2 CPU cores
+    python benchmarks/gpt_bench.py --configs dpmp_2x2,mps_2x2 --rounds 3 --steps 14
+    python benchmarks/gpt_bench.py --configs dpmp_2x2,dpmp_2x2_async,dpmp_2x2_compiled
+
+Each layout is one ``Trainer.fit`` in a fresh process group of ``--world`` CPU processes (gloo), same GPT, same
+global batch, AdamW, no gradient clipping (ModelParallelStrategy cannot clip by norm), no logger. Per step:
+
+* step time: time between successive ``on_train_batch_start`` on rank 0 (forward, backward, DP and MP
+  communication, optimizer); the median over steps after ``--warmup``; tokens/s = global batch tokens / that.
+* per-rank parameter, gradient and optimizer-state bytes (local shards; DTensors counted by their local part);
+  peak RSS of every rank (``ru_maxrss``).
+* MP and DP bytes per step: the collectives one extra (untimed) step issues from Python/autograd, by group, sized
+  as the full tensor of the collective (all-reduce: the tensor; all-gather: the output; reduce-scatter: the input);
+  DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient bytes).
+
+Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy), ``..._sp`` (sequence parallel), ``..._async`` (input-gradient all-reduce
+overlapped with the weight-gradient matmul), ``..._compiled`` (each transformer block ``torch.compile``d),
+``mps_<dp>x<mp>`` (ModelParallelStrategy: ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2
+``fully_shard`` over the data-parallel axis), ``ddp_<n>`` (DDPStrategy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_CONFIGS = "dpmp_2x2,mps_2x2,dpmp_4x1,ddp_4,dpmp_1x4"
+
+
+# ---------------------------------------------------------------------------------------------------- worker side
+def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                n_embd=args.hidden, dropout=0.0, bias=True, tie_embeddings=True)
+
+
+_SPLIT = re.compile(r"(blocks\.\d+\.(attn\.(q|k|v|out)_proj|mlp\.fc[12])\.weight|blocks\.\d+\.(attn\.[qkv]_proj|mlp\.fc1)\.bias|wte\.weight)$")
+
+
+def expected_param_numel(net: Any, mp: int) -> tuple[int, int, int]:
+    """(split, replicated, split/mp + replicated) element counts of the dense GPT under the Megatron layout."""
+    split = rep = 0
+    for name, p in net.named_parameters():  # tied lm_head/wte counted once
+        if _SPLIT.search(name):
+            split += p.numel()
+        else:
+            rep += p.numel()
+    return split, rep, split // mp + rep
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: Any) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+class _CollectiveBytes:
+    """A dispatch mode recording c10d collectives by group with the size of the full tensor of each."""
+
+    def __init__(self, groups: dict[str, Any]) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from lightning_dpmp.accounting import _OPS, _group_name
+
+        names = {}
+        for label, g in groups.items():
+            n = _group_name(g) if g is not None else None
+            if n is not None:
+                names[n] = label
+        outer = self
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+        def size(x: Any) -> int:
+            import torch
+            from torch.utils._pytree import tree_leaves
+
+            return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                kwargs = kwargs or {}
+                packet = func._overloadpacket
+                ns = packet._qualified_op_name.split("::")[0]
+                op = _OPS.get(packet.__name__) if ns in ("c10d", "_c10d_functional") else None
+                if op is not None:
+                    from torch.utils._pytree import tree_leaves
+
+                    label = "other"
+                    for leaf in tree_leaves((args, kwargs)):
+                        name = leaf if isinstance(leaf, str) else _group_name(leaf)
+                        if name is not None and name in names:
+                            label = names[name]
+                            break
+                    b = max(size(args[0]), size(args[1]) if len(args) > 1 else 0)
+                    if packet.__name__ == "all_gather_into_tensor":
+                        b = size(args[0]) * int(args[1])
+                    key = f"{label}/{op}"
+                    outer.calls[key] = outer.calls.get(key, 0) + 1
+                    outer.bytes[key] = outer.bytes.get(key, 0) + b
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+
+def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    class Probe(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.cpu: list[float] = []
+            self.counter: Optional[_CollectiveBytes] = None
+            self.memory: dict[str, int] = {}
+
+        def _groups(self, trainer: Any) -> dict[str, Any]:
+            s = trainer.strategy
+            if kind == "dpmp":
+                return {"mp": s.grid.mp_group, "dp": s.grid.dp_group}
+            if kind == "mps":
+                mesh = s.device_mesh
+                return {"mp": mesh["tensor_parallel"].get_group(), "dp": mesh["data_parallel"].get_group()}
+            return {"dp": dist.group.WORLD}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+            self.starts.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+            if batch_idx == args.steps:  # the extra, untimed step: count its collectives
+                self.counter = _CollectiveBytes(self._groups(trainer))
+                self.counter.mode.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+            if self.counter is not None:
+                self.counter.mode.__exit__(None, None, None)
+                params = sum(_nbytes(p) for p in pl_module.parameters())
+                grads = sum(_nbytes(p.grad) for p in pl_module.parameters() if p.grad is not None)
+                opt = trainer.optimizers[0]
+                states = sum(_nbytes(v) for st in opt.state.values() for v in st.values()
+                             if isinstance(v, torch.Tensor) and v.dim() > 0)
+                local_numel = sum(_local(p).numel() for p in pl_module.parameters())
+                self.memory = {"param_bytes": params, "grad_bytes": grads, "optim_bytes": states, "param_numel": local_numel}
+                self._write(trainer)
+                self.counter = None
+
+        def _dp_size(self, trainer: Any) -> int:
+            return trainer.strategy.dp if kind == "dpmp" else trainer.world_size
+
+        def _write(self, trainer: Any) -> None:
+            steps = [b - a for a, b in zip(self.starts, self.starts[1:])]
+            rec = {
+                "rank": trainer.global_rank,
+                "step_times": steps,
+                "step_cpu": [b - a for a, b in zip(self.cpu, self.cpu[1:])],
+                "comm_calls": self.counter.calls,
+                "comm_bytes": self.counter.bytes,
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                **self.memory,
+            }
+            (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(rec))
+
+    return Probe()
+
+
+def _lit_module(args: argparse.Namespace, kind: str, mp: int) -> Any:
+    import torch
+
+    from examples.models.gpt import GPT, GPTLitModule
+
+    class Bench(GPTLitModule):
+        def configure_model(self) -> None:
+            if kind != "mps" or getattr(self, "_parallelized", False):
+                return
+            from torch.distributed._composable.fsdp import fully_shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+            plan = {}
+            for i in range(len(self.net.blocks)):
+                for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc1"):
+                    plan[f"blocks.{i}.{n}"] = ColwiseParallel()
+                for n in ("attn.out_proj", "mlp.fc2"):
+                    plan[f"blocks.{i}.{n}"] = RowwiseParallel()
+            if tp.size() > 1:
+                parallelize_module(self.net, tp, plan)
+            for block in self.net.blocks:
+                fully_shard(block, mesh=dp)
+            fully_shard(self.net, mesh=dp)
+            self._parallelized = True
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.0)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            logits = self(x)
+            return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+    torch.manual_seed(0)
+    return Bench(GPT(**_model_kwargs(args)))
+
+
+def _async_linear_patch() -> None:
+    """Overlap the MP all-reduce of a column layer's input gradient with its weight-gradient matmul.
+
+    Replaces ``ColumnParallelLinear.forward`` for layers with their own entry (no sibling sharing it, no sequence
+    parallelism): one autograd Function does the matmul forward and, backward, starts ``all_reduce(async_op=True)``
+    on ``grad @ W`` before computing ``grad_W = grad^T x`` and ``grad_b``, then waits (Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication``). Siblings sharing an entry (q/k/v) keep the shared copy:
+    their input gradient is complete only after all three backward matmuls.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_dpmp import layers
+
+    class _LinearAsyncAllReduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, group):  # noqa: ANN001
+            ctx.save_for_backward(x, weight)
+            ctx.group, ctx.has_bias = group, bias is not None
+            return F.linear(x, weight, bias)
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            x, weight = ctx.saved_tensors
+            grad_x = grad.matmul(weight)
+            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
+            grad_b = g2.sum(0) if ctx.has_bias else None
+            work.wait()
+            return grad_x, grad_w, grad_b, None
+
+    original = layers.ColumnParallelLinear.forward
+
+    def forward(self, x):  # noqa: ANN001
+        if self.shared_input is not None or self.sequence_dim is not None or self.mp == 1 or self.gather_output:
+            return original(self, x)
+        y = _LinearAsyncAllReduce.apply(x, self.weight, self.bias, self.group)
+        if self.vocab_logits:
+            from lightning_dpmp.loss import VocabShardedLogits
+
+            return VocabShardedLogits.wrap(y, self.group, self.out_features)
+        if self.rng is not None:
+            self.rng.enter()
+        return y
+
+    layers.ColumnParallelLinear.forward = forward
+
+
+def _compile_blocks_callback() -> Any:
+    from lightning.pytorch.callbacks import Callback
+
+    class CompileBlocks(Callback):
+        def on_fit_start(self, trainer, pl_module):  # noqa: ANN001  (after the strategy parallelised the model)
+            for block in pl_module.net.blocks:
+                block.compile()
+
+    return CompileBlocks()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from tests.support.models import make_lm_dataset
+
+    name = args.config
+    m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled)*)", name)
+    if not m:
+        raise SystemExit(f"unknown config {name!r}")
+    kind, a, b, flags = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4)
+    dp, mp = (a, b) if kind != "ddp" else (a, 1)
+    world = dp * mp
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    callbacks = [_callback(args, out_dir, kind)]
+    if kind == "dpmp":
+        from lightning_dpmp import DPMPStrategy
+
+        if "_async" in flags:
+            _async_linear_patch()
+        strategy: Any = DPMPStrategy(dp=dp, mp=mp, sequence_parallel="_sp" in flags, verify_plan=False)
+    elif kind == "mps":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=mp)
+    else:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy()
+    if "_compiled" in flags:
+        callbacks.append(_compile_blocks_callback())
+    per_dp = args.global_batch // dp
+    n_steps = args.steps + 1  # + the untimed counting step
+    ds = make_lm_dataset(n=args.global_batch * n_steps, vocab=args.vocab, seq=args.seq, seed=1)
+    loader = DataLoader(ds, batch_size=per_dp, shuffle=False, drop_last=True)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=n_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=callbacks,
+    )
+    model = _lit_module(args, kind, mp)
+    trainer.fit(model, loader)
+
+
+# ---------------------------------------------------------------------------------------------------- parent side
+def _run_one(config: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("rank*.json"):
+        f.unlink()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", config, "--out", str(out),
+           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps")]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    ranks = sorted(out.glob("rank*.json"))
+    if proc.returncode != 0 or not ranks:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"{config} failed (exit {proc.returncode})")
+    recs = [json.loads(f.read_text()) for f in ranks]
+    return {"config": config, "wall_s": wall, "ranks": recs}
+
+
+def summarise(config: str, runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    steady = [t for r in runs for t in next(x for x in r["ranks"] if x["rank"] == 0)["step_times"][args.warmup:]]
+    med = statistics.median(steady)
+    cpu = [t for r in runs for x in r["ranks"] for t in x["step_cpu"][args.warmup:]]
+    r0 = next(x for x in runs[0]["ranks"] if x["rank"] == 0)
+    comm = r0["comm_bytes"]
+    mp_b = sum(v for k, v in comm.items() if k.startswith("mp/"))
+    dp_b = sum(v for k, v in comm.items() if k.startswith("dp/"))
+    calls = {k: v for k, v in r0["comm_calls"].items()}
+    return {
+        "config": config,
+        "step_s": med,
+        "tokens_per_s": args.global_batch * args.seq / med,
+        "cpu_s": statistics.median(cpu),
+        "param_mb": max(x["param_bytes"] for x in runs[0]["ranks"]) / 2**20,
+        "grad_mb": max(x["grad_bytes"] for x in runs[0]["ranks"]) / 2**20,
+        "optim_mb": max(x["optim_bytes"] for x in runs[0]["ranks"]) / 2**20,
+        "param_numel": max(x["param_numel"] for x in runs[0]["ranks"]),
+        "peak_rss_mb": max(x["peak_rss"] for r in runs for x in r["ranks"]) / 2**20,
+        "mp_mb_per_step": mp_b / 2**20,
+        "dp_mb_per_step": dp_b / 2**20,
+        "comm_calls": calls,
+        "per_round_cpu_s": [statistics.median([t for x in r["ranks"] for t in x["step_cpu"][args.warmup:]]) for r in runs],
+        "per_round_step_s": [statistics.median(next(x for x in r["ranks"] if x["rank"] == 0)["step_times"][args.warmup:]) for r in runs],
+    }
+
+
+def _ratio(rows: dict[str, dict[str, Any]], a: str, b: str, key: str = "per_round_step_s") -> Optional[tuple[float, list[float]]]:
+    """Throughput a/b (= time b / time a): per round (interleaved pairs), and its median."""
+    if a not in rows or b not in rows:
+        return None
+    pairs = [tb / ta for ta, tb in zip(rows[a][key], rows[b][key])]
+    return statistics.median(pairs), pairs
+
+
+def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path) -> str:
+    import torch
+
+    from examples.models.gpt import GPT
+
+    net = GPT(**_model_kwargs(args))
+    lines = [
+        f"GPT: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, sequence {args.seq}, "
+        f"global batch {args.global_batch} sequences ({args.global_batch * args.seq} tokens), "
+        f"{sum(p.numel() for p in net.parameters()):,} parameters; float32, AdamW, {args.world} CPU processes (gloo); "
+        f"median of steps {args.warmup + 1}..{args.steps} over {args.rounds} interleaved round(s)",
+        "",
+        "| layout | step s | CPU s/step/rank | tokens/s | param MB/rank | grad MB | optim MB | peak RSS MB | MP MB/step | DP MB/step | MP collectives/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c, r in rows.items():
+        mp_calls = ", ".join(f"{k[3:]} {v}" for k, v in sorted(r["comm_calls"].items()) if k.startswith("mp/"))
+        lines.append(
+            f"| {c} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['param_mb']:.2f} | {r['grad_mb']:.2f} | "
+            f"{r['optim_mb']:.2f} | {r['peak_rss_mb']:.0f} | {r['mp_mb_per_step']:.2f} | {r['dp_mb_per_step']:.2f} | {mp_calls or '-'} |"
+        )
+    lines.append("")
+    for a, b, target in (("dpmp_2x2", "mps_2x2", 1.5), ("dpmp_4x1", "ddp_4", 0.98),
+                         ("dpmp_2x2_async", "dpmp_2x2", None), ("dpmp_2x2_compiled", "dpmp_2x2", None),
+                         ("dpmp_2x2_sp", "dpmp_2x2", None)):
+        r = _ratio(rows, a, b)
+        if r is not None:
+            verdict = "" if target is None else (f" (target >= {target}: {'holds' if r[0] >= target else 'MISSED'})")
+            c = _ratio(rows, a, b, "per_round_cpu_s")
+            lines.append(f"- throughput {a} / {b}: {r[0]:.3f} (per round: {', '.join(f'{x:.3f}' for x in r[1])}){verdict}; "
+                         f"CPU time per step, {b} / {a}: {c[0]:.3f}")
+    for c, r in rows.items():
+        m = re.fullmatch(r"dpmp_(\d+)x(\d+).*", c)
+        if m:
+            split, rep, exp = expected_param_numel(net, int(m.group(2)))
+            lines.append(f"- {c}: parameters per rank {r['param_numel']:,} vs analytic split/mp + replicated "
+                         f"{exp:,} ({split:,}/{m.group(2)} + {rep:,}): {100 * (r['param_numel'] / exp - 1):+.2f}%")
+    text = "\n".join(lines)
+    (out / "results.md").write_text(text + "\n")
+    with open(out / "results.csv", "w") as f:
+        keys = ["config", "step_s", "cpu_s", "tokens_per_s", "param_mb", "grad_mb", "optim_mb", "peak_rss_mb", "mp_mb_per_step", "dp_mb_per_step"]
+        f.write(",".join(keys) + "\n")
+        for r in rows.values():
+            f.write(",".join(str(r[k]) for k in keys) + "\n")
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    _plot(rows, out / "results.png")
+    del torch
+    return text
+
+
+def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].bar(names, [rows[n]["tokens_per_s"] for n in names], color="tab:blue")
+    axes[0].set_title("throughput (tokens/s, higher is better)")
+    axes[1].bar(names, [rows[n]["param_mb"] + rows[n]["grad_mb"] + rows[n]["optim_mb"] for n in names], color="tab:green")
+    axes[1].set_title("param + grad + optimizer MB per rank")
+    x = range(len(names))
+    axes[2].bar([i - 0.2 for i in x], [rows[n]["mp_mb_per_step"] for n in names], width=0.4, label="MP")
+    axes[2].bar([i + 0.2 for i in x], [rows[n]["dp_mb_per_step"] for n in names], width=0.4, label="DP")
+    axes[2].set_xticks(list(x))
+    axes[2].set_xticklabels(names)
+    axes[2].set_title("communication MB per step (rank 0)")
+    axes[2].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated layouts (see the module docstring)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (every config once per round)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per run (one more, untimed, counts collectives)")
+    p.add_argument("--warmup", type=int, default=3, help="steps excluded from the median")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all DP ranks")
+    p.add_argument("--world", type=int, default=4, help="processes (informational; configs name their layout)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--out", default="benchmarks/results/gpt", help="output folder")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    raw = Path(tempfile.mkdtemp(prefix="gpt_bench_"))  # per-rank JSON of each run; results.json keeps them all
+    for rnd in range(args.rounds):
+        for c in configs:
+            rec = _run_one(c, args, raw / f"{c}_r{rnd}")
+            runs[c].append(rec)
+            r0 = next(x for x in rec["ranks"] if x["rank"] == 0)
+            steady = r0["step_times"][args.warmup:]
+            print(f"round {rnd} {c:22s} median step {statistics.median(steady):.3f}s  (run {rec['wall_s']:.0f}s)", flush=True)
+    rows = {c: summarise(c, runs[c], args) for c in configs}
+    print(report(rows, args, out))
+    (out / "runs.json").write_text(json.dumps(runs))
+
+
+if __name__ == "__main__":
+    main()
