@@ -78,7 +78,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     if variant == "sp_nosync":  # the bug sequence parallelism invites: never summing the partial gradients
         probe.drop_sequence_sync = True
     trainer = L.Trainer(
-        accelerator="cpu", devices=dp * mp, strategy=strategy, precision=precision, max_steps=STEPS,
+        accelerator=os.environ.get("DPMP_TEST_ACCELERATOR", "cpu"), devices=dp * mp, strategy=strategy, precision=precision, max_steps=STEPS,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )
