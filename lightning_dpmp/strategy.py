@@ -280,7 +280,8 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
         if fitting:
             if self.dp > 1:
-                self._ddp_kwargs["process_group"] = self.grid.dp_group
+                # With mp=1 the DP group is the world: give DDP the default group, exactly as DDPStrategy does.
+                self._ddp_kwargs["process_group"] = self.grid.dp_group if self.mp > 1 else None
                 self.configure_ddp()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
