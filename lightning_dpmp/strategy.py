@@ -67,10 +67,14 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         mp: tensor-parallel size, or ``"auto"`` (devices per node; or world // dp when ``dp`` is given).
             ``dp * mp`` must equal ``devices * num_nodes``.
         plan: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
-            ``"column_gather"``, ``"replicate"`` (see :mod:`lightning_dpmp.plan`); the first matching glob wins.
+            ``"column_gather"``, ``"vocab"``, ``"replicate"`` (see :mod:`lightning_dpmp.plan`); the first matching
+            glob wins.
+        sequence_parallel: keep norms/dropout/residual regions split along the sequence between the parallel
+            layers (:mod:`lightning_dpmp.sequence`); refused, with the reason, where the model does not allow it.
         verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
             before training; layers that disagree fall back to safer styles.
-        consolidate_on_teardown: gather the layers back into dense ``nn.Linear`` at the end of ``fit``/``test``...
+        consolidate_on_teardown: gather the layers (and optimizer state) back to dense at the end of ``fit``,
+            ``validate``, ``test`` or ``predict``, so the module you passed is the plain model again.
         save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel (:mod:`lightning_dpmp.sharded`)
             instead of one consolidated file; both load into any layout.
         timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging).
