@@ -7,15 +7,17 @@ The sequence, run by :class:`~lightning_dpmp.strategy.DPMPStrategy` at setup on 
    fitting, the dense gradients;
 3. rank 0's plan (:mod:`lightning_dpmp.plan`) is broadcast so that every rank applies the same layout;
 4. the model is parallelised, and the same step is run again: loss and every gradient shard must match the dense
-   ones. Layers that disagree fall back, first to self-contained ``column_gather``, then to ``replicate``, and the
-   printout says so.
+   ones within a tolerance set by the precision. If they do not, the plan falls back in stages (no attention-like
+   pairs, then every split layer self-contained, then nothing split), and the printout says so.
 
-Every run happens in eval mode with all RNG states saved and restored and ``self.log`` silenced, so training
-afterwards draws exactly the random numbers it would have drawn without this check.
+Every run happens in eval mode with all RNG states and torchmetrics states saved and restored and ``self.log``
+silenced, so training afterwards draws exactly the random numbers, and counts exactly the samples, it would have
+without this check. A manual-optimization step is traced with inert optimizers; the losses it back-propagates
+are collected instead.
 
 Example:
-    >>> result = plan_module(lm, grid, run_step, user_plan=None, verify=True)   # doctest: +SKIP
-    >>> print(result.plan.describe(result.dense_view))                          # doctest: +SKIP
+    >>> result = plan_module(lm, grid, run_step, user_plan=None, verify=True, device=torch.device("cpu"))  # doctest: +SKIP
+    >>> print(result.text)                                                                                # doctest: +SKIP
 """
 
 from __future__ import annotations
