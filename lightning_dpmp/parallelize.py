@@ -25,6 +25,7 @@ from lightning_dpmp.layers import (
     VocabParallelEmbedding,
     _ParallelLinear,
     gather_tensor,
+    shard_blocks,
     shard_dims,
 )
 from lightning_dpmp.plan import Plan
@@ -165,8 +166,8 @@ def consolidated_state_dict(model: nn.Module, group: Any) -> dict[str, Tensor]:
 
     Keys are the dense model's, so the result loads with ``strict=True`` into the plain model.
     """
-    blocks = {f"{n}.weight": m.blocks for n, m in model.named_modules() if isinstance(m, _ParallelLinear)}
+    blocks = shard_blocks(model)  # weight *and* bias of a fused projection are split block by block
     state = model.state_dict()
     for key, dim in shard_dims(model).items():
-        state[key] = gather_tensor(state[key].detach(), dim, group, blocks.get(key, 1) if dim == 0 else 1)
+        state[key] = gather_tensor(state[key].detach(), dim, group, blocks.get(key, 1))
     return state

@@ -25,6 +25,7 @@ from lightning_dpmp.comm import gather_from_group  # noqa: E402
 from lightning_dpmp.grid import build_grid  # noqa: E402
 from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy  # noqa: E402
 from lightning_dpmp.loss import vocab_parallel_cross_entropy  # noqa: E402
+from lightning_dpmp.parallelize import consolidated_state_dict  # noqa: E402
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,6 +101,12 @@ def check(group, mp: int, bias: bool) -> dict:
     fc2(fc1(xr) * fc1(xr)).sum().backward()
     out["fanout_input_grad_err"] = _err(xf.grad, xr.grad)
     out["fanout_counts"] = {f"{g}/{op}": n for (g, op), n in c.counts.items()}
+
+    # a fused projection (q|k|v) is split block by block; its consolidated state is the dense one, bias included
+    fused = nn.Linear(d_in, 3 * hidden, bias=bias).double()
+    holder = nn.Sequential(ColumnParallelLinear.from_dense(fused, group, blocks=3))
+    dense_state = consolidated_state_dict(holder, group)
+    out["fused_state_equal"] = all(torch.equal(dense_state[f"0.{k}"], v) for k, v in fused.state_dict().items())
 
     # vocab-parallel cross-entropy against F.cross_entropy: values and gradients, ignore_index, smoothing
     logits = torch.randn(6, 5, 8 * mp, dtype=torch.float64)

@@ -31,6 +31,7 @@ def test_outputs_and_gradients_equal_dense(results):
         bad = {k: v for k, v in errs.items() if v > TOL}
         assert not bad, f"rank {rank} {case}: {bad}"
         assert r["to_dense_equal"], f"rank {rank} {case}: to_dense() is not the original weight"
+        assert r["fused_state_equal"], f"rank {rank} {case}: a fused layer's consolidated state is not the dense one"
 
 
 def test_collective_counts(results):
