@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from lightning_dpmp.clipping import sync_sequence_partial_grads
 from lightning_dpmp.comm import group_rank, group_size
 from lightning_dpmp.grid import Grid
-from lightning_dpmp.layers import shard_dims, shard_tensor
+from lightning_dpmp.layers import shard_blocks, shard_dims, shard_tensor
 from lightning_dpmp.parallelize import parallelize, restore
 from lightning_dpmp.plan import Plan, make_plan
 from lightning_dpmp.sequence import plan_sequence_parallel
@@ -172,7 +172,7 @@ def _check(
         names = set(plan.sequence.partial_params)
         sync_sequence_partial_grads([p for n, p in module.named_parameters() if n in names], group)
     dims = shard_dims(module)
-    blocks = {f"{name}.{p}": getattr(m, "blocks", 1) for name, m in module.named_modules() for p in ("weight", "bias")}
+    blocks = shard_blocks(module)
     n, r = group_size(group), group_rank(group)
     err = float((loss.detach() - loss_ref).abs() / (loss_ref.abs() + 1e-12))
     # A gradient that is zero in exact arithmetic (a key bias under softmax) is pure rounding noise on both
@@ -185,7 +185,7 @@ def _check(
                 err = float("inf")
             continue
         if name in dims:
-            ref = shard_tensor(ref, dims[name], n, r, blocks.get(name, 1) if dims[name] == 0 else 1)
+            ref = shard_tensor(ref, dims[name], n, r, blocks.get(name, 1))
         scale = max(ref.abs().max().item(), floor)
         err = max(err, (p.grad - ref).abs().max().item() / scale)
     module.zero_grad(set_to_none=True)

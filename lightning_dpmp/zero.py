@@ -20,6 +20,12 @@ from torch.optim import Optimizer
 __all__ = ["is_zero", "optimizer_state_bytes", "shard_over_dp", "zero_state_dict"]
 
 
+def _constructor_defaults(cls: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``defaults`` minus keys its constructor does not take (AdamW's ``decoupled_weight_decay``)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in defaults.items() if k in accepted}
+
+
 def shard_over_dp(optimizers: list[Optimizer], scheduler_configs: list[Any], group: Any) -> list[Optimizer]:
     """Replace each optimizer by a ``ZeroRedundancyOptimizer`` of the same class and param groups over ``group``;
     LR schedulers are re-pointed at the replacement (their state lives in the param groups, which are copied)."""
@@ -30,11 +36,9 @@ def shard_over_dp(optimizers: list[Optimizer], scheduler_configs: list[Any], gro
             continue
         if opt.state:
             raise RuntimeError("ZeRO-1 must wrap the optimizer before its first step (it already holds state).")
-        # `defaults` can hold keys the constructor does not take (AdamW's decoupled_weight_decay): keep the others
-        accepted = inspect.signature(type(opt).__init__).parameters
-        defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
         zero = ZeroRedundancyOptimizer(
-            [dict(g) for g in opt.param_groups], optimizer_class=type(opt), process_group=group, **defaults
+            [dict(g) for g in opt.param_groups], optimizer_class=type(opt), process_group=group,
+            **_constructor_defaults(type(opt), opt.defaults),
         )
         for cfg in scheduler_configs:
             if getattr(cfg.scheduler, "optimizer", None) is opt:
@@ -67,8 +71,7 @@ def unshard(zero: Any, moved: Any, full_state: dict[str, Any]) -> Optimizer:
     inner = getattr(zero, "_optimizer", zero)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [moved.get(id(p), (p,))[0] for p in g["params"]]}
               for g in inner.param_groups]
-    accepted = inspect.signature(inner._optim_constructor.__init__).parameters
-    plain = inner._optim_constructor(groups, **{k: v for k, v in inner._optim_defaults.items() if k in accepted})
+    plain = inner._optim_constructor(groups, **_constructor_defaults(inner._optim_constructor, inner._optim_defaults))
     if full_state:
         plain.load_state_dict(full_state)
     return plain
