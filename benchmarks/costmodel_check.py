@@ -1,4 +1,4 @@
-"""Validate ``lightning_dpmp.costmodel`` against a measured sweep of ``gpt_bench.py``, and print its
+"""Validate ``lightning_dpmp.tools.costmodel`` against a measured sweep of ``gpt_bench.py``, and print its
 recommendation tables for a 1.3B and a 7B GPT on 8 and 64 GPUs.
 
     python benchmarks/gpt_bench.py                     # writes benchmarks/results/gpt/results.json
@@ -44,7 +44,7 @@ def calibrate_compute(bench: dict[str, Any]) -> tuple[float, float]:
     import torch.nn.functional as F
 
     from examples.models.gpt import GPT
-    from lightning_dpmp.costmodel import GPTShape
+    from lightning_dpmp.tools.costmodel import GPTShape
 
     torch.set_num_threads(1)
     a = bench["args"]
@@ -118,7 +118,7 @@ def main() -> None:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the ranks share")
     p.add_argument("--out", default="benchmarks/results/costmodel.md")
     args = p.parse_args()
-    from lightning_dpmp.costmodel import MODELS, GPTShape, Hardware, format_table, predict, recommend
+    from lightning_dpmp.tools.costmodel import MODELS, GPTShape, Hardware, format_table, predict, recommend
 
     bench = json.loads(Path(args.results).read_text())
     a, rows = bench["args"], bench["rows"]

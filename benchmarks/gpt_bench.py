@@ -81,7 +81,7 @@ class _CollectiveBytes:
     def __init__(self, groups: dict[str, Any]) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from lightning_dpmp.accounting import _OPS, _group_name
+        from lightning_dpmp.integration.accounting import _OPS, _group_name
 
         names = {}
         for label, g in groups.items():
@@ -235,7 +235,7 @@ def _async_linear_patch() -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_dpmp import layers
+    from lightning_dpmp.parallel import layers
 
     class _LinearAsyncAllReduce(torch.autograd.Function):
         @staticmethod
@@ -262,7 +262,7 @@ def _async_linear_patch() -> None:
             return original(self, x)
         y = _LinearAsyncAllReduce.apply(x, self.weight, self.bias, self.group)
         if self.vocab_logits:
-            from lightning_dpmp.loss import VocabShardedLogits
+            from lightning_dpmp.parallel.loss import VocabShardedLogits
 
             return VocabShardedLogits.wrap(y, self.group, self.out_features)
         if self.rng is not None:

@@ -95,7 +95,7 @@ def _destroy_process_group() -> None:
 
 def _release_children(trainer: Optional[pl.Trainer], failed: bool) -> list[Optional[int]]:
     """Reaps this job's child processes (only the launching process has any)."""
-    from lightning_dpmp.launcher import DPMPScriptLauncher
+    from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
     if not isinstance(launcher, DPMPScriptLauncher) or not launcher.procs:
@@ -112,7 +112,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     recorded as ``status: failed`` and the sweep continues (the sweep summary callback exits non-zero at the end);
     a job whose ``dp * mp`` exceeds :func:`max_world_size` is recorded as ``skipped``.
     """
-    from lightning_dpmp.launcher import launch_environment
+    from lightning_dpmp.integration.launcher import launch_environment
 
     started = time.perf_counter()
     multirun, job_num, overrides, failures_reported = _hydra_job()

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-import lightning_dpmp.checkpoint as C  # noqa: E402
-import lightning_dpmp.sharded as S  # noqa: E402
+import lightning_dpmp.checkpoint.consolidated as C  # noqa: E402
+import lightning_dpmp.checkpoint.sharded as S  # noqa: E402
 
 
 def stall(ready: str) -> None:

@@ -20,12 +20,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_dpmp.accounting import CommCounter  # noqa: E402
-from lightning_dpmp.comm import gather_from_group  # noqa: E402
-from lightning_dpmp.grid import build_grid  # noqa: E402
-from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy  # noqa: E402
-from lightning_dpmp.loss import vocab_parallel_cross_entropy  # noqa: E402
-from lightning_dpmp.parallelize import consolidated_state_dict  # noqa: E402
+from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
+from lightning_dpmp.parallel.comm import gather_from_group  # noqa: E402
+from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
+from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputCopy  # noqa: E402
+from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy  # noqa: E402
+from lightning_dpmp.planner.parallelize import consolidated_state_dict  # noqa: E402
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:

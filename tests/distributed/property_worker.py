@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dpmp.comm import group_rank, group_size
-from lightning_dpmp.layers import ColumnParallelLinear, RowParallelLinear, shard_dims
+from lightning_dpmp.parallel.comm import group_rank, group_size
+from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_dims
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}
 
@@ -102,7 +102,7 @@ class RandomMLP(nn.Module):
 def _mlp_case(c: dict, grid: Any) -> dict:
     """Plan and parallelise a random MLP with the automatic planner (no verification, so no fallback can hide a
     wrong plan), then compare output and every gradient with the dense model."""
-    from lightning_dpmp.autoplan import plan_module  # late: only the pool needs the planner's collectives
+    from lightning_dpmp.integration.autoplan import plan_module  # late: only the pool needs the planner's collectives
 
     torch.manual_seed(c["seed"])
     model = RandomMLP(c).double()
@@ -136,7 +136,7 @@ def run_case(case: dict, group: Any = None, grid: Any = None) -> dict:
 
 def serve(rank: int, world: int, init_file: str, inbox: Any, outbox: Any) -> None:
     """Pool rank: join the gloo group, build the mp=1, 2 and 4 grids once, answer cases until ``None`` arrives."""
-    from lightning_dpmp.grid import build_grid
+    from lightning_dpmp.parallel.grid import build_grid
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60))

@@ -19,8 +19,8 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_dpmp.convert import convert
-from lightning_dpmp.sharded import is_sharded_checkpoint
+from lightning_dpmp.checkpoint.convert import convert
+from lightning_dpmp.checkpoint.sharded import is_sharded_checkpoint
 from tests.conftest import run_script
 from tests.distributed import checkpoint_worker as W
 from tests.support.models import ResMLP, make_dataset, reference_loader

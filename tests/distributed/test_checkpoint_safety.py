@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from lightning_dpmp.checkpoint import load_file
-from lightning_dpmp.sharded import load_sharded_full
+from lightning_dpmp.checkpoint.consolidated import load_file
+from lightning_dpmp.checkpoint.sharded import load_sharded_full
 from tests.conftest import ROOT
 
 WORKER = "tests/distributed/checkpoint_kill_worker.py"

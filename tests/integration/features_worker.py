@@ -24,8 +24,8 @@ from torchmetrics import CatMetric, SumMetric  # noqa: E402
 from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
-from lightning_dpmp.accounting import CommCounter  # noqa: E402
-from lightning_dpmp.zero import optimizer_state_bytes  # noqa: E402
+from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
+from lightning_dpmp.integration.zero import optimizer_state_bytes  # noqa: E402
 from tests.support.models import ResMLP, build, make_dataset  # noqa: E402
 
 BUDGET_BYTES = 200 * 2**20  # the stated per-process budget for parameters in the meta-init check

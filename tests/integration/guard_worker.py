@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
-from lightning_dpmp.guard import ConsistencyGuard  # noqa: E402
+from lightning_dpmp.integration.guard import ConsistencyGuard  # noqa: E402
 from tests.support.models import ResMLP, make_dataset  # noqa: E402
 
 

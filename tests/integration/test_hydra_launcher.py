@@ -15,7 +15,7 @@ from hydra.types import RunMode
 from omegaconf import open_dict
 
 import examples.config  # noqa: F401
-from lightning_dpmp.launcher import LAUNCH_ENV_VARS, hydra_child_command, launch_environment
+from lightning_dpmp.integration.launcher import LAUNCH_ENV_VARS, hydra_child_command, launch_environment
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.checkpoint import (
+from lightning_dpmp.checkpoint.consolidated import (
     CheckpointMismatchError,
     atomic_save,
     check_state_matches,
@@ -24,8 +24,8 @@ from lightning_dpmp.checkpoint import (
     replace_path,
     restore_rng_states,
 )
-from lightning_dpmp.grid import Grid
-from lightning_dpmp.sharded import _SafeReader
+from lightning_dpmp.parallel.grid import Grid
+from lightning_dpmp.checkpoint.sharded import _SafeReader
 from tests.support.models import ResMLP
 
 MODEL = {"a.weight": (4, 2), "a.bias": (4,), "b.weight": (3, 4)}
@@ -85,7 +85,7 @@ def test_a_crash_between_the_two_renames_is_recoverable(tmp_path):
             raise OSError("simulated crash")
         real(src, dst)
 
-    with mock.patch("lightning_dpmp.checkpoint.os.replace", crash_on_second), pytest.raises(OSError):
+    with mock.patch("lightning_dpmp.checkpoint.consolidated.os.replace", crash_on_second), pytest.raises(OSError):
         replace_path(new, path)
     found = recover_path(path)
     assert found != path and os.path.isdir(os.path.join(found, "old_marker"))

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dpmp
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.grid import check_world_size, coords_of, group_ranks
+from lightning_dpmp.parallel.grid import check_world_size, coords_of, group_ranks
 
 
 @pytest.mark.parametrize("dp,mp", [(1, 4), (2, 2), (4, 1), (2, 4), (3, 5)])

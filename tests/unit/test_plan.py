@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dpmp.plan import make_plan
-from lightning_dpmp.trace import trace_step
+from lightning_dpmp.planner.plan import make_plan
+from lightning_dpmp.planner.trace import trace_step
 from tests.support.models import ResMLP
 
 
@@ -240,7 +240,7 @@ def test_mp1_splits_nothing():
 
 
 def test_sequence_parallel_analysis_on_gpt_and_refusals():
-    from lightning_dpmp.sequence import plan_sequence_parallel
+    from lightning_dpmp.planner.sequence import plan_sequence_parallel
     from tests.support.models import build
 
     model, ds = build("gpt")

@@ -1,11 +1,11 @@
 """Plan a LightningModule from one traced step, parallelise it, and check the result numerically.
 
-The sequence, run by :class:`~lightning_dpmp.strategy.DPMPStrategy` at setup on every rank:
+The sequence, run by :class:`~lightning_dpmp.integration.strategy.DPMPStrategy` at setup on every rank:
 
 1. rank 0 takes the first batch of the stage's dataloader and broadcasts it (all MP ranks must see one batch);
-2. each rank runs the step once on the dense model, recording data flow (:mod:`lightning_dpmp.trace`) and, when
+2. each rank runs the step once on the dense model, recording data flow (:mod:`lightning_dpmp.planner.trace`) and, when
    fitting, the dense gradients;
-3. rank 0's plan (:mod:`lightning_dpmp.plan`) is broadcast so that every rank applies the same layout;
+3. rank 0's plan (:mod:`lightning_dpmp.planner.plan`) is broadcast so that every rank applies the same layout;
 4. the model is parallelised, and the same step is run again: loss and every gradient shard must match the dense
    ones within a tolerance set by the precision. If they do not, the plan falls back in stages (no attention-like
    pairs, then every split layer self-contained, then nothing split), and the printout says so.
@@ -32,14 +32,14 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor, nn
 
-from lightning_dpmp.clipping import sync_sequence_partial_grads
-from lightning_dpmp.comm import group_rank, group_size
-from lightning_dpmp.grid import Grid
-from lightning_dpmp.layers import shard_blocks, shard_dims, shard_tensor
-from lightning_dpmp.parallelize import parallelize, restore
-from lightning_dpmp.plan import Plan, make_plan
-from lightning_dpmp.sequence import plan_sequence_parallel
-from lightning_dpmp.trace import Trace, loss_of, trace_step
+from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
+from lightning_dpmp.parallel.comm import group_rank, group_size
+from lightning_dpmp.parallel.grid import Grid
+from lightning_dpmp.parallel.layers import shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.planner.parallelize import parallelize, restore
+from lightning_dpmp.planner.plan import Plan, make_plan
+from lightning_dpmp.planner.sequence import plan_sequence_parallel
+from lightning_dpmp.planner.trace import Trace, loss_of, trace_step
 
 __all__ = ["PlanResult", "isolated", "plan_module"]
 

@@ -3,7 +3,7 @@
 Styles (the values a user plan may name):
 
 * ``"column"``: split by output features; the output stays split until ``"row"`` layers read it, through
-  element-wise ops or head-wise attention (:mod:`lightning_dpmp.flow` says which ops keep it split).
+  element-wise ops or head-wise attention (:mod:`lightning_dpmp.planner.flow` says which ops keep it split).
 * ``"row"``: split by input features; the output is all-reduced.
 * ``"column_gather"``: split by output features, output all-gathered: correct wherever the output goes. The
   default for a Linear that pairs with nothing.
@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_dpmp.flow import analyse
-from lightning_dpmp.trace import LinearCall, Trace, is_linear
+from lightning_dpmp.planner.flow import analyse
+from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
 __all__ = ["LayerPlan", "Plan", "STYLES", "make_plan"]
 
@@ -88,7 +88,7 @@ class Plan:
     traced: bool = False
     notes: list[str] = field(default_factory=list)
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    sequence: Optional[Any] = None  # a lightning_dpmp.sequence.SequencePlan when sequence parallel
+    sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
 
     def comm_per_step(self) -> dict[str, dict[str, int]]:
         """Analytic MP collectives of one forward + backward, one call per layer (clipping's all-reduce excluded).
@@ -256,7 +256,7 @@ def make_plan(
     Args:
         model: the dense model (module names are those of ``model.named_modules()``).
         mp: tensor-parallel width.
-        trace: the recorded data flow of one step (:func:`lightning_dpmp.trace.trace_step`); without it only the
+        trace: the recorded data flow of one step (:func:`lightning_dpmp.planner.trace.trace_step`); without it only the
             user plan can pair layers, and every other divisible Linear becomes ``"column_gather"``.
         user_plan: ``{glob: style}`` overrides, e.g. ``{"blocks.*.fc1": "column", "head": "replicate"}``.
         level: 0 = everything; 1 = no attention-like pairs; 2 = no pairs, no vocab splitting (fallbacks).

@@ -1,4 +1,4 @@
-"""Apply a :class:`~lightning_dpmp.plan.Plan` to a module in place, and consolidate it back.
+"""Apply a :class:`~lightning_dpmp.planner.plan.Plan` to a module in place, and consolidate it back.
 
 Parallel layers take the place of the dense ones under the same attribute names, with parameters named
 ``weight``/``bias`` and registered in the same order, so module names, ``state_dict`` keys and the optimizer's
@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from lightning_dpmp.comm import gather_from_sequence, group_size, scatter_to_group
-from lightning_dpmp.layers import (
+from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
+from lightning_dpmp.parallel.layers import (
     GATHERED,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -28,7 +28,7 @@ from lightning_dpmp.layers import (
     shard_blocks,
     shard_dims,
 )
-from lightning_dpmp.plan import Plan
+from lightning_dpmp.planner.plan import Plan
 
 __all__ = ["consolidate", "consolidated_state_dict", "parallelize", "restore", "set_submodule"]
 
@@ -46,7 +46,7 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
 def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = None) -> dict[str, nn.Module]:
     """Swap every planned layer of ``model`` for its parallel form, sliced from the dense weights.
 
-    ``rng`` (a :class:`~lightning_dpmp.rng.RNGTracker`) gives column -> row regions their own dropout stream.
+    ``rng`` (a :class:`~lightning_dpmp.parallel.rng.RNGTracker`) gives column -> row regions their own dropout stream.
     Returns the dense layers that were replaced, by name, so that :func:`restore` can put them back.
     """
     originals: dict[str, nn.Module] = {}
@@ -144,7 +144,7 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
     """Replace every parallel layer by its dense module holding the gathered weights (collective over MP).
 
     Returns ``{id(shard parameter): (dense parameter, split dim or None, fused blocks)}`` so that optimizers can follow
-    (:func:`lightning_dpmp.checkpoint.consolidate_optimizer`).
+    (:func:`lightning_dpmp.checkpoint.consolidated.consolidate_optimizer`).
     """
     moved: dict[int, tuple[nn.Parameter, Optional[int], int]] = {}
     for name, mod in list(model.named_modules()):

@@ -66,7 +66,7 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def unshard(zero: Any, moved: Any, full_state: dict[str, Any]) -> Optimizer:
-    """A plain optimizer of the wrapped class over the dense parameters :func:`~lightning_dpmp.parallelize.consolidate`
+    """A plain optimizer of the wrapped class over the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate`
     made, loaded with the consolidated ``full_state``: what the model's owner gets back after ``fit``."""
     inner = getattr(zero, "_optimizer", zero)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [moved.get(id(p), (p,))[0] for p in g["params"]]}

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Self
 
-from lightning_dpmp.comm import (
+from lightning_dpmp.parallel.comm import (
     copy_to_group,
     gather_from_group,
     gather_from_sequence,
@@ -246,7 +246,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.gather_output:
             return gather_tensor(y, y.dim() - 1, self.group, self.blocks)
         if self.vocab_logits:
-            from lightning_dpmp.loss import VocabShardedLogits  # avoids an import cycle
+            from lightning_dpmp.parallel.loss import VocabShardedLogits  # avoids an import cycle
 
             return VocabShardedLogits.wrap(y, self.group, self.out_features)
         if self.rng is not None:

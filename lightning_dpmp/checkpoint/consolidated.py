@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dpmp.comm import group_rank, group_size
-from lightning_dpmp.layers import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.comm import group_rank, group_size
+from lightning_dpmp.parallel.layers import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
 
 __all__ = [
     "CheckpointMismatchError",
@@ -171,7 +171,7 @@ def shard_state_dict(
 
 
 def consolidate_optimizer(optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any) -> None:
-    """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.parallelize.consolidate` made, with its
+    """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate` made, with its
     per-parameter state gathered to dense shapes (collective over MP; every rank ends up dense)."""
     for pg in optimizer.param_groups:
         new_params = []
@@ -212,7 +212,7 @@ def check_state_matches(expected: Mapping[str, tuple[int, ...]], found: Mapping[
         >>> check_state_matches({"w": (4, 2)}, {"w": (4, 3)}, strict=True)
         Traceback (most recent call last):
         ...
-        lightning_dpmp.checkpoint.CheckpointMismatchError: Checkpoint does not match the model: 'w' has shape (4, 3) in the checkpoint but (4, 2) in the model.
+        lightning_dpmp.checkpoint.consolidated.CheckpointMismatchError: Checkpoint does not match the model: 'w' has shape (4, 3) in the checkpoint but (4, 2) in the model.
     """
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]

@@ -5,7 +5,7 @@ Each recorded call either keeps a region's tensors split (element-wise ops; head
 H, d)`` that split whole heads; transposes; attention over split heads; chunks of fused projections), reads them
 as a row layer (the region's exit), reads them as a vocab-parallel cross-entropy (an LM head's exit), or breaks
 the region (anything else: a norm, a full-width reshape, ``argmax``, being returned). Broken regions fall back to
-self-contained layers; the planner (:mod:`lightning_dpmp.plan`) picks among the rest.
+self-contained layers; the planner (:mod:`lightning_dpmp.planner.plan`) picks among the rest.
 
 Example:
     >>> flow = analyse(trace, linears, mp=2, forced={})          # doctest: +SKIP
@@ -21,7 +21,7 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
-from lightning_dpmp.trace import LinearCall, OpCall, Trace
+from lightning_dpmp.planner.trace import LinearCall, OpCall, Trace
 
 __all__ = ["Flow", "analyse"]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightning_dpmp.flow import BINARY, UNARY
-from lightning_dpmp.plan import Plan
-from lightning_dpmp.trace import LinearCall, Trace
+from lightning_dpmp.planner.flow import BINARY, UNARY
+from lightning_dpmp.planner.plan import Plan
+from lightning_dpmp.planner.trace import LinearCall, Trace
 
 __all__ = ["SequencePlan", "plan_sequence_parallel"]
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dpmp.comm import all_reduce_sum, gather_from_group, group_rank, group_size
+from lightning_dpmp.parallel.comm import all_reduce_sum, gather_from_group, group_rank, group_size
 
 __all__ = ["VocabShardedLogits", "vocab_parallel_cross_entropy"]
 

@@ -1,10 +1,10 @@
 """DPMPStrategy: Lightning's lifecycle for data x tensor-model parallel training; the work is delegated.
 
-* ``setup_environment`` initialises torch.distributed and builds the :class:`~lightning_dpmp.grid.Grid`.
-* ``setup`` plans and parallelises the model (:mod:`lightning_dpmp.autoplan`), wraps it in
+* ``setup_environment`` initialises torch.distributed and builds the :class:`~lightning_dpmp.parallel.grid.Grid`.
+* ``setup`` plans and parallelises the model (:mod:`lightning_dpmp.integration.autoplan`), wraps it in
   ``DistributedDataParallel(process_group=<dp group>)`` so that gradients are averaged over DP only, and routes
-  norm clipping through the global norm (:mod:`lightning_dpmp.clipping`).
-* Checkpoints are consolidated (:mod:`lightning_dpmp.checkpoint`): dense tensors under the dense names.
+  norm clipping through the global norm (:mod:`lightning_dpmp.parallel.clipping`).
+* Checkpoints are consolidated (:mod:`lightning_dpmp.checkpoint.consolidated`): dense tensors under the dense names.
 * ``teardown`` gathers the layers back, so the module you passed to ``fit`` is dense again afterwards.
 """
 
@@ -29,30 +29,30 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dpmp.autoplan import PlanResult, plan_module
-from lightning_dpmp.checkpoint import (
+from lightning_dpmp.integration.autoplan import PlanResult, plan_module
+from lightning_dpmp.checkpoint.consolidated import (
     consolidate_optimizer,
 )
-from lightning_dpmp import hooks
-from lightning_dpmp.failfast import (
+from lightning_dpmp.integration import hooks
+from lightning_dpmp.integration.failfast import (
     check_backend,
     check_sync_batchnorm,
     die_with_parent,
     is_launched_rank,
     warn_if_data_not_sharded,
 )
-from lightning_dpmp.grid import Grid, build_grid, check_parallel_size, check_world_size
-from lightning_dpmp.guard import ConsistencyGuard
-from lightning_dpmp.launcher import DPMPScriptLauncher
-from lightning_dpmp.layers import shard_dims
-from lightning_dpmp.parallelize import consolidate
-from lightning_dpmp.loss import VocabShardedLogits
-from lightning_dpmp.materialize import is_meta, materialize
-from lightning_dpmp.metrics import route_metrics
-from lightning_dpmp.rng import RNGTracker
-from lightning_dpmp.strategy_checkpoint import CheckpointMixin
-from lightning_dpmp.stepdata import first_batch, step_runner
-from lightning_dpmp.zero import is_zero, shard_over_dp, unshard
+from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
+from lightning_dpmp.integration.guard import ConsistencyGuard
+from lightning_dpmp.integration.launcher import DPMPScriptLauncher
+from lightning_dpmp.parallel.layers import shard_dims
+from lightning_dpmp.planner.parallelize import consolidate
+from lightning_dpmp.parallel.loss import VocabShardedLogits
+from lightning_dpmp.planner.materialize import is_meta, materialize
+from lightning_dpmp.integration.metrics import route_metrics
+from lightning_dpmp.parallel.rng import RNGTracker
+from lightning_dpmp.integration.strategy_checkpoint import CheckpointMixin
+from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.integration.zero import is_zero, shard_over_dp, unshard
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +67,22 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         mp: tensor-parallel size, or ``"auto"`` (devices per node; or world // dp when ``dp`` is given).
             ``dp * mp`` must equal ``devices * num_nodes``.
         plan: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
-            ``"column_gather"``, ``"vocab"``, ``"replicate"`` (see :mod:`lightning_dpmp.plan`); the first matching
+            ``"column_gather"``, ``"vocab"``, ``"replicate"`` (see :mod:`lightning_dpmp.planner.plan`); the first matching
             glob wins.
         sequence_parallel: keep norms/dropout/residual regions split along the sequence between the parallel
-            layers (:mod:`lightning_dpmp.sequence`); refused, with the reason, where the model does not allow it.
+            layers (:mod:`lightning_dpmp.planner.sequence`); refused, with the reason, where the model does not allow it.
         verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
             before training; layers that disagree fall back to safer styles.
         consolidate_on_teardown: gather the layers (and optimizer state) back to dense at the end of ``fit``,
             ``validate``, ``test`` or ``predict``, so the module you passed is the plain model again.
-        save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel (:mod:`lightning_dpmp.sharded`)
+        save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel (:mod:`lightning_dpmp.checkpoint.sharded`)
             instead of one consolidated file; both load into any layout.
         timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging).
-        zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.zero`): 1/dp of it per
+        zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.integration.zero`): 1/dp of it per
             rank, same training trajectory; checkpoints stay consolidated.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
-            (:mod:`lightning_dpmp.guard`); raises naming the first difference. 0 (default) turns it off.
+            (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
         process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
         start_method: ``"popen"`` (default, Lightning's script launcher), ``"spawn"``, ``"fork"``.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``static_graph=True``).
@@ -357,7 +357,7 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``Trainer.init_module(empty_init=True)``: build on the meta device; each rank materialises its shards
-        after the split (:mod:`lightning_dpmp.materialize`), so the dense model never exists in memory."""
+        after the split (:mod:`lightning_dpmp.planner.materialize`), so the dense model never exists in memory."""
         device_ctx = torch.device("meta") if empty_init else nullcontext()
         with device_ctx, self.precision_plugin.tensor_init_context():
             yield

@@ -2,7 +2,7 @@
 
 A ``TorchFunctionMode`` sees every torch function and tensor method called from Python, differentiable or not
 (``argmax`` included), and forward hooks on each ``nn.Linear`` mark where a layer reads and writes. Calls made
-inside a Linear are hidden, so the record reads like the model's own code. The planner (:mod:`lightning_dpmp.plan`)
+inside a Linear are hidden, so the record reads like the model's own code. The planner (:mod:`lightning_dpmp.planner.plan`)
 turns the record into a layout.
 
 Example:

@@ -21,22 +21,17 @@ import zlib
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_dpmp.layers import _ParallelLinear
+from lightning_dpmp.parallel.layers import _ParallelLinear
 
-__all__ = ["is_meta", "materialize", "to_meta"]
+__all__ = ["is_meta", "materialize"]
 
 
 def is_meta(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` is on the meta device."""
     return any(p.is_meta for p in module.parameters())
 
-
-def to_meta(batch: Any) -> Any:
-    """The batch as meta tensors, for tracing a meta model (shapes only)."""
-    return apply_to_collection(batch, Tensor, lambda t: t.to("meta"))
 
 
 def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int) -> int:

@@ -20,7 +20,7 @@ from typing import Any, Union
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_dpmp.clipping import clip_grad_norm_, sync_sequence_partial_grads
+from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_sequence_partial_grads
 
 __all__ = ["install", "remove"]
 

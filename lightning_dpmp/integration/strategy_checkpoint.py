@@ -1,9 +1,9 @@
 """The checkpoint half of DPMPStrategy: consolidated and sharded saves, loads into any layout.
 
 Consolidated (default): dense tensors under the dense names, gathered parameter by parameter onto rank 0, which
-writes one file atomically (:mod:`lightning_dpmp.checkpoint`). Sharded: every rank writes its own shards into a
-folder (:mod:`lightning_dpmp.sharded`). Both load after setup, into the parallelised model, so each rank reads only
-its slices. Kept apart from :mod:`lightning_dpmp.strategy` so that each file reads as one concern.
+writes one file atomically (:mod:`lightning_dpmp.checkpoint.consolidated`). Sharded: every rank writes its own shards into a
+folder (:mod:`lightning_dpmp.checkpoint.sharded`). Both load after setup, into the parallelised model, so each rank reads only
+its slices. Kept apart from :mod:`lightning_dpmp.integration.strategy` so that each file reads as one concern.
 
 Example:
     >>> trainer.save_checkpoint("last.ckpt")                  # collective; rank 0 writes  # doctest: +SKIP
@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpmp.checkpoint import (
+from lightning_dpmp.checkpoint.consolidated import (
     atomic_save,
     check_state_matches,
     consolidate_optimizer_state,
@@ -43,16 +43,16 @@ from lightning_dpmp.checkpoint import (
     shard_state_dict,
     write_on_rank_zero,
 )
-from lightning_dpmp.layers import shard_blocks, shard_dims
-from lightning_dpmp.zero import is_zero, zero_state_dict
+from lightning_dpmp.parallel.layers import shard_blocks, shard_dims
+from lightning_dpmp.integration.zero import is_zero, zero_state_dict
 
 __all__ = ["CheckpointMixin"]
 
-_TRACKER_KEY = "dpmp_rng_tracker"  # per-MP-rank dropout streams of the sharded regions (lightning_dpmp.rng)
+_TRACKER_KEY = "dpmp_rng_tracker"  # per-MP-rank dropout streams of the sharded regions (lightning_dpmp.parallel.rng)
 
 
 class CheckpointMixin(DDPStrategy):
-    """Checkpoint hooks of :class:`~lightning_dpmp.strategy.DPMPStrategy` (uses its grid, sizes and options)."""
+    """Checkpoint hooks of :class:`~lightning_dpmp.integration.strategy.DPMPStrategy` (uses its grid, sizes and options)."""
 
     _grid: Any
     _save_distributed_checkpoint: bool
@@ -92,7 +92,7 @@ class CheckpointMixin(DDPStrategy):
         """Write ``checkpoint`` atomically: one file from rank 0, or a folder from all ranks (collective)."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-        from lightning_dpmp.sharded import save_sharded
+        from lightning_dpmp.checkpoint.sharded import save_sharded
 
         path = str(self.broadcast(str(filepath)))
         checkpoint["dpmp"] = layout_info(self.dp, self.mp, self.root_device)
@@ -118,7 +118,7 @@ class CheckpointMixin(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a consolidated file (``weights_only=True``, memory-mapped) or this rank's slices of a sharded folder."""
-        from lightning_dpmp.sharded import is_sharded_checkpoint, load_sharded
+        from lightning_dpmp.checkpoint.sharded import is_sharded_checkpoint, load_sharded
 
         if weights_only is False:
             rank_zero_warn("DPMPStrategy always loads checkpoints with weights_only=True; `weights_only=False` is ignored.")
@@ -145,7 +145,7 @@ class CheckpointMixin(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        from lightning_dpmp.sharded import LOCAL_LAYOUT_KEY
+        from lightning_dpmp.checkpoint.sharded import LOCAL_LAYOUT_KEY
 
         lm = self.lightning_module
         assert lm is not None
@@ -159,7 +159,7 @@ class CheckpointMixin(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        from lightning_dpmp.sharded import LOCAL_LAYOUT_KEY
+        from lightning_dpmp.checkpoint.sharded import LOCAL_LAYOUT_KEY
 
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if self._grid is not None and self.mp > 1 and not checkpoint.get(LOCAL_LAYOUT_KEY):

@@ -4,7 +4,7 @@ Each rank writes only what it holds: a split parameter (and its AdamW moments) i
 on the ``(dp, mp)`` mesh with placements ``[Replicate(), Shard(dim)]``, so DCP stores each MP shard once (DP
 replicas are deduplicated) and records the dense shape; replicated tensors are stored once, by one rank. Nothing is
 gathered: no rank holds more than its own shards. Loading asks DCP for this rank's slice of the dense tensors under
-the *current* layout, which reshards ``(2, 2) -> (1, 4)`` or into a dense model (:mod:`lightning_dpmp.convert`).
+the *current* layout, which reshards ``(2, 2) -> (1, 4)`` or into a dense model (:mod:`lightning_dpmp.checkpoint.convert`).
 
 The folder::
 
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_dpmp.checkpoint import (
+from lightning_dpmp.checkpoint.consolidated import (
     CheckpointMismatchError,
     atomic_save,
     check_state_matches,
@@ -51,8 +51,8 @@ from lightning_dpmp.checkpoint import (
     optimizer_param_names,
     replace_path,
 )
-from lightning_dpmp.grid import Grid
-from lightning_dpmp.layers import shard_blocks, shard_dims
+from lightning_dpmp.parallel.grid import Grid
+from lightning_dpmp.parallel.layers import shard_blocks, shard_dims
 
 __all__ = ["LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"]
 
@@ -267,7 +267,7 @@ def load_sharded_full(path: str) -> dict[str, Any]:
     """Read a sharded folder into one dense, consolidated Lightning checkpoint (one process, no process group).
 
     Holds the whole model and optimizer state in memory: this is the converter's path
-    (:func:`lightning_dpmp.convert.convert`), not the training one.
+    (:func:`lightning_dpmp.checkpoint.convert.convert`), not the training one.
     """
     path = str(path)
     if not is_sharded_checkpoint(path):

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_dpmp.autoplan import isolated
-from lightning_dpmp.materialize import to_meta
+from lightning_dpmp.integration.autoplan import isolated
 
 __all__ = ["first_batch", "step_runner"]
 
@@ -67,3 +67,8 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
             return getattr(lm, hook)(b, 0)
 
     return run
+
+
+def to_meta(batch: Any) -> Any:
+    """The batch as meta tensors, for tracing a meta model (shapes only)."""
+    return apply_to_collection(batch, Tensor, lambda t: t.to("meta"))

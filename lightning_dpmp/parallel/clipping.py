@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dpmp.comm import all_reduce_sum
+from lightning_dpmp.parallel.comm import all_reduce_sum
 
 __all__ = ["clip_grad_norm_", "grad_norm", "sync_sequence_partial_grads"]
 

@@ -1,0 +1,6 @@
+"""Checkpoints of parallelised models: consolidated files (``consolidated``), sharded DCP folders
+(``sharded``), and the sharded -> consolidated converter (``convert``, also ``python -m lightning_dpmp.convert``).
+
+May import: torch, Lightning's public checkpoint I/O, :mod:`lightning_dpmp.parallel` and
+:mod:`lightning_dpmp.planner`. Never :mod:`lightning_dpmp.integration`.
+"""
