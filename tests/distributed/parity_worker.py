@@ -32,6 +32,7 @@ class Probe(L.Callback):
         self.step, self.mode, self.counts, self.consistent = step, None, {}, {}
         self.drop_sequence_sync = False
         self.save_to = ""
+        self.local_params: dict = {}
 
     def on_train_start(self, trainer, pl_module):
         if self.drop_sequence_sync:
@@ -50,6 +51,8 @@ class Probe(L.Callback):
             self.mode = None
 
     def on_train_end(self, trainer, pl_module):
+        dims = shard_dims(pl_module)  # parameter name -> (numel held here, split over MP)
+        self.local_params = {n: (p.numel(), n in dims) for n, p in pl_module.named_parameters()}
         if self.save_to:  # a save while the model is still split: the gather path, not the consolidated teardown
             trainer.save_checkpoint(self.save_to)
         grid = trainer.strategy.grid
@@ -95,6 +98,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         "verified": strategy.plan.verified,
         "consistent": probe.consistent,
         "dense_after_fit": not shard_dims(model),
+        "local_params": probe.local_params,
         "sampler": trainer.train_dataloader.sampler.num_replicas if hasattr(trainer.train_dataloader, "sampler") else None,
     }
 

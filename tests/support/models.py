@@ -196,4 +196,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return LMModule(TinyLlama()), make_lm_dataset()
     if name == "fused":
         return LMModule(FusedLM()), make_lm_dataset()
+    from tests.support.real_models import REAL_MODELS, build_real
+
+    if name in REAL_MODELS:
+        return build_real(name)
     raise ValueError(name)
