@@ -10,7 +10,9 @@ The sequence, run by :class:`~lightning_dpmp.integration.strategy.DPMPStrategy` 
    ones within a tolerance set by the precision. If they do not, the plan falls back in stages (no attention-like
    pairs, then every split layer self-contained, then nothing split), and the printout says so.
 
-Every run happens in eval mode with all RNG states and torchmetrics states saved and restored and ``self.log``
+Every run happens in the stage's mode (training mode when fitting, with dropout switched off by
+:class:`~lightning_dpmp.planner.trace.NoDropout`; eval mode otherwise) with all RNG states, buffers and
+torchmetrics states saved and restored and ``self.log``
 silenced, so training afterwards draws exactly the random numbers, and counts exactly the samples, it would have
 without this check. A manual-optimization step is traced with inert optimizers; the losses it back-propagates
 are collected instead.
@@ -86,7 +88,8 @@ def _manual_optimization_stand_ins(module: nn.Module, losses: list[Tensor]) -> d
 
 @contextlib.contextmanager
 def isolated(module: nn.Module, losses: Optional[list[Tensor]] = None) -> Iterator[None]:
-    """Eval mode, saved RNG states and silenced ``log``/``log_dict`` for a side-effect-free extra step.
+    """Eval mode (a fitting step runner switches to training mode inside), saved RNG states and buffers, and
+    silenced ``log``/``log_dict`` for a side-effect-free extra step.
 
     With ``losses`` and a LightningModule in manual optimization, the losses it back-propagates are collected there.
     """
@@ -96,6 +99,7 @@ def isolated(module: nn.Module, losses: Optional[list[Tensor]] = None) -> Iterat
     if losses is not None and getattr(module, "automatic_optimization", True) is False:
         patches.update(_manual_optimization_stand_ins(module, losses))
     metrics = _metric_states(module)
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]  # a train-mode step moves BatchNorm statistics
     module.eval()
     for name, fn in patches.items():
         setattr(module, name, fn)
@@ -104,6 +108,10 @@ def isolated(module: nn.Module, losses: Optional[list[Tensor]] = None) -> Iterat
     finally:
         for metric, state in metrics:  # an extra step must not count in the user's metrics
             metric.__dict__.update(state)
+        with torch.no_grad():
+            for b, saved in buffers:
+                if b.shape == saved.shape:
+                    b.copy_(saved)
         for name in patches:
             delattr(module, name)
         for m, mode in modes:

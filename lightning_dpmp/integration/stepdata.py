@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection, move_data
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_dpmp.integration.autoplan import isolated
+from lightning_dpmp.planner.trace import NoDropout
 
 __all__ = ["first_batch", "step_runner"]
 
@@ -59,11 +61,14 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
     lm = strategy.lightning_module
     _, hook, context = _STEPS[trainer.state.fn]
     plugin = strategy.precision_plugin
+    training = trainer.state.fn == TrainerFn.FITTING
 
     def run() -> Any:
         b = lm._apply_batch_transfer_handler(batch, device=strategy.root_device)
         b = plugin.convert_input(to_meta(b) if meta else b)
-        with getattr(plugin, context)():
+        if training:  # trace the path that trains (caches, checkpointing, aux losses follow self.training)
+            lm.train()  # `isolated` restores every module's mode afterwards
+        with getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
             return getattr(lm, hook)(b, 0)
 
     return run

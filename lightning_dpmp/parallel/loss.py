@@ -138,6 +138,9 @@ class VocabShardedLogits(torch.Tensor):
                         plain(args[0]), args[1], group, kwargs.get("ignore_index", -100),
                         kwargs.get("reduction", "mean"), kwargs.get("label_smoothing", 0.0),
                     )
+            if name == "__getitem__" and isinstance(args[0], VocabShardedLogits) and _keeps_last_dim(args[1], args[0].dim()):
+                out = func(plain(args[0]), args[1])  # e.g. the shift logits[:, :-1]: the vocab dim is untouched
+                return VocabShardedLogits.wrap(out, group, vocab)
             if name in _KEEP_SHARDED and isinstance(args[0], VocabShardedLogits):
                 local_v = args[0].shape[-1]
                 def local(d: Any) -> Any:
@@ -154,3 +157,25 @@ class VocabShardedLogits(torch.Tensor):
             full_args = [a.full() if isinstance(a, VocabShardedLogits) else a for a in args]
             full_kwargs = {k: (v.full() if isinstance(v, VocabShardedLogits) else v) for k, v in kwargs.items()}
             return func(*full_args, **full_kwargs)
+
+
+def _keeps_last_dim(index: Any, ndim: int) -> bool:
+    """Whether ``x[index]`` leaves the last (vocab) dim of an ``ndim``-dim tensor whole and last."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not items or items[-1] is None:
+        return not items  # a trailing None would push the vocab dim off the end
+
+    def width(it: Any) -> int:
+        if it is None or it is Ellipsis:
+            return 0
+        if isinstance(it, Tensor) and it.dtype == torch.bool:
+            return it.dim()
+        return 1
+
+    consuming = [it for it in items if width(it)]
+    if Ellipsis not in items and sum(width(it) for it in items) < ndim:
+        return True  # the trailing dims, the vocab one included, are taken whole
+    if Ellipsis in items and items[-1] is Ellipsis:
+        return True
+    last = consuming[-1] if consuming else slice(None)
+    return isinstance(last, slice) and last == slice(None)

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -37,11 +38,16 @@ BINARY = {
     "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__", "__pow__", "masked_fill", "masked_fill_", "where",
 }
-RESHAPES = {"view", "reshape", "flatten"}
-TRANSPOSES = {"transpose", "swapaxes", "permute", "t"}
-SPLITS = {"chunk", "split", "unbind"}
-BATCHED = {"scaled_dot_product_attention", "matmul", "__matmul__", "bmm", "softmax", "log_softmax", "repeat_interleave"}
+RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+TRANSPOSES = {"transpose", "swapaxes", "swapdims", "permute", "t", "T", "mT"}
+SPLITS = {"chunk", "split", "unbind", "tensor_split"}
+BATCHED = {"scaled_dot_product_attention", "matmul", "__matmul__", "bmm", "softmax", "log_softmax"}
 LOSSES = {"cross_entropy"}
+FIRST_ONLY = {"to", "type_as"}  # the second tensor only lends its dtype/device
+REDUCTIONS = {"sum", "mean", "amax", "amin", "var", "std", "logsumexp", "prod", "max", "min", "all", "any"}
+EXPANDS = {"expand", "expand_as", "broadcast_to", "repeat"}
+CONCATS = {"cat", "concat", "concatenate", "stack"}
+ATTENTION_LIKE = BATCHED | {"einsum"}  # a region using these is attention-like (for fallback notes)
 
 
 @dataclass
@@ -58,7 +64,13 @@ class _Region:
     losses: int = 0
     conflicts: list[str] = field(default_factory=list)
     literals: set[int] = field(default_factory=set)
-    simple: bool = True  # element-wise ops only (an MLP); False once heads/attention are involved
+    simple: bool = True  # no attention-like op (an MLP); False once matmuls of activations/softmax are involved
+    queried: set[int] = field(default_factory=set)  # split-dim sizes the code read from split tensors
+
+    def derived(self, value: int) -> bool:
+        """Whether a reshape literal can come from a size the code read off a split tensor (``x.shape``): then
+        it is per-rank at run time by itself (``reshape(B, n_kv * n_rep, T, d)`` in repeat-kv)."""
+        return any(value == q or (q > 1 and value % q == 0) for q in self.queried)
 
 
 @dataclass
@@ -101,6 +113,7 @@ class _Analysis:
             a.conflicts += b.conflicts
             a.literals |= b.literals
             a.simple &= b.simple
+            a.queried |= b.queried
         return keep
 
     def new_region(self, source: str) -> int:
@@ -138,6 +151,11 @@ class _Analysis:
             self.state[ev.output] = _Shard(self.new_region(ev.name), len(self.trace.shapes[ev.output]) - 1, ev.name)
 
     def op(self, ev: OpCall) -> None:
+        if ev.name == "size":  # a shape query: remember split-dim sizes the code reads (see _Region.derived)
+            sh = self.state.get(ev.inputs[0])  # type: ignore[arg-type]
+            if sh is not None:
+                self.regions[self.find(sh.region)].queried.add(self.trace.shapes[ev.inputs[0]][sh.dim])  # type: ignore[index]
+            return
         ins = [(i, self.state[n]) for i, n in enumerate(ev.inputs) if n is not None and n in self.state]
         if not ins:
             for n in ev.outputs:  # an in-place op may overwrite a split tensor with replicated data
@@ -152,7 +170,7 @@ class _Analysis:
                 self.state.pop(n, None)
             return
         r = self.union(regions)
-        if ev.name not in UNARY and ev.name not in BINARY:
+        if ev.name in ATTENTION_LIKE:
             self.regions[r].simple = False
         for n, out in zip(ev.outputs, result):
             if out is None:
@@ -162,37 +180,157 @@ class _Analysis:
 
     # ---- rules: return per-output (dim, raw) or None, or a string saying why the region breaks
     def rule(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
-        shapes = self.trace.shapes
-        (pos, sh), name = ins[0], ev.name
-        dims = {s.dim for _, s in ins}
-        in_shape = shapes[ev.inputs[pos]]  # type: ignore[index]
-        if name in UNARY or name in BINARY:
-            if len(dims) != 1 or len({shapes[ev.inputs[p]] for p, _ in ins}) != 1:  # type: ignore[index]
-                return f"used by '{name}' with differently split operands"
-            bad = self._not_neutral(ev, ins, sh.dim, len(in_shape))
-            if bad:
-                return f"used by '{name}' together with a replicated full-width tensor"
-            raws = {s.raw for _, s in ins}
-            raw = raws.pop() if len(raws) == 1 else None
-            if raw is None and any(not self.need_blocks(s, 1) for _, s in ins):
-                return f"used by '{name}' mixing fused layouts"
-            return [(sh.dim, raw)] * len(ev.outputs)
-        if name in LOSSES:
-            if pos == 0 and len(ins) == 1 and len(in_shape) == 2 and sh.dim == 1 and self.need_blocks(sh, 1):
-                self.regions[self.find(sh.region)].losses += 1
-                return [None] * len(ev.outputs)
-            return f"used by '{name}' in a layout other than (N, classes)"
-        if len(ins) == 1 and pos == 0 and name in RESHAPES:
-            return self._reshape(ev, sh, in_shape, shapes[ev.outputs[0]])
-        if len(ins) == 1 and pos == 0 and name in TRANSPOSES:
-            return self._transpose(ev, sh, len(in_shape))
-        if len(ins) == 1 and pos == 0 and name in SPLITS:
-            return self._split(ev, sh, in_shape)
-        if name in BATCHED:
-            return self._batched(ev, ins, in_shape)
-        return f"used by '{name}' (not element-wise)"
+        """Dispatch on :data:`OPS`: each handler says where the split dim of each output is, from what the op
+        does to dims (never from module or parameter names)."""
+        handler = OPS.get(ev.name)
+        if handler is None:
+            return f"used by '{ev.name}' (no rule for this op)"
+        return handler(self, ev, ins)
+
+    def _shape(self, node: Optional[int]) -> tuple:
+        return self.trace.shapes[node]  # type: ignore[index]
+
+    def _elementwise(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+        """Point-wise ops: split operands must line up (broadcasting from the right) on one split dim."""
+        out_shape = self._shape(ev.outputs[0])
+        nd = len(out_shape)
+        aligned = set()
+        for p, s in ins:
+            shape = self._shape(ev.inputs[p])
+            dim = s.dim + nd - len(shape)
+            if shape[s.dim] != out_shape[dim]:
+                return f"used by '{ev.name}' broadcasting its split dim"
+            aligned.add(dim)
+        if len(aligned) != 1:
+            return f"used by '{ev.name}' with differently split operands"
+        dim = aligned.pop()
+        if self._not_neutral(ev, ins, dim, nd):
+            return f"used by '{ev.name}' together with a replicated full-width tensor"
+        raws = {s.raw for _, s in ins}
+        raw = raws.pop() if len(raws) == 1 else None
+        if raw is None and any(not self.need_blocks(s, 1) for _, s in ins):
+            return f"used by '{ev.name}' mixing fused layouts"
+        return [(dim + len(self._shape(n)) - nd, raw) for n in ev.outputs]
+
+    def _first_only(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+        """``x.to(y)``, ``x.type_as(y)``: only the first operand's data flows; the other gives a dtype/device."""
+        (pos, sh) = ins[0]
+        if pos != 0:
+            return [None] * len(ev.outputs)  # a split tensor used as a dtype donor: the output is not split
+        return [(sh.dim, sh.raw)] * len(ev.outputs)
+
+    def _loss(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+        (pos, sh) = ins[0]
+        in_shape = self._shape(ev.inputs[pos])
+        if pos == 0 and len(ins) == 1 and len(in_shape) == 2 and sh.dim == 1 and self.need_blocks(sh, 1):
+            self.regions[self.find(sh.region)].losses += 1
+            return [None] * len(ev.outputs)
+        return f"used by '{ev.name}' in a layout other than (N, classes)"
+
+    def _getitem(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        """Indexing and slicing keep the split when the split dim is taken whole (``x[..., :d // 2]`` on the
+        head dim of rotary embeddings, ``logits[:, :-1]``); an index into the split dim breaks it."""
+        new = _index_target(ev.index, sh.dim, shape)
+        if isinstance(new, str):
+            return f"{new} by '{ev.name}'"
+        out_shape = self._shape(ev.outputs[0])
+        if new >= len(out_shape) or out_shape[new] != shape[sh.dim]:
+            return f"indexed by '{ev.name}' in a way that moves the split dim"
+        return [(new, sh.raw)]
+
+    def _concat(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+        """``cat``/``stack`` along another dim (rotary halves, a KV cache growing along the sequence): every
+        non-empty operand must be split on the same dim; empty ones (a fresh cache) carry nothing."""
+        split = dict(ins)
+        operands = [(p, n) for p, n in enumerate(ev.inputs) if n is not None]
+        ints = [v for v in ev.values if v is not None]
+        out_nd = len(self._shape(ev.outputs[0]))
+        axis = (ints[-1] if ints else 0) % out_nd
+        dims, raws = set(), set()
+        for p, n in operands:
+            shape = self._shape(n)
+            if math.prod(shape) == 0:
+                continue
+            if p not in split:
+                return f"concatenated by '{ev.name}' with a replicated tensor"
+            dims.add(split[p].dim)
+            raws.add(split[p].raw)
+        if len(dims) != 1:
+            return f"concatenated by '{ev.name}' with differently split operands"
+        dim = dims.pop()
+        if ev.name == "stack":
+            dim += axis <= dim
+        elif axis == dim:
+            return f"concatenated by '{ev.name}' along the split dim"
+        raw = raws.pop() if len(raws) == 1 else None
+        if raw is None and any(not self.need_blocks(s, 1) for s in split.values()):
+            return f"concatenated by '{ev.name}' mixing fused layouts"
+        return [(dim, raw)]
+
+    def _unsqueeze(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ints = [v for v in ev.values[1:] if v is not None]
+        axis = (ints[0] if ints else 0) % (len(shape) + 1)
+        return [(sh.dim + (axis <= sh.dim), sh.raw)]
+
+    def _squeeze(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        out_shape = self._shape(ev.outputs[0])
+        removed = len(shape) - len(out_shape)
+        ints = [v % len(shape) for v in ev.values[1:] if v is not None]
+        gone = [d for d in (ints or range(len(shape))) if shape[d] == 1]
+        if len(gone) != removed:
+            return f"squeezed by '{ev.name}' in a way the trace cannot follow"
+        return [(sh.dim - sum(d < sh.dim for d in gone), sh.raw)]
+
+    def _expand(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        """``expand``/``broadcast_to``/``repeat``: new or size-1 dims grow; the split dim must keep its size
+        (the repeat-kv pattern ``k[:, :, None].expand(B, Hkv, n_rep, T, d)``)."""
+        out_shape = self._shape(ev.outputs[0])
+        new = sh.dim + len(out_shape) - len(shape)
+        if out_shape[new] != shape[sh.dim]:
+            return f"repeated by '{ev.name}' along the split dim"
+        return [(new, sh.raw)]
+
+    def _narrow(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ints = [v for v in ev.values[1:] if v is not None]
+        if not ints or ints[0] % len(shape) == sh.dim:
+            return f"narrowed by '{ev.name}' along the split dim"
+        return [(sh.dim, sh.raw)]
+
+    def _reduce(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        """Reductions over other dims (a per-head norm over ``head_dim``) keep the split; over it, they break."""
+        nd = len(shape)
+        ints = [v for v in ev.values[1:] if v is not None]
+        axes = {d % nd for d in ints} if ints else set(range(nd))
+        if sh.dim in axes:
+            return f"reduced by '{ev.name}' across the split dim"
+        out_nd = len(self._shape(ev.outputs[0]))
+        new = sh.dim if out_nd == nd else sh.dim - sum(d < sh.dim for d in axes)
+        return [(new, None)] * len(ev.outputs)
+
+    def _einsum(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+        """``einsum``: the split letter must be the same in every split operand, kept in the output, and absent
+        (or of size 1) in the replicated operands."""
+        eq = next((e[1] for e in ev.index if e[0] == "equation"), "")
+        lhs, _, out = eq.replace(" ", "").partition("->")
+        terms = lhs.split(",")
+        operands = [n for n in ev.inputs if n is not None]
+        if "." in eq or not out or len(terms) != len(operands):
+            return f"used by '{ev.name}' with an equation the trace cannot follow"
+        positions = [p for p, n in enumerate(ev.inputs) if n is not None]
+        by_pos = dict(ins)
+        letters = {terms[i][by_pos[p].dim] for i, p in enumerate(positions) if p in by_pos}
+        if len(letters) != 1:
+            return f"used by '{ev.name}' with differently split operands"
+        letter = letters.pop()
+        if letter not in out:
+            return f"contracted by '{ev.name}' along the split dim"
+        for i, p in enumerate(positions):
+            if p not in by_pos and letter in terms[i] and self._shape(ev.inputs[p])[terms[i].index(letter)] != 1:
+                return f"used by '{ev.name}' with unsplit heads"
+        return [(out.index(letter), None)]
 
     def _not_neutral(self, ev: OpCall, ins: list, dim: int, ndim: int) -> bool:
+        """Whether a replicated operand spans the split dim at full extent (it would need slicing)."""
         split_pos = {p for p, _ in ins}
         for p, n in enumerate(ev.inputs):
             if n is None or p in split_pos:
@@ -203,7 +341,8 @@ class _Analysis:
                 return True
         return False
 
-    def _reshape(self, ev: OpCall, sh: _Shard, a: tuple, b: tuple) -> Union[str, list]:
+    def _reshape(self, ev: OpCall, sh: _Shard, a: tuple) -> Union[str, list]:
+        b = self._shape(ev.outputs[0])
         groups = _dim_groups(a, b)
         grp = next((g for g in groups if sh.dim in g[0]), None)
         if grp is None:
@@ -223,16 +362,18 @@ class _Analysis:
             return f"reshaped to {b[new]} heads/groups at dim {new}, not divisible by mp={self.mp}"
         if ev.name in ("view", "reshape"):
             literal = [v for v in ev.values[1:]]
-            if len(literal) == len(b) and literal[new] not in (None, -1):
-                self.regions[self.find(sh.region)].literals.add(int(literal[new]))
+            region = self.regions[self.find(sh.region)]
+            if len(literal) == len(b) and literal[new] not in (None, -1) and not region.derived(int(literal[new])):
+                region.literals.add(int(literal[new]))
         return [(new, raw)]
 
-    def _transpose(self, ev: OpCall, sh: _Shard, ndim: int) -> Union[str, list]:
+    def _transpose(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ndim = len(shape)
         ints = [v for v in ev.values[1:] if v is not None]
         if ev.name == "permute":
             order = [d % ndim for d in ints]
             return [(order.index(sh.dim), sh.raw if order.index(sh.dim) == sh.dim else None)]
-        a, b = ([0, 1] if ev.name == "t" else [d % ndim for d in ints[:2]])
+        a, b = ([ndim - 2, ndim - 1] if ev.name in ("t", "T", "mT") else [d % ndim for d in ints[:2]])
         new = b if sh.dim == a else a if sh.dim == b else sh.dim
         if new != sh.dim and not self.need_blocks(sh, 1):
             return f"transposed by '{ev.name}' before its fused blocks were separated"
@@ -256,23 +397,70 @@ class _Analysis:
             return f"split by '{ev.name}' into unequal or indivisible parts along the split dim"
         return [(sh.dim, None)] * pieces
 
-    def _batched(self, ev: OpCall, ins: list, shape: tuple) -> Union[str, list]:
+    def _repeat_interleave(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ints = [v for v in ev.values[1:] if v is not None]
+        if len(ints) < 2 and len(shape) > 1:
+            return f"flattened by '{ev.name}'"
+        return [(sh.dim, None)]
+
+    def _batched(self, ev: OpCall, ins: list) -> Union[str, list]:
+        """Attention-like ops over a split batch-like dim (heads): matmuls, softmax, sdpa."""
+        shape = self._shape(ev.inputs[ins[0][0]])
         ndim = len(shape)
-        dims = {s.dim for _, s in ins}
+        dims = {s.dim + ndim - len(self._shape(ev.inputs[p])) for p, s in ins}
         if len(dims) != 1 or any(not self.need_blocks(s, 1) for _, s in ins):
             return f"used by '{ev.name}' with differently split operands"
         dim = dims.pop()
         if ev.name in ("softmax", "log_softmax"):
             axis = next((v for v in ev.values[1:] if v is not None), -1) % ndim
             return f"normalised by '{ev.name}' across the split dim" if axis == dim else [(dim, None)]
-        if ev.name == "repeat_interleave":
-            return [(dim, None)]
         if dim >= ndim - 2:
             return f"used by '{ev.name}' along a matrix dim"
-        needed = {0, 1, 2} if ev.name == "scaled_dot_product_attention" else {0, 1}
+        needed = {0, 1, 2} if ev.name == "scaled_dot_product_attention" else set()
         if not needed <= {p for p, _ in ins} or self._not_neutral(ev, ins, dim, ndim):
             return f"used by '{ev.name}' with unsplit heads"
-        return [(dim, None)] * len(ev.outputs)
+        out_nd = len(self._shape(ev.outputs[0]))
+        return [(dim + out_nd - ndim, None)] * len(ev.outputs)
+
+
+def _index_target(index: tuple, dim: int, shape: tuple) -> Union[int, str]:
+    """Where input dim ``dim`` lands in ``x[index]``, or why it does not survive (indexed into, or moved by
+    advanced indexing in a way that interleaves it)."""
+    consumed = sum(it[1] if it[0] == "tensor" and it[2] else 1 for it in index if it[0] not in ("none", "ellipsis"))
+    full = ("slice", None, None, None)
+    items: list[tuple] = []
+    for it in index:
+        items.extend([full] * (len(shape) - consumed) if it[0] == "ellipsis" else [it])
+    if not any(it[0] == "ellipsis" for it in index):
+        items.extend([full] * (len(shape) - consumed))
+    adv = [k for k, it in enumerate(items) if it[0] == "tensor"]
+    adv_nd = max((it[1] if not it[2] else 1 for it in items if it[0] == "tensor"), default=0)
+    adjacent = not adv or adv == list(range(adv[0], adv[-1] + 1))
+    in_d = out_d = 0
+    target: Optional[int] = None
+    placed = False
+    if adv and not adjacent:
+        out_d, placed = adv_nd, True  # non-adjacent advanced indices put their result first
+    for it in items:
+        kind = it[0]
+        if kind == "none":
+            out_d += 1
+            continue
+        width = it[1] if kind == "tensor" and it[2] else 1
+        if in_d <= dim < in_d + width:
+            if kind != "slice":
+                return "indexed along the split dim"
+            start, stop, step = it[1], it[2], it[3]
+            if (start or 0) != 0 or (step or 1) != 1 or (stop is not None and stop < shape[dim]):
+                return "sliced along the split dim"
+            target = out_d
+        if kind == "tensor":
+            if not placed:
+                out_d, placed = out_d + adv_nd, True
+        elif kind != "int":
+            out_d += 1
+        in_d += width
+    return target if target is not None else "indexed in a way the trace cannot follow"
 
 
 def _dim_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
@@ -296,6 +484,38 @@ def _dim_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
                 break
         groups.append((gi, gj))
     return groups
+
+
+def _on_first(method: Callable) -> Callable:
+    """A layout op of one tensor (reshape, transpose, index...): only its first argument may be split."""
+
+    def run(an: _Analysis, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+        if len(ins) != 1 or ins[0][0] != 0:
+            return f"used by '{ev.name}' with a split tensor in another argument"
+        return method(an, ev, ins[0][1], an._shape(ev.inputs[0]))
+
+    return run
+
+
+# One table: op name -> rule. Everything not listed breaks the region (the layer then gathers its output).
+OPS: dict[str, Callable] = {
+    **{n: _Analysis._elementwise for n in UNARY | BINARY},
+    **{n: _Analysis._first_only for n in FIRST_ONLY},
+    **{n: _Analysis._loss for n in LOSSES},
+    **{n: _on_first(_Analysis._reshape) for n in RESHAPES},
+    **{n: _on_first(_Analysis._transpose) for n in TRANSPOSES},
+    **{n: _on_first(_Analysis._split) for n in SPLITS},
+    **{n: _on_first(_Analysis._reduce) for n in REDUCTIONS},
+    **{n: _on_first(_Analysis._expand) for n in EXPANDS},
+    **{n: _Analysis._concat for n in CONCATS},
+    **{n: _Analysis._batched for n in BATCHED},
+    "__getitem__": _on_first(_Analysis._getitem),
+    "unsqueeze": _on_first(_Analysis._unsqueeze),
+    "squeeze": _on_first(_Analysis._squeeze),
+    "narrow": _on_first(_Analysis._narrow),
+    "repeat_interleave": _on_first(_Analysis._repeat_interleave),
+    "einsum": _Analysis._einsum,
+}
 
 
 def analyse(trace: Trace, linears: dict[str, nn.Linear], mp: int, forced: dict[str, str], complex_ok: bool = True) -> Flow:

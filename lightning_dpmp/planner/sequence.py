@@ -82,6 +82,8 @@ def plan_sequence_parallel(trace: Trace, plan: Plan, mp: int, param_names: Optio
                 split[ev.output] = -2  # the exit reduce-scatters along the sequence
                 partial.add(f"{ev.name}.bias")
             continue
+        if ev.name == "size":  # a shape query moves no data
+            continue
         ins = [(i, n) for i, n in enumerate(ev.inputs) if n is not None and n in split]
         if not ins:
             for n in ev.outputs:
@@ -125,7 +127,7 @@ def _owners(trace: Trace, plan: Plan, entries: set[str], split: dict[int, int]) 
     for ev in trace.events:
         if isinstance(ev, LinearCall):
             readers.setdefault(ev.input, []).append(ev.name)
-        else:
+        elif ev.name != "size":  # reading a shape is not reading the data
             for n in ev.inputs:
                 if n is not None:
                     readers.setdefault(n, []).append("")  # an op, not a Linear

@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LinearCall", "OpCall", "Trace", "is_linear", "loss_of", "trace_step"]
+__all__ = ["LinearCall", "NoDropout", "OpCall", "Trace", "describe_index", "is_linear", "loss_of", "op_name", "trace_step"]
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,16 @@ class OpCall:
     """One torch call: its name, the tensor nodes it read (``None`` for a non-tensor argument) and wrote.
 
     ``values`` runs parallel to ``inputs``: the ``int`` arguments (shape literals, dims), ``None`` elsewhere.
+    ``index`` describes the subscript of ``__getitem__``/``__setitem__``, one entry per indexed position (see
+    :func:`describe_index`). A shape query (``x.shape``, ``x.size()``) is recorded as ``"size"`` with no output
+    and the sizes in ``values``, so that the planner can tell sizes the code read from a tensor from literals.
     """
 
     name: str
     inputs: tuple[Optional[int], ...]
     outputs: tuple[int, ...]
     values: tuple[Optional[int], ...] = ()
+    index: tuple[tuple, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,15 +88,58 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if self.hidden:
             return out
+        name = op_name(func)
+        if name == "size" and args and isinstance(args[0], Tensor):
+            sizes = tuple(out) if isinstance(out, tuple) else (out,) if isinstance(out, int) else ()
+            self.trace.events.append(OpCall("size", (self.node(args[0]),), (), tuple(int(v) for v in sizes)))
+            return out
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         leaves = tree_leaves((args, kwargs or {}))
         if not outs or not any(isinstance(a, Tensor) for a in leaves):
-            return out  # metadata queries (shape, dtype) and tensor factories carry no data flow we care about
+            return out  # metadata queries (dtype, dim) and tensor factories carry no data flow we care about
         inputs = tuple(self.node(a) if isinstance(a, Tensor) else None for a in leaves)
         values = tuple(a if isinstance(a, int) and not isinstance(a, bool) else None for a in leaves)
-        name = getattr(func, "__name__", None) or type(func).__name__
-        self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values))
+        index: tuple[tuple, ...] = ()
+        if name in ("__getitem__", "__setitem__") and len(args) > 1:
+            index = describe_index(args[1])
+        elif name == "einsum" and args and isinstance(args[0], str):
+            index = (("equation", args[0]),)
+        self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index))
         return out
+
+
+def op_name(func: Any) -> str:
+    """A torch function's name; attribute getters are named by their attribute (``x.shape`` is ``"size"``,
+    ``x.mT`` is ``"mT"``), plain data views (``x.data``, ``x.real``) stay ``"__get__"``."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":
+        attr = getattr(getattr(func, "__self__", None), "__name__", "")
+        return {"shape": "size", "T": "T", "mT": "mT", "H": "T", "mH": "mT"}.get(attr, name)
+    return name
+
+
+def describe_index(index: Any) -> tuple[tuple, ...]:
+    """A subscript as plain data: ``("slice", start, stop, step)``, ``("int",)``, ``("none",)``,
+    ``("ellipsis",)`` or ``("tensor", ndim, is_bool)`` per item (advanced indices by tensors or lists)."""
+    items = index if isinstance(index, tuple) else (index,)
+    out: list[tuple] = []
+    for it in items:
+        if it is None:
+            out.append(("none",))
+        elif it is Ellipsis:
+            out.append(("ellipsis",))
+        elif isinstance(it, bool):
+            out.append(("tensor", 0, True))
+        elif isinstance(it, int):
+            out.append(("int",))
+        elif isinstance(it, slice):
+            ends = [v if v is None or isinstance(v, int) else -1 for v in (it.start, it.stop, it.step)]
+            out.append(("slice", *ends))
+        elif isinstance(it, Tensor):
+            out.append(("tensor", it.dim(), it.dtype == torch.bool))
+        else:
+            out.append(("tensor", 1, False))  # a list of ints: advanced indexing along one dim
+    return tuple(out)
 
 
 def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
@@ -176,3 +224,31 @@ def is_linear(module: nn.Module) -> bool:
     """Exactly ``nn.Linear`` or a subclass that does not change its forward (e.g. ``NonDynamicallyQuantizableLinear``)."""
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
+
+_DROPOUTS = {"dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
+
+
+class NoDropout(TorchFunctionMode):
+    """Training mode without randomness, for the extra steps of planning and verification.
+
+    A step traced in eval mode is not the step that trains (transformers switches gradient checkpointing, KV
+    caches and auxiliary losses on ``self.training``), but a step with live dropout cannot be compared between
+    the dense and the parallel model. Under this mode every dropout is the identity and attention dropout is 0.
+
+    Example:
+        >>> with NoDropout():
+        ...     torch.nn.functional.dropout(torch.ones(2), p=0.5, training=True)
+        tensor([1., 1.])
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name in _DROPOUTS and args and isinstance(args[0], Tensor):
+            return args[0]
+        if name == "scaled_dot_product_attention":
+            if len(args) > 4:
+                args = args[:4] + (0.0,) + tuple(args[5:])
+            elif "dropout_p" in kwargs:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
