@@ -397,7 +397,15 @@ def shard_dims(module: nn.Module) -> dict[str, int]:
             for name, dim in mod._shard_dims.items():
                 if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = dim
-    return out
+    return _with_aliases(module, out)
+
+
+def _with_aliases(module: nn.Module, by_name: dict[str, int]) -> dict[str, int]:
+    """``by_name`` extended to every other name a listed parameter is registered under (a bias held by both a
+    layer and its parent), so that state_dict keys and deduplicated parameter names all find their entry."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    by_id = {id(params[n]): v for n, v in by_name.items() if n in params}
+    return {**by_name, **{n: by_id[id(p)] for n, p in params.items() if id(p) in by_id}}
 
 
 def shard_blocks(module: nn.Module) -> dict[str, int]:
@@ -412,7 +420,7 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
             for name, dim in mod._shard_dims.items():
                 if dim == 0 and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = mod.blocks
-    return out
+    return _with_aliases(module, out)
 
 
 def interleave_blocks(parts: list[Tensor], dim: int, blocks: int) -> Tensor:

@@ -58,6 +58,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     seq_out = -2 if sp is not None else None
     entries: dict[int, SharedInputCopy] = {}
     shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> shard, to keep ties
+    repoint: dict[int, nn.Parameter] = {}  # id(dense parameter) -> its replacement, for aliases elsewhere
     order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
     for lp in order:
         if lp.style == "replicate":
@@ -84,6 +85,10 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
         shards[id(dense.weight)] = layer.weight
         originals[lp.name] = dense
         set_submodule(model, lp.name, layer)
+        repoint.update(_param_map(dense, layer))
+    # A parameter can be registered under several names (a decoder bias also held by its parent, as in BERT's
+    # MLM head): every other holder must see the shard too, or it would keep training a stale dense copy.
+    _repoint_aliases(model, repoint)
     if sp is not None:  # attention/MLP modules gather the sequence at their input (their code sees all of it)
         for name in sp.owner_gather:
             module = model.get_submodule(name)
@@ -135,8 +140,11 @@ def _restore_attrs(model: nn.Module) -> None:
 
 def restore(model: nn.Module, originals: dict[str, nn.Module]) -> None:
     """Put back the dense layers :func:`parallelize` returned (no communication)."""
+    back: dict[int, nn.Parameter] = {}
     for name, dense in originals.items():
+        back.update(_param_map(model.get_submodule(name), dense))
         set_submodule(model, name, dense)
+    _repoint_aliases(model, back)
     _restore_attrs(model)
 
 
@@ -157,8 +165,25 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
             if tied is not None:
                 dense.weight = tied[0]
             set_submodule(model, name, dense)
+    _repoint_aliases(model, {k: v[0] for k, v in moved.items()})
     _restore_attrs(model)
     return moved
+
+
+def _param_map(old: nn.Module, new: nn.Module) -> dict[int, nn.Parameter]:
+    """``{id(old.<p>): new.<p>}`` for the direct parameters the two layers have in common by name."""
+    fresh = dict(new.named_parameters(recurse=False))
+    return {id(p): fresh[n] for n, p in old.named_parameters(recurse=False) if n in fresh}
+
+
+def _repoint_aliases(model: nn.Module, mapping: dict[int, nn.Parameter]) -> None:
+    """Make every module that registers a replaced parameter under its own name hold the replacement."""
+    if not mapping:
+        return
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in mapping and mapping[id(p)] is not p:
+                setattr(module, name, mapping[id(p)])
 
 
 def consolidated_state_dict(model: nn.Module, group: Any) -> dict[str, Tensor]:

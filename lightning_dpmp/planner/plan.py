@@ -31,7 +31,7 @@ from torch import nn
 from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
-__all__ = ["LayerPlan", "Plan", "STYLES", "make_plan"]
+__all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan"]
 
 STYLES = ("column", "row", "column_gather", "vocab", "replicate")
 
@@ -50,6 +50,7 @@ class LayerPlan:
         blocks: fused projections (q|k|v): each of ``blocks`` row blocks is split separately.
         kind: ``"linear"`` or ``"embedding"``.
         note: why this style, for the printout.
+        attention: a column/row layer of a head-parallel (attention-like) region.
     """
 
     name: str
@@ -62,6 +63,7 @@ class LayerPlan:
     blocks: int = 1
     kind: str = "linear"
     note: str = ""
+    attention: bool = False
 
     def local_shape(self, mp: int) -> tuple[int, int]:
         """Local weight shape: ``(out, in)`` of a Linear, ``(rows, dim)`` of an embedding."""
@@ -90,38 +92,102 @@ class Plan:
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
 
-    def comm_per_step(self) -> dict[str, dict[str, int]]:
-        """Analytic MP collectives of one forward + backward, one call per layer (clipping's all-reduce excluded).
+    def layer_comm(self) -> list[tuple[str, str, str]]:
+        """Every analytic MP collective of one forward + backward as ``(layer, phase, op)``, one call per layer.
 
         Without sequence parallelism: all-reduce and all-gather; with it, every entry all-gathers the sequence
-        forward and reduce-scatters backward, every exit reduce-scatters forward.
+        forward and reduce-scatters backward, every exit reduce-scatters forward. Column layers sharing one entry
+        (q/k/v reading the same tensor) pay its backward all-reduce once, charged to the first of them.
         """
-        layers = [lp for lp in self.layers.values() if self.mp > 1]
-        linear = [lp for lp in layers if lp.kind == "linear"]
+        if self.mp == 1:
+            return []
         sp = self.sequence
         split_in = sp.gather_entries if sp is not None else set()
-        entries: dict[Any, tuple[bool, bool]] = {}
-        for lp in linear:
+        exit_op = "reduce_scatter" if sp is not None else "all_reduce"
+        out: list[tuple[str, str, str]] = []
+        seen_entries: set[int] = set()
+        for lp in self.layers.values():
+            if lp.kind == "embedding":
+                if lp.style == "vocab":
+                    out.append((lp.name, "forward", exit_op))
+                    if sp is not None:
+                        out.append((lp.name, "backward", "all_gather"))
+                elif sp is not None and lp.name in sp.scatter:
+                    out.append((lp.name, "backward", "all_gather"))
+                continue
             if lp.style in ("column", "column_gather", "vocab"):
-                key = lp.entry if lp.entry >= 0 else f"own:{lp.name}"
-                entries[key] = (lp.name in split_in, lp.input_requires_grad)
-        rows = sum(lp.style == "row" for lp in linear)
-        vocab_emb = sum(lp.style == "vocab" for lp in layers if lp.kind == "embedding")
-        fwd = {"all_reduce": 2 * sum(lp.style == "vocab" for lp in linear), "all_gather": 0, "reduce_scatter": 0}
-        bwd = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-        fwd["all_gather"] += sum(lp.style == "column_gather" for lp in linear)
-        bwd["all_gather"] += sum(lp.style == "row" and not lp.input_is_parallel and lp.input_requires_grad for lp in linear)
-        for seq_split, needs_grad in entries.values():
-            fwd["all_gather"] += seq_split
-            bwd["reduce_scatter" if seq_split else "all_reduce"] += needs_grad
-        if sp is None:
-            fwd["all_reduce"] += rows + vocab_emb
-        else:
-            fwd["reduce_scatter"] += rows + vocab_emb
-            bwd["all_gather"] += rows + vocab_emb + len([n for n in sp.scatter if self.layers[n].style == "replicate"])
-        if sp is None:
-            fwd.pop("reduce_scatter"), bwd.pop("reduce_scatter")
-        return {"forward": fwd, "backward": bwd}
+                if lp.entry < 0 or lp.entry not in seen_entries:
+                    seen_entries.add(lp.entry)
+                    seq_split = lp.name in split_in
+                    if seq_split:
+                        out.append((lp.name, "forward", "all_gather"))
+                    if lp.input_requires_grad:
+                        out.append((lp.name, "backward", "reduce_scatter" if seq_split else "all_reduce"))
+                if lp.style == "column_gather":
+                    out.append((lp.name, "forward", "all_gather"))
+                if lp.style == "vocab":
+                    out += [(lp.name, "forward", "all_reduce")] * 2  # the vocab-parallel loss: max, then sums
+            elif lp.style == "row":
+                out.append((lp.name, "forward", exit_op))
+                if sp is not None:
+                    out.append((lp.name, "backward", "all_gather"))
+                if not lp.input_is_parallel and lp.input_requires_grad:
+                    out.append((lp.name, "backward", "all_gather"))
+        return out
+
+    def comm_per_step(self) -> dict[str, dict[str, int]]:
+        """Analytic MP collectives of one forward + backward (clipping's all-reduce excluded), by phase and op."""
+        ops = ("all_reduce", "all_gather") + (("reduce_scatter",) if self.sequence is not None else ())
+        totals = {phase: dict.fromkeys(ops, 0) for phase in ("forward", "backward")}
+        for _, phase, op in self.layer_comm():
+            totals[phase][op] += 1
+        return totals
+
+    def per_block(self) -> dict[str, dict[str, Any]]:
+        """Per repeated block (the module path up to its first numeric index, e.g. ``model.layers.3``): its
+        layers, whether its attention is head-parallel, and its MP collectives by phase and op."""
+        ops = ("all_reduce", "all_gather") + (("reduce_scatter",) if self.sequence is not None else ())
+        blocks: dict[str, dict[str, Any]] = {}
+        for lp in self.layers.values():
+            block = block_of(lp.name)
+            if block:
+                entry = blocks.setdefault(block, {
+                    "layers": [], "head_parallel": False, "attention_gathered": False,
+                    "forward": dict.fromkeys(ops, 0), "backward": dict.fromkeys(ops, 0),
+                })
+                entry["layers"].append(lp.name)
+                entry["head_parallel"] |= lp.attention and lp.style in ("column", "row")
+        for name, phase, op in self.layer_comm():
+            block = block_of(name)
+            if block in blocks:
+                blocks[block][phase][op] += 1
+        return blocks
+
+    def _block_lines(self) -> list[str]:
+        """One line per run of blocks alike: attention layout and collectives per block."""
+
+        def fmt(d: dict[str, int]) -> str:
+            return " + ".join(f"{n} {k.replace('_', '-')}" for k, n in d.items() if n) or "none"
+
+        def describe(b: dict[str, Any]) -> str:
+            has_attn = any(self.layers[n].attention for n in b["layers"])
+            attn = "attention head-parallel" if b["head_parallel"] else "no head-parallel attention"
+            if not has_attn and all(self.layers[n].style in ("column", "row") for n in b["layers"]):
+                attn = "split (no attention found)"
+            return f"{attn}; MP collectives per block: forward {fmt(b['forward'])}, backward {fmt(b['backward'])}"
+
+        runs: list[tuple[list[str], str]] = []
+        for name, b in self.per_block().items():
+            text = describe(b)
+            if runs and runs[-1][1] == text and name.rsplit(".", 1)[0] == runs[-1][0][0].rsplit(".", 1)[0]:
+                runs[-1][0].append(name)
+            else:
+                runs.append(([name], text))
+        out = []
+        for names, text in runs:
+            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1].rsplit('.', 1)[1]} ({len(names)} blocks)"
+            out.append(f"  blocks {span}: {text}")
+        return out
 
     def param_counts(self, model: nn.Module) -> tuple[int, int]:
         """(parameters held per rank, parameters of the dense model) for ``model`` in its dense form."""
@@ -159,6 +225,7 @@ class Plan:
             f"  parameters per rank: {local:,} of {total:,} ({100.0 * local / max(total, 1):.1f}%);"
             f" MP collectives per step: forward {fmt(c['forward'])}, backward {fmt(c['backward'])}"
         )
+        lines.extend(self._block_lines())
         if self.sequence is not None:
             lines.append(
                 f"  sequence parallel: {len(self.sequence.partial_params)} parameters see 1/{self.mp} of the tokens"
@@ -169,6 +236,15 @@ class Plan:
                 lines.append(f"  adjusted: {module}.{attr} = {dense} -> {local_v} per rank")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def block_of(name: str) -> str:
+    """The repeated block a module belongs to: its path up to the first numeric index (``""`` for none)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
 
 
 def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int) -> dict[str, str]:
@@ -305,6 +381,7 @@ def make_plan(
             forced[n] = "replicate"
 
     calls: dict[str, list[LinearCall]] = {}
+    attention: set[str] = set()
     roles: dict[str, str] = {}
     partners: dict[str, set[str]] = {}
     why: dict[str, str] = {}
@@ -320,6 +397,8 @@ def make_plan(
                     flow.roles.pop(n, None)
                 why[src] = reason
             roles, partners, blocks = flow.roles, flow.partners, flow.blocks
+            attention = {src for src, simple in flow.simple.items() if not simple}
+            attention |= {n for n, r in roles.items() if r == "row" and partners.get(n, set()) & attention}
             why = {**flow.why, **why}
     else:
         roles = {n: s for n, s in forced.items() if s in ("column", "row") and n in linears}
@@ -349,6 +428,7 @@ def make_plan(
         plan.layers[n] = LayerPlan(
             n, style, m.in_features, m.out_features, parallel_in, input_requires_grad=requires_grad,
             blocks=blocks.get(n, 1) if style == "column" else 1, note=note,
+            attention=style in ("column", "row") and n in attention,
         )
     for n, e in embeddings.items():
         tied_heads = [o for o in owners[id(e.weight)] if o in plan.layers and o != n]

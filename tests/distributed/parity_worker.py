@@ -94,6 +94,8 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     return {
         "counts": probe.counts,
         "analytic": plan.comm_per_step(),
+        "per_block": plan.per_block(),
+        "plan_text": strategy.plan.text,
         "styles": {n: lp.style for n, lp in plan.layers.items()},
         "verified": strategy.plan.verified,
         "consistent": probe.consistent,

@@ -48,6 +48,7 @@ class RealModel:
     max_mp: int = 4  # the largest mp its heads allow
     embedding: str = "embed_tokens"  # name suffix of the token embedding (vocab-split when the plan says so)
     head: str = "lm_head"  # name suffix of the LM head
+    attention: bool = True  # its blocks hold attention, which must come out head-parallel
 
 
 def _llama() -> tuple[L.LightningModule, object]:
@@ -60,8 +61,29 @@ def _llama() -> tuple[L.LightningModule, object]:
     return CausalLM(LlamaForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
+class MaskedLM(CausalLM):
+    """A masked-LM objective computed inside the model (transformers' own ``labels=`` loss)."""
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        loss = self.net(input_ids=ids, labels=targets).loss
+        self.log("train_loss", loss)
+        return loss
+
+
+def _bert() -> tuple[L.LightningModule, object]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return MaskedLM(BertForMaskedLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
 REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2, "net.model.layers.{}."),
+    "hf_bert": RealModel(_bert, 2, "net.bert.encoder.layer.{}."),
 }
 
 
