@@ -55,11 +55,15 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 _SPLIT = re.compile(r"(blocks\.\d+\.(attn\.(q|k|v|out)_proj|mlp\.fc[12])\.weight|blocks\.\d+\.(attn\.[qkv]_proj|mlp\.fc1)\.bias|wte\.weight)$")
 
 
+_SPLIT_LLAMA = re.compile(r"(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight|embed_tokens\.weight|lm_head\.weight)$")
+
+
 def expected_param_numel(net: Any, mp: int) -> tuple[int, int, int]:
-    """(split, replicated, split/mp + replicated) element counts of the dense GPT under the Megatron layout."""
+    """(split, replicated, split/mp + replicated) element counts of the dense model under the Megatron layout."""
     split = rep = 0
+    pattern = _SPLIT if hasattr(net, "blocks") else _SPLIT_LLAMA
     for name, p in net.named_parameters():  # tied lm_head/wte counted once
-        if _SPLIT.search(name):
+        if pattern.search(name):
             split += p.numel()
         else:
             rep += p.numel()
@@ -184,10 +188,73 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
     return Probe()
 
 
+def _net(args: argparse.Namespace) -> Any:
+    """The dense model: the example GPT, or transformers' Llama (RoPE, GQA, sdpa) of the same size."""
+    if args.model == "gpt":
+        from examples.models.gpt import GPT
+
+        return GPT(**_model_kwargs(args))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _hf_llama_module(args: argparse.Namespace, kind: str) -> Any:
+    """transformers' Llama trained the usual way (shifted logits); for ModelParallelStrategy the TP plan of torch's
+    docs and transformers' own ``tp_plan`` (q/k/v/gate/up colwise, o/down rowwise) + FSDP2 over DP."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+
+    class HFBench(L.LightningModule):
+        def __init__(self, net: Any) -> None:
+            super().__init__()
+            self.net = net
+
+        def configure_model(self) -> None:
+            if kind != "mps" or getattr(self, "_parallelized", False):
+                return
+            from torch.distributed._composable.fsdp import fully_shard
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+            plan = {}
+            for i in range(len(self.net.model.layers)):
+                for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                    plan[f"model.layers.{i}.{n}"] = ColwiseParallel()
+                for n in ("self_attn.o_proj", "mlp.down_proj"):
+                    plan[f"model.layers.{i}.{n}"] = RowwiseParallel()
+            if tp.size() > 1:
+                parallelize_module(self.net, tp, plan)
+            for layer in self.net.model.layers:
+                fully_shard(layer, mesh=dp)
+            fully_shard(self.net, mesh=dp)
+            self._parallelized = True
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.0)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            ids = batch[0]
+            logits = self.net(input_ids=ids, use_cache=False).logits
+            return F.cross_entropy(logits[:, :-1].reshape(-1, args.vocab), ids[:, 1:].reshape(-1))
+
+    torch.manual_seed(0)
+    return HFBench(_net(args))
+
+
 def _lit_module(args: argparse.Namespace, kind: str, mp: int) -> Any:
     import torch
 
     from examples.models.gpt import GPT, GPTLitModule
+
+    if args.model == "hf_llama":
+        return _hf_llama_module(args, kind)
 
     class Bench(GPTLitModule):
         def configure_model(self) -> None:
@@ -338,7 +405,7 @@ def _run_one(config: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
     for f in out.glob("rank*.json"):
         f.unlink()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", config, "--out", str(out),
-           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps")]]
+           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("model", "kv_heads", "layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps")]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -389,11 +456,10 @@ def _ratio(rows: dict[str, dict[str, Any]], a: str, b: str, key: str = "per_roun
 def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path) -> str:
     import torch
 
-    from examples.models.gpt import GPT
-
-    net = GPT(**_model_kwargs(args))
+    net = _net(args)
+    title = "GPT" if args.model == "gpt" else f"transformers Llama ({args.kv_heads} kv heads, SwiGLU {4 * args.hidden})"
     lines = [
-        f"GPT: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, sequence {args.seq}, "
+        f"{title}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, sequence {args.seq}, "
         f"global batch {args.global_batch} sequences ({args.global_batch * args.seq} tokens), "
         f"{sum(p.numel() for p in net.parameters()):,} parameters; float32, AdamW, {args.world} CPU processes (gloo); "
         f"median of steps {args.warmup + 1}..{args.steps} over {args.rounds} interleaved round(s)",
@@ -469,6 +535,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (every config once per round)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per run (one more, untimed, counts collectives)")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the median")
+    p.add_argument("--model", choices=("gpt", "hf_llama"), default="gpt", help="the example GPT or transformers' Llama")
+    p.add_argument("--kv-heads", type=int, default=4, help="hf_llama: key/value heads (grouped-query attention)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)

@@ -38,6 +38,7 @@ from lightning_dpmp.parallel.comm import (
 )
 
 __all__ = [
+    "ColumnParallelEmbedding",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "SharedInputCopy",
@@ -380,6 +381,38 @@ class VocabParallelEmbedding(_ParallelLinear):
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, mp={self.mp}"
+
+
+class ColumnParallelEmbedding(VocabParallelEmbedding):
+    """``nn.Embedding`` split by ``embedding_dim``: rank ``r`` holds columns ``E[:, r*D/mp:(r+1)*D/mp]``.
+
+    For tables whose output is consumed split along its last dim, e.g. a relative position bias
+    ``(buckets, heads)`` that reaches head-parallel attention (T5): each rank looks up its own heads. No
+    communication at all, forward or backward (the ids carry no gradient).
+
+    Example:
+        >>> bias = ColumnParallelEmbedding.from_dense(nn.Embedding(32, 8), grid.mp_group)  # weight (32, 8 // mp)  # doctest: +SKIP
+    """
+
+    _shard_dims = {"weight": 1}
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None, padding_idx: Optional[int] = None,
+                 sequence_dim: Optional[int] = None, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        _ParallelLinear.__init__(self, num_embeddings, embedding_dim, group)
+        if sequence_dim is not None:
+            raise ValueError("ColumnParallelEmbedding does not take a sequence dim (its output is feature-split).")
+        self.sequence_dim, self.rng = None, None
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.start = 0
+        self.padding_idx = padding_idx
+        local = divide(embedding_dim, self.mp, "embedding_dim")
+        self.weight = nn.Parameter(torch.empty(num_embeddings, local, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
 
 
 def shard_dims(module: nn.Module) -> dict[str, int]:

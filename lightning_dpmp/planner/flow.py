@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
-from lightning_dpmp.planner.trace import LinearCall, OpCall, Trace
+from lightning_dpmp.planner.trace import FACTORIES, LinearCall, OpCall, Trace
 
 __all__ = ["Flow", "analyse"]
 
@@ -66,6 +66,7 @@ class _Region:
     literals: set[int] = field(default_factory=set)
     simple: bool = True  # no attention-like op (an MLP); False once matmuls of activations/softmax are involved
     queried: set[int] = field(default_factory=set)  # split-dim sizes the code read from split tensors
+    scoped: set[tuple[str, int, bool]] = field(default_factory=set)  # (module, literal, derived?) sizing a constant
 
     def derived(self, value: int) -> bool:
         """Whether a reshape literal can come from a size the code read off a split tensor (``x.shape``): then
@@ -82,13 +83,20 @@ class Flow:
     why: dict[str, str] = field(default_factory=dict)
     blocks: dict[str, int] = field(default_factory=dict)
     literals: dict[str, set[int]] = field(default_factory=dict)  # per paired source: fixed sizes to adjust
+    scoped: dict[str, set[tuple[str, int, bool]]] = field(default_factory=dict)  # per source: (module, size, derived?)
     simple: dict[str, bool] = field(default_factory=dict)
 
 
 class _Analysis:
-    def __init__(self, trace: Trace, mp: int, can_source: Callable[[str], bool], can_sink: Callable[[str], bool]):
+    def __init__(self, trace: Trace, mp: int, can_source: Callable[[str], bool], can_sink: Callable[[str], bool],
+                 can_source_embedding: Callable[[str], bool] = lambda name: False):
         self.trace, self.mp = trace, mp
         self.can_source, self.can_sink = can_source, can_sink
+        self.can_source_embedding = can_source_embedding
+        # Replicated tensors that do not vary along some dims (a zeros((1, n_heads, T, S)) bias): dim -> the
+        # literal that sized it (with the module that made it), or None. They can meet split tensors there
+        # once that literal is set per rank.
+        self.uniform: dict[int, dict[int, Optional[tuple[str, int]]]] = {}
         self.parent: list[int] = []
         self.regions: list[_Region] = []
         self.state: dict[int, _Shard] = {}
@@ -114,6 +122,7 @@ class _Analysis:
             a.literals |= b.literals
             a.simple &= b.simple
             a.queried |= b.queried
+            a.scoped |= b.scoped
         return keep
 
     def new_region(self, source: str) -> int:
@@ -156,8 +165,21 @@ class _Analysis:
             if sh is not None:
                 self.regions[self.find(sh.region)].queried.add(self.trace.shapes[ev.inputs[0]][sh.dim])  # type: ignore[index]
             return
+        if ev.name == "embedding":  # a table whose rows reach split tensors can be split by columns (heads)
+            name, out = ev.index[0][1], ev.outputs[0]
+            self.state.pop(out, None)
+            if self.can_source_embedding(name):
+                self.state[out] = _Shard(self.new_region(name), len(self.trace.shapes[out]) - 1, None)
+            return
+        if ev.name in FACTORIES:
+            (out,), shape = ev.outputs, self.trace.shapes[ev.outputs[0]]
+            sizes = [v for v in ev.values if v is not None][: len(shape)]
+            scope = ev.index[0][1] if ev.index else ""
+            self.uniform[out] = {d: ((scope, sizes[d]) if len(sizes) == len(shape) else None) for d in range(len(shape))}
+            return
         ins = [(i, self.state[n]) for i, n in enumerate(ev.inputs) if n is not None and n in self.state]
         if not ins:
+            self._carry_uniform(ev)
             for n in ev.outputs:  # an in-place op may overwrite a split tensor with replicated data
                 self.state.pop(n, None)
             return
@@ -329,16 +351,49 @@ class _Analysis:
                 return f"used by '{ev.name}' with unsplit heads"
         return [(out.index(letter), None)]
 
+    def _carry_uniform(self, ev: OpCall) -> None:
+        """Element-wise ops of replicated tensors stay uniform along a dim where every operand is (or is 1)."""
+        if ev.name not in UNARY | BINARY | FIRST_ONLY or len(ev.outputs) != 1:
+            for n in ev.outputs:
+                self.uniform.pop(n, None)
+            return
+        out_shape = self.trace.shapes[ev.outputs[0]]
+        nd, dims = len(out_shape), {}
+        operands = [n for n in ev.inputs if n is not None]
+        if ev.name in FIRST_ONLY:
+            operands = operands[:1]
+        for d in range(nd):
+            literal, ok = None, True
+            for n in operands:
+                shape = self.trace.shapes[n]
+                a = d - (nd - len(shape))
+                if a < 0 or shape[a] == 1:
+                    continue
+                if a not in self.uniform.get(n, {}):
+                    ok = False
+                    break
+                literal = self.uniform[n][a]
+            if ok and literal is not None:
+                dims[d] = literal
+        self.uniform.pop(ev.outputs[0], None)  # after reading: x.contiguous() may return x itself
+        if dims:
+            self.uniform[ev.outputs[0]] = dims
+
     def _not_neutral(self, ev: OpCall, ins: list, dim: int, ndim: int) -> bool:
-        """Whether a replicated operand spans the split dim at full extent (it would need slicing)."""
+        """Whether a replicated operand spans the split dim at full extent (it would need slicing). A constant
+        one sized by a literal is neutral: that literal becomes per-rank (see :func:`plan._resolve_literals`)."""
         split_pos = {p for p, _ in ins}
+        region = self.regions[self.find(ins[0][1].region)]
         for p, n in enumerate(ev.inputs):
             if n is None or p in split_pos:
                 continue
             shape = self.trace.shapes[n]
             aligned = dim - (ndim - len(shape))
             if aligned >= 0 and shape[aligned] != 1:
-                return True
+                literal = self.uniform.get(n, {}).get(aligned)
+                if literal is None:
+                    return True
+                region.scoped.add((*literal, region.derived(literal[1])))
         return False
 
     def _reshape(self, ev: OpCall, sh: _Shard, a: tuple) -> Union[str, list]:
@@ -518,9 +573,26 @@ OPS: dict[str, Callable] = {
 }
 
 
-def analyse(trace: Trace, linears: dict[str, nn.Linear], mp: int, forced: dict[str, str], complex_ok: bool = True) -> Flow:
-    """Find the pairs (and vocab-parallel heads) of a traced step; ``complex_ok=False`` keeps only MLP-like pairs."""
+def analyse(
+    trace: Trace,
+    linears: dict[str, nn.Linear],
+    mp: int,
+    forced: dict[str, str],
+    complex_ok: bool = True,
+    embeddings: Optional[dict[str, nn.Embedding]] = None,
+) -> Flow:
+    """Find the pairs (and vocab-parallel heads) of a traced step; ``complex_ok=False`` keeps only MLP-like pairs.
+
+    ``embeddings`` (called once, plain, ``embedding_dim % mp == 0``) may join a region as column sources split
+    by ``embedding_dim``: a relative position bias table whose output reaches head-parallel attention.
+    """
     calls = Counter(c.name for c in trace.linear_calls())
+    tables = embeddings or {}
+
+    def can_source_embedding(n: str) -> bool:
+        e = tables.get(n)
+        plain = e is not None and e.max_norm is None and not e.sparse and not e.scale_grad_by_freq
+        return plain and trace.embeddings.get(n, 0) == 1 and n not in forced and e.embedding_dim % mp == 0  # type: ignore[union-attr]
 
     def can_source(n: str) -> bool:
         return calls[n] == 1 and forced.get(n, "column") in ("column", "vocab") and linears[n].out_features % mp == 0
@@ -528,7 +600,7 @@ def analyse(trace: Trace, linears: dict[str, nn.Linear], mp: int, forced: dict[s
     def can_sink(n: str) -> bool:
         return calls[n] == 1 and forced.get(n, "row") == "row" and linears[n].in_features % mp == 0
 
-    an = _Analysis(trace, mp, can_source, can_sink)
+    an = _Analysis(trace, mp, can_source, can_sink, can_source_embedding)
     an.run()
     flow = Flow()
     for root in sorted({an.find(r) for r in range(len(an.parent))}):
@@ -540,18 +612,19 @@ def analyse(trace: Trace, linears: dict[str, nn.Linear], mp: int, forced: dict[s
         if not complex_ok and not reg.simple:
             flow.why.update((s, "attention-like region disabled after a failed verification") for s in srcs)
             continue
-        if reg.losses and not snks and len(srcs) == 1:
+        if reg.losses and not snks and len(srcs) == 1 and not srcs & set(tables):
             (s,) = srcs
             flow.roles[s] = "vocab"
             continue
-        if not snks or reg.losses:
-            continue
+        if not snks or reg.losses or not srcs - set(tables):
+            continue  # (a region fed only by embedding tables has nothing of its own to split)
         if any(flow.roles.get(s) == "row" for s in srcs) or any(flow.roles.get(s) == "column" for s in snks):
             continue  # a chain a -> b -> c: b already closes the pair (a, b)
         for s in srcs:
             flow.roles[s], flow.partners[s] = "column", set(snks)
             flow.blocks[s] = an.blocks.get(s, 1)
             flow.literals[s] = set(reg.literals)
+            flow.scoped[s] = set(reg.scoped)
             flow.simple[s] = reg.simple
         for s in snks:
             flow.roles[s], flow.partners[s] = "row", set(srcs)

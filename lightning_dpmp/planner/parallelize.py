@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
 from lightning_dpmp.parallel.layers import (
     GATHERED,
+    ColumnParallelEmbedding,
     ColumnParallelLinear,
     RowParallelLinear,
     SharedInputCopy,
@@ -66,7 +67,9 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
         dense = model.get_submodule(lp.name)
         layer: nn.Module
         seq_dim: Any = GATHERED if lp.name in inside else -2 if lp.name in seq_in else None
-        if lp.kind == "embedding":
+        if lp.kind == "embedding" and lp.style == "column":
+            layer = ColumnParallelEmbedding.from_dense(dense, group)
+        elif lp.kind == "embedding":
             layer = VocabParallelEmbedding.from_dense(dense, group, sequence_dim=seq_out)
             layer.rng = rng if sp is not None else None
         elif lp.style == "row":

@@ -69,7 +69,7 @@ class LayerPlan:
         """Local weight shape: ``(out, in)`` of a Linear, ``(rows, dim)`` of an embedding."""
         if self.kind == "embedding":
             rows = self.in_features // mp if self.style == "vocab" else self.in_features
-            return (rows, self.out_features)
+            return (rows, self.out_features // mp if self.style == "column" else self.out_features)
         if self.style in ("column", "column_gather", "vocab"):
             return (self.out_features // mp, self.in_features)
         if self.style == "row":
@@ -317,7 +317,32 @@ def _resolve_literals(model: nn.Module, flow, mp: int) -> tuple[dict[str, dict[s
                 )
                 continue
             adjust.setdefault(owner_name, {}).update({a: (v, v // mp) for a in attrs})
+    for src, scoped in getattr(flow, "scoped", {}).items():
+        for scope, v, derived in scoped:  # a constant made in `scope` (zeros((1, self.n_heads, T, S))): its
+            found = _attr_up(model, scope, v)  # module's attribute, or the nearest enclosing one's, holds the size
+            if found is None and derived:
+                continue  # the size was read off a split tensor (q.shape[1]): per-rank at run time by itself
+            if found is None or v % mp:
+                broken[src] = (
+                    f"a constant tensor made in '{scope}' spans the split heads with size {v}"
+                    + (f", not divisible by mp={mp}" if found else ", held by no attribute")
+                )
+                continue
+            module_name, attrs = found
+            adjust.setdefault(module_name, {}).update({a: (v, v // mp) for a in attrs})
     return adjust, broken
+
+
+def _attr_up(model: nn.Module, scope: str, value: int) -> Optional[tuple[str, list[str]]]:
+    """The innermost module on the path to ``scope`` with public int attributes equal to ``value``."""
+    parts = scope.split(".") if scope else []
+    for k in range(len(parts), -1, -1):
+        name = ".".join(parts[:k])
+        module = model.get_submodule(name) if name else model
+        attrs = [a for a, x in vars(module).items() if type(x) is int and x == value and not a.startswith("_")]
+        if attrs:
+            return name, attrs
+    return None
 
 
 def make_plan(
@@ -390,7 +415,8 @@ def make_plan(
         for c in trace.linear_calls():
             calls.setdefault(c.name, []).append(c)
         if level < 2:
-            flow = analyse(trace, linears, mp, forced, complex_ok=level == 0)
+            tables = {n: e for n, e in embeddings.items() if len(owners[id(e.weight)]) == 1 and n not in forced}
+            flow = analyse(trace, linears, mp, forced, complex_ok=level == 0, embeddings=tables)
             plan.adjust, broken = _resolve_literals(model, flow, mp)
             for src, reason in broken.items():  # demote the whole pair group of an unfixable reshape
                 for n in {src} | flow.partners.get(src, set()):
@@ -431,6 +457,13 @@ def make_plan(
             attention=style in ("column", "row") and n in attention,
         )
     for n, e in embeddings.items():
+        if roles.get(n) == "column":  # its rows reach head-parallel attention: each rank looks up its heads
+            partner = ", ".join(sorted(partners.get(n, ())))
+            plan.layers[n] = LayerPlan(
+                n, "column", e.num_embeddings, e.embedding_dim, kind="embedding", note=f"-> {partner}",
+                attention=n in attention,
+            )
+            continue
         tied_heads = [o for o in owners[id(e.weight)] if o in plan.layers and o != n]
         split = not emb_split[n] and all(plan.layers[o].style != "replicate" for o in tied_heads)
         note = emb_split[n] or ("tied to " + ", ".join(tied_heads) if tied_heads else "")

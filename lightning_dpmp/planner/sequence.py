@@ -82,7 +82,7 @@ def plan_sequence_parallel(trace: Trace, plan: Plan, mp: int, param_names: Optio
                 split[ev.output] = -2  # the exit reduce-scatters along the sequence
                 partial.add(f"{ev.name}.bias")
             continue
-        if ev.name == "size":  # a shape query moves no data
+        if ev.name in ("size", "embedding", "zeros", "ones", "empty"):  # no data read (embeddings: marked above)
             continue
         ins = [(i, n) for i, n in enumerate(ev.inputs) if n is not None and n in split]
         if not ins:
@@ -127,7 +127,7 @@ def _owners(trace: Trace, plan: Plan, entries: set[str], split: dict[int, int]) 
     for ev in trace.events:
         if isinstance(ev, LinearCall):
             readers.setdefault(ev.input, []).append(ev.name)
-        elif ev.name != "size":  # reading a shape is not reading the data
+        elif ev.name not in ("size", "embedding"):  # reading a shape is not reading the data; ids are no input
             for n in ev.inputs:
                 if n is not None:
                     readers.setdefault(n, []).append("")  # an op, not a Linear

@@ -75,6 +75,7 @@ class _Recorder(TorchFunctionMode):
         self.hidden = 0  # > 0 while inside a Linear: its F.linear is the LinearCall itself
         self._ids: dict[int, int] = {}
         self._keep: list[Tensor] = []  # keeps every traced tensor alive so that no id() is reused
+        self.scope: list[str] = []  # names of the (non-Linear) modules being run, innermost last
 
     def node(self, t: Tensor) -> int:
         key = id(t)
@@ -95,8 +96,13 @@ class _Recorder(TorchFunctionMode):
             return out
         outs = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         leaves = tree_leaves((args, kwargs or {}))
+        if name in FACTORIES and len(outs) == 1:  # constant tensors: uniform along every dim, sized by literals
+            values = tuple(a if isinstance(a, int) and not isinstance(a, bool) else None for a in leaves)
+            scope = (("module", self.scope[-1] if self.scope else ""),)
+            self.trace.events.append(OpCall(name, (), (self.node(outs[0]),), values, scope))
+            return out
         if not outs or not any(isinstance(a, Tensor) for a in leaves):
-            return out  # metadata queries (dtype, dim) and tensor factories carry no data flow we care about
+            return out  # metadata queries (dtype, dim) and other factories carry no data flow we care about
         inputs = tuple(self.node(a) if isinstance(a, Tensor) else None for a in leaves)
         values = tuple(a if isinstance(a, int) and not isinstance(a, bool) else None for a in leaves)
         index: tuple[tuple, ...] = ()
@@ -106,6 +112,9 @@ class _Recorder(TorchFunctionMode):
             index = (("equation", args[0]),)
         self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index))
         return out
+
+
+FACTORIES = {"zeros", "ones", "empty"}  # size-only factories; their outputs are the same along every dim
 
 
 def op_name(func: Any) -> str:
@@ -166,15 +175,22 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
 
     embeddings = {m: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
 
+    emb_inputs: dict[nn.Module, list[Optional[int]]] = {}
+
     def emb_pre(module: nn.Module, args: tuple) -> None:
         if recorder.hidden == 0:
             trace.embeddings[embeddings[module]] = trace.embeddings.get(embeddings[module], 0) + 1
-        recorder.hidden += 1  # the lookup itself is not data flow between Linears
+            ids = args[0] if args and isinstance(args[0], Tensor) else None
+            emb_inputs.setdefault(module, []).append(recorder.node(ids) if ids is not None else None)
+        recorder.hidden += 1  # the lookup itself is recorded as one "embedding" event below
 
     def emb_post(module: nn.Module, args: tuple, output: Any) -> None:
         recorder.hidden -= 1
         if recorder.hidden == 0 and isinstance(output, Tensor):
-            trace.embedding_outputs[recorder.node(output)] = embeddings[module]
+            out = recorder.node(output)
+            trace.embedding_outputs[out] = embeddings[module]
+            ids = emb_inputs[module].pop() if emb_inputs.get(module) else None
+            trace.events.append(OpCall("embedding", (ids,), (out,), (), (("module", embeddings[module]),)))
 
     others = {m: n for n, m in model.named_modules() if n and m not in names and m not in embeddings}
     opened: dict[nn.Module, list[Optional[int]]] = {}
@@ -182,8 +198,11 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
     def mod_pre(module: nn.Module, args: tuple) -> None:
         first = args[0] if args and isinstance(args[0], Tensor) and recorder.hidden == 0 else None
         opened.setdefault(module, []).append(recorder.node(first) if first is not None else None)
+        recorder.scope.append(others[module])
 
     def mod_post(module: nn.Module, args: tuple, output: Any) -> None:
+        if recorder.scope:
+            recorder.scope.pop()
         node = opened[module].pop() if opened.get(module) else None
         if node is not None and isinstance(output, Tensor) and recorder.hidden == 0:
             trace.modules.append((others[module], node, recorder.node(output)))

@@ -2,8 +2,7 @@
 random init, no downloads) and from torch's own layers, each wrapped the way users train them.
 
 Every entry of :data:`REAL_MODELS` is ``name -> RealModel``: a builder returning ``(LightningModule, dataset)``,
-the number of repeated blocks, and the prefix of block ``i``'s modules (for the "every Linear-like layer of a
-block is split" check). Add a model by adding an entry; ``tests/models/test_real_models.py`` picks it up.
+the number of repeated blocks, and what each block must cost. Add a model by adding an entry; ``tests/models/test_real_models.py`` picks it up.
 """
 
 from __future__ import annotations
@@ -43,12 +42,12 @@ class CausalLM(L.LightningModule):
 @dataclass(frozen=True)
 class RealModel:
     build: Callable[[], tuple[L.LightningModule, object]]
-    n_blocks: int
-    block_prefix: str  # format with the block index
+    n_blocks: int  # repeated blocks (module paths with a numeric index, e.g. model.layers.3)
     max_mp: int = 4  # the largest mp its heads allow
-    embedding: str = "embed_tokens"  # name suffix of the token embedding (vocab-split when the plan says so)
-    head: str = "lm_head"  # name suffix of the LM head
     attention: bool = True  # its blocks hold attention, which must come out head-parallel
+    # MP all-reduces (forward, backward) a block must cost: one per sublayer each way (attention, MLP), by
+    # default 2 + 2; an encoder-decoder block with cross-attention has 3.
+    per_block: Callable[[str], tuple[int, int]] = lambda block: (2, 2)
 
 
 def _llama() -> tuple[L.LightningModule, object]:
@@ -81,9 +80,38 @@ def _bert() -> tuple[L.LightningModule, object]:
     return MaskedLM(BertForMaskedLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
+class Seq2SeqLM(CausalLM):
+    """Encoder-decoder denoising objective: transformers' own ``labels=`` loss (decoder inputs shifted inside)."""
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        loss = self.net(input_ids=ids, labels=targets).loss
+        self.log("train_loss", loss)
+        return loss
+
+
+def _t5() -> tuple[L.LightningModule, object]:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+    return Seq2SeqLM(T5ForConditionalGeneration(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
+def _t5_block(block: str) -> tuple[int, int]:
+    """Encoder blocks: attention + MLP. Decoder blocks add cross-attention; the encoder output that every
+    cross-attention's k/v reads enters the MP region once (one backward all-reduce, charged to block 0)."""
+    if ".encoder." in f".{block}.":
+        return (2, 2)
+    return (3, 4) if block.endswith(".0") else (3, 3)
+
+
 REAL_MODELS: dict[str, RealModel] = {
-    "hf_llama": RealModel(_llama, 2, "net.model.layers.{}."),
-    "hf_bert": RealModel(_bert, 2, "net.bert.encoder.layer.{}."),
+    "hf_llama": RealModel(_llama, 2),
+    "hf_bert": RealModel(_bert, 2),
+    "hf_t5": RealModel(_t5, 4, per_block=_t5_block),
 }
 
 
