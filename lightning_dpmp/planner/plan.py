@@ -9,6 +9,8 @@ Styles (the values a user plan may name):
   default for a Linear that pairs with nothing.
 * ``"vocab"``: an LM head split by vocabulary whose logits reach only ``F.cross_entropy`` (computed
   vocab-parallel, full logits never gathered); or an ``nn.Embedding`` split by vocabulary rows.
+* ``"experts"``: a mixture-of-experts module whose stacked expert weights are split along the intermediate dim
+  (:mod:`lightning_dpmp.planner.experts`); its routers stay replicated.
 * ``"replicate"``: not split: the split dimension is not divisible by ``mp``, the weight is tied to a layer that
   stays whole, or the layer is never called through ``forward()`` (its weight is read directly).
 
@@ -28,6 +30,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
@@ -48,7 +51,7 @@ class LayerPlan:
         entry: layers with the same non-negative ``entry`` share one input copy (one backward all-reduce).
         input_requires_grad: whether the traced input needed a gradient (a data input does not).
         blocks: fused projections (q|k|v): each of ``blocks`` row blocks is split separately.
-        kind: ``"linear"`` or ``"embedding"``.
+        kind: ``"linear"``, ``"embedding"`` or ``"experts"`` (in/out: hidden and intermediate width of one expert).
         note: why this style, for the printout.
     """
 
@@ -68,6 +71,8 @@ class LayerPlan:
         if self.kind == "embedding":
             rows = self.in_features // mp if self.style == "vocab" else self.in_features
             return (rows, self.out_features)
+        if self.style == "experts":
+            return (self.out_features // mp, self.in_features)
         if self.style in ("column", "column_gather", "vocab"):
             return (self.out_features // mp, self.in_features)
         if self.style == "row":
@@ -89,6 +94,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
+    experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts.ExpertsLayout
 
     def comm_per_step(self) -> dict[str, dict[str, int]]:
         """Analytic MP collectives of one forward + backward, one call per layer (clipping's all-reduce excluded).
@@ -119,6 +125,9 @@ class Plan:
         else:
             fwd["reduce_scatter"] += rows + vocab_emb
             bwd["all_gather"] += rows + vocab_emb + len([n for n in sp.scatter if self.layers[n].style == "replicate"])
+        experts = [e for n, e in self.experts.items() if self.mp > 1 and self.layers[n].style == "experts"]
+        fwd["all_reduce"] += len(experts)  # experts: output all-reduced forward, entered inputs' gradients backward
+        bwd["all_reduce"] += sum(e.needs_grad for e in experts)
         if sp is None:
             fwd.pop("reduce_scatter"), bwd.pop("reduce_scatter")
         return {"forward": fwd, "backward": bwd}
@@ -129,6 +138,9 @@ class Plan:
         saved, seen = 0, set()
         for name, mod in model.named_modules():
             lp = self.layers.get(name)
+            if lp is not None and lp.style == "experts" and self.mp > 1:
+                saved += self.experts[name].saved(mod, self.mp)
+                continue
             if lp is None or lp.style == "replicate" or self.mp == 1 or id(mod.weight) in seen:
                 continue
             seen.add(id(mod.weight))
@@ -359,6 +371,9 @@ def make_plan(
         plan.layers[n] = LayerPlan(
             n, "vocab" if split else "replicate", e.num_embeddings, e.embedding_dim, kind="embedding", note=note
         )
+
+    if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
+        plan_experts(plan, model, trace, mp, forced)
 
     # Fan-out: column-style layers that read the same tensor share one entry into the region.
     by_input: dict[int, list[str]] = {}
