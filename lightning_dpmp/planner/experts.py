@@ -430,6 +430,9 @@ def analyse_experts(
         if not own or not _reaches_matmul(trace, set(own)):
             continue
         found = calls.get(name, [])
+        if not name:
+            why[name] = "the model itself holds the expert weights: they must sit in a submodule it calls"
+            continue
         if len(found) != 1:
             why[name] = f"called {len(found)} times in the traced step (experts are split when called once)"
             continue
