@@ -501,6 +501,12 @@ def plan_experts(plan: Any, model: nn.Module, trace: Optional[Trace], mp: int, f
     if trace is None or mp == 1:
         return
     layouts, why = analyse_experts(model, trace, mp)
+    for name, reason in why.items():
+        if forced.get(name) == "experts":
+            raise ValueError(f"plan forces {name!r} to 'experts', but it cannot be split: {reason}.")
+    for name in [n for n in layouts if forced.get(n) == "replicate"]:
+        del layouts[name]
+        why[name] = "user plan"
     calls = {c.name: c for c in trace.calls}
     for name, lay in layouts.items():
         routers = tuple(sorted(r for r in _routers(trace, calls[name], set(lay.activations))
@@ -518,6 +524,6 @@ def plan_experts(plan: Any, model: nn.Module, trace: Optional[Trace], mp: int, f
             plan.layers[r] = replace(plan.layers[r], style="replicate", note=f"router of {name}: replicated")
     for name, reason in why.items():
         shape = next(t.shape for t in model.get_submodule(name).parameters(recurse=False) if t.dim() >= 3)
-        note = f"experts left whole: {reason}"
+        note = "user plan" if reason == "user plan" else f"experts left whole: {reason}"
         plan.layers[name] = LayerPlan(name, "replicate", shape[-1], shape[-2], kind="experts", note=note)
 

@@ -36,7 +36,7 @@ from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
 __all__ = ["LayerPlan", "Plan", "STYLES", "make_plan"]
 
-STYLES = ("column", "row", "column_gather", "vocab", "replicate")
+STYLES = ("column", "row", "column_gather", "vocab", "experts", "replicate")
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,14 @@ def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: i
         if not matched:
             warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")
         layers = [n for n in matched if is_linear(modules[n]) or type(modules[n]) is nn.Embedding]
-        if matched and not layers:
+        stacked = [n for n in matched if n not in layers and any(p.dim() >= 3 for p in modules[n].parameters(False))]
+        for name in stacked if style in ("experts", "replicate") else ():  # experts modules (planner/experts.py)
+            forced.setdefault(name, style)
+        if style == "experts":
+            if not stacked:
+                raise ValueError(f"plan[{pattern!r}] = 'experts' matches no module holding stacked (3-D) expert weights.")
+            continue
+        if matched and not layers and not stacked:
             mod = modules[matched[0]]
             raise ValueError(
                 f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear"

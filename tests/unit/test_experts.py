@@ -219,3 +219,19 @@ def test_summed_shards_are_the_dense_experts(mp):
             torch.testing.assert_close(getattr(local, n).grad, want, rtol=1e-12, atol=1e-12)
     for k in ref:
         torch.testing.assert_close(total[k], ref[k], rtol=1e-12, atol=1e-12)
+
+
+def test_user_plan_keeps_experts_whole_or_insists():
+    torch.manual_seed(0)
+    moe = _MoE(32)
+    trace = trace_step(moe, lambda: moe(_x()).sum())
+    plan = make_plan(moe, 2, trace, user_plan={"exp*": "replicate"})
+    assert plan.layers["experts"].style == "replicate" and plan.layers["experts"].note == "user plan"
+    assert not plan.experts and plan.layers["router"].style == "column_gather"
+    assert make_plan(moe, 2, trace, user_plan={"experts": "experts"}).layers["experts"].style == "experts"
+    with pytest.raises(ValueError, match="matches no module holding stacked"):
+        make_plan(moe, 2, trace, user_plan={"router": "experts"})
+    model = Wrap(TransposedExperts(i=6))
+    trace = trace_step(model, lambda: model(torch.randn(10, 8)).sum())
+    with pytest.raises(ValueError, match="plan forces 'experts' to 'experts', but it cannot be split: experts.w1 has 12 along dim 2"):
+        make_plan(model, 4, trace, user_plan={"experts": "experts"})
