@@ -392,7 +392,7 @@ class _Experts:
                     self.replicated_use(n, name)
             return [_P] * len(ev.outputs)
         if name in MULS or name in DIVS:
-            if len(partial) != 1 or (name in DIVS and partial[0][0] != 0) or None in ev.inputs[:2]:
+            if len(partial) != 1 or (name in DIVS and partial[0][0] != 0):
                 raise _Conflict(f"'{name}' of a partial sum by another partial sum, or divides by one")
             for _, n in others:
                 self.replicated_use(n, name)
@@ -405,9 +405,9 @@ class _Experts:
             target = ev.inputs[0]
             if target is None or (self.state.get(target) != _P and target not in self.zero):
                 raise _Conflict(f"'{name}' accumulates partial sums into a tensor not known to be zero")
-            for p, n in others:
-                if n != target and p != 2:  # (self, dim, index, source): the index carries no gradient
-                    self.replicated_use(n, name)
+            for p, n in others:  # (self, dim, index, source): only the index may be replicated
+                if n != target and p != 2:
+                    raise _Conflict(f"'{name}' accumulates a replicated tensor (it would count {self.mp} times)")
             return [_P] * len(ev.outputs)
         raise _Conflict(f"a partial sum is read by '{name}' (not linear)")
 
@@ -476,21 +476,20 @@ def _layout(name: str, an: _Experts, call: ModuleCall, own: dict[str, tuple[int,
 
 def _routers(trace: Trace, call: ModuleCall, x_keys: set[Key]) -> set[str]:
     """Linear layers whose output reaches the experts call only through its routing (non-activation) arguments."""
-    targets = {node for key, node, _ in call.args if key not in x_keys}
-    xs = {node for key, node, _ in call.args if key in x_keys}
-    out: set[str] = set()
-    events = trace.events[:call.start]
-    for i, ev in enumerate(events):
-        if not isinstance(ev, LinearCall):
-            continue
-        reach = {ev.output}
-        for later in events[i + 1:]:
-            reads = [later.input] if isinstance(later, LinearCall) else [n for n in later.inputs if n is not None]
-            if reach.intersection(reads):
-                reach.update([later.output] if isinstance(later, LinearCall) else later.outputs)
-        if reach & targets and not reach & xs:
-            out.add(ev.name)
-    return out
+    routing = _ancestors(trace, call.start, {node for key, node, _ in call.args if key not in x_keys})
+    activation = _ancestors(trace, call.start, {node for key, node, _ in call.args if key in x_keys})
+    return {ev.name for ev in trace.events[:call.start]
+            if isinstance(ev, LinearCall) and ev.output in routing and ev.output not in activation}
+
+
+def _ancestors(trace: Trace, end: int, nodes: set[int]) -> set[int]:
+    """Every node that ``nodes`` derive from through the events before ``end`` (one backward pass)."""
+    seen = set(nodes)
+    for ev in reversed(trace.events[:end]):
+        outs = [ev.output] if isinstance(ev, LinearCall) else ev.outputs
+        if seen.intersection(outs):
+            seen.update([ev.input] if isinstance(ev, LinearCall) else (n for n in ev.inputs if n is not None))
+    return seen
 
 
 def plan_experts(plan: Any, model: nn.Module, trace: Optional[Trace], mp: int, forced: dict[str, str]) -> None:

@@ -144,6 +144,15 @@ class NonZeroBuffer(nn.Module):
         return out
 
 
+class ResidualInside(NonZeroBuffer):
+    def forward(self, x, weights):
+        out = torch.zeros_like(x)
+        idx = torch.arange(x.shape[0])
+        for e in range(4):
+            out.index_add_(0, idx, F.linear(F.relu(F.linear(x, self.w1[e])), self.w2[e]) * weights[:, e:e + 1])
+        return out.index_add_(0, idx, x)  # a replicated residual summed into the partial output
+
+
 class Interleaved(nn.Module):
     """gate/up interleaved (gpt-oss style ``[..., ::2]``): not followed, so left whole."""
 
@@ -166,9 +175,10 @@ class Interleaved(nn.Module):
         (lambda: nn.ModuleDict({"moe": RouterInside()}), "the replicated moe.gate feeds the split region"),
         (lambda: Wrap(NonlinearAfterSum()), "a partial sum is read by 'tanh'"),
         (lambda: Wrap(NonZeroBuffer(), h=8), "accumulates partial sums into a tensor not known to be zero"),
+        (lambda: Wrap(ResidualInside(), h=8), "'index_add_' accumulates a replicated tensor (it would count 2 times)"),
         (lambda: Wrap(Interleaved()), "indexing touches the split dim"),
     ],
-    ids=["router_inside", "nonlinear_after_sum", "non_zero_buffer", "interleaved"],
+    ids=["router_inside", "nonlinear_after_sum", "non_zero_buffer", "residual_inside", "interleaved"],
 )
 def test_experts_left_whole_say_why(make, reason):
     torch.manual_seed(0)
