@@ -39,6 +39,7 @@ from lightning_dpmp.parallel.comm import (
 
 __all__ = [
     "ColumnParallelEmbedding",
+    "SHARDS_ATTR",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "SharedInputCopy",
@@ -415,6 +416,11 @@ class ColumnParallelEmbedding(VocabParallelEmbedding):
         return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
 
 
+# A module that keeps its own class but holds some parameters split in place (experts, :mod:`.experts`) carries
+# ``{parameter name: (dim, blocks)}`` under this attribute.
+SHARDS_ATTR = "_dpmp_param_shards"
+
+
 def shard_dims(module: nn.Module) -> dict[str, int]:
     """Fully qualified names of the split parameters of ``module`` and the dimension each is split along.
 
@@ -430,6 +436,8 @@ def shard_dims(module: nn.Module) -> dict[str, int]:
             for name, dim in mod._shard_dims.items():
                 if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = dim
+        for name, (dim, _) in mod.__dict__.get(SHARDS_ATTR, {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = dim
     return _with_aliases(module, out)
 
 
@@ -453,6 +461,9 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
             for name, dim in mod._shard_dims.items():
                 if dim == 0 and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = mod.blocks
+        for name, (_, blocks) in mod.__dict__.get(SHARDS_ATTR, {}).items():
+            if blocks > 1:
+                out[f"{prefix}.{name}" if prefix else name] = blocks
     return _with_aliases(module, out)
 
 

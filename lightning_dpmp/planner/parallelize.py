@@ -12,11 +12,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
+from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts, shard_experts
 from lightning_dpmp.parallel.layers import (
     GATHERED,
     ColumnParallelEmbedding,
@@ -44,13 +45,13 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, attr, module)
 
 
-def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = None) -> dict[str, nn.Module]:
+def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = None) -> dict[str, Union[nn.Module, ExpertsShards]]:
     """Swap every planned layer of ``model`` for its parallel form, sliced from the dense weights.
 
     ``rng`` (a :class:`~lightning_dpmp.parallel.rng.RNGTracker`) gives column -> row regions their own dropout stream.
     Returns the dense layers that were replaced, by name, so that :func:`restore` can put them back.
     """
-    originals: dict[str, nn.Module] = {}
+    originals: dict[str, Union[nn.Module, ExpertsShards]] = {}
     if group_size(group) == 1:
         return originals
     sp = plan.sequence
@@ -63,6 +64,10 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
     for lp in order:
         if lp.style == "replicate":
+            continue
+        if lp.style == "experts":  # split in place: the module keeps its class and code (parallel/experts.py)
+            lay = plan.experts[lp.name]
+            originals[lp.name] = shard_experts(model.get_submodule(lp.name), lay.shards, lay.entries, group)
             continue
         dense = model.get_submodule(lp.name)
         layer: nn.Module
@@ -141,12 +146,15 @@ def _restore_attrs(model: nn.Module) -> None:
             hook.remove()
 
 
-def restore(model: nn.Module, originals: dict[str, nn.Module]) -> None:
+def restore(model: nn.Module, originals: dict[str, Union[nn.Module, ExpertsShards]]) -> None:
     """Put back the dense layers :func:`parallelize` returned (no communication)."""
     back: dict[int, nn.Parameter] = {}
     for name, dense in originals.items():
-        back.update(_param_map(model.get_submodule(name), dense))
-        set_submodule(model, name, dense)
+        if isinstance(dense, ExpertsShards):
+            dense.restore()
+        else:
+            back.update(_param_map(model.get_submodule(name), dense))
+            set_submodule(model, name, dense)
     _repoint_aliases(model, back)
     _restore_attrs(model)
 
@@ -168,6 +176,7 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
             if tied is not None:
                 dense.weight = tied[0]
             set_submodule(model, name, dense)
+    moved.update(consolidate_experts(model))
     _repoint_aliases(model, {k: v[0] for k, v in moved.items()})
     _restore_attrs(model)
     return moved

@@ -9,6 +9,8 @@ Styles (the values a user plan may name):
   default for a Linear that pairs with nothing.
 * ``"vocab"``: an LM head split by vocabulary whose logits reach only ``F.cross_entropy`` (computed
   vocab-parallel, full logits never gathered); or an ``nn.Embedding`` split by vocabulary rows.
+* ``"experts"``: a mixture-of-experts module whose stacked expert weights are split along the intermediate dim
+  (:mod:`lightning_dpmp.planner.experts`); its routers stay replicated.
 * ``"replicate"``: not split: the split dimension is not divisible by ``mp``, the weight is tied to a layer that
   stays whole, or the layer is never called through ``forward()`` (its weight is read directly).
 
@@ -28,12 +30,13 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
 __all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan"]
 
-STYLES = ("column", "row", "column_gather", "vocab", "replicate")
+STYLES = ("column", "row", "column_gather", "vocab", "experts", "replicate")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class LayerPlan:
         entry: layers with the same non-negative ``entry`` share one input copy (one backward all-reduce).
         input_requires_grad: whether the traced input needed a gradient (a data input does not).
         blocks: fused projections (q|k|v): each of ``blocks`` row blocks is split separately.
-        kind: ``"linear"`` or ``"embedding"``.
+        kind: ``"linear"``, ``"embedding"`` or ``"experts"`` (in/out: hidden and intermediate width of one expert).
         note: why this style, for the printout.
         attention: a column/row layer of a head-parallel (attention-like) region.
     """
@@ -70,6 +73,8 @@ class LayerPlan:
         if self.kind == "embedding":
             rows = self.in_features // mp if self.style == "vocab" else self.in_features
             return (rows, self.out_features // mp if self.style == "column" else self.out_features)
+        if self.style == "experts":
+            return (self.out_features // mp, self.in_features)
         if self.style in ("column", "column_gather", "vocab"):
             return (self.out_features // mp, self.in_features)
         if self.style == "row":
@@ -91,6 +96,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
+    experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts.ExpertsLayout
 
     def layer_comm(self) -> list[tuple[str, str, str]]:
         """Every analytic MP collective of one forward + backward as ``(layer, phase, op)``, one call per layer.
@@ -127,6 +133,10 @@ class Plan:
                     out.append((lp.name, "forward", "all_gather"))
                 if lp.style == "vocab":
                     out += [(lp.name, "forward", "all_reduce")] * 2  # the vocab-parallel loss: max, then sums
+            elif lp.style == "experts":  # output all-reduced forward, entered inputs' gradients backward
+                out.append((lp.name, "forward", "all_reduce"))
+                if self.experts[lp.name].needs_grad:
+                    out.append((lp.name, "backward", "all_reduce"))
             elif lp.style == "row":
                 out.append((lp.name, "forward", exit_op))
                 if sp is not None:
@@ -172,7 +182,7 @@ class Plan:
         def describe(b: dict[str, Any]) -> str:
             has_attn = any(self.layers[n].attention for n in b["layers"])
             attn = "attention head-parallel" if b["head_parallel"] else "no head-parallel attention"
-            if not has_attn and all(self.layers[n].style in ("column", "row") for n in b["layers"]):
+            if not has_attn and all(self.layers[n].style in ("column", "row", "experts") for n in b["layers"]):
                 attn = "split (no attention found)"
             return f"{attn}; MP collectives per block: forward {fmt(b['forward'])}, backward {fmt(b['backward'])}"
 
@@ -195,6 +205,9 @@ class Plan:
         saved, seen = 0, set()
         for name, mod in model.named_modules():
             lp = self.layers.get(name)
+            if lp is not None and lp.style == "experts" and self.mp > 1:
+                saved += self.experts[name].saved(mod, self.mp)
+                continue
             if lp is None or lp.style == "replicate" or self.mp == 1 or id(mod.weight) in seen:
                 continue
             seen.add(id(mod.weight))
@@ -260,7 +273,14 @@ def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: i
         if not matched:
             warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")
         layers = [n for n in matched if is_linear(modules[n]) or type(modules[n]) is nn.Embedding]
-        if matched and not layers:
+        stacked = [n for n in matched if n not in layers and any(p.dim() >= 3 for p in modules[n].parameters(False))]
+        for name in stacked if style in ("experts", "replicate") else ():  # experts modules (planner/experts.py)
+            forced.setdefault(name, style)
+        if style == "experts":
+            if not stacked:
+                raise ValueError(f"plan[{pattern!r}] = 'experts' matches no module holding stacked (3-D) expert weights.")
+            continue
+        if matched and not layers and not stacked:
             mod = modules[matched[0]]
             raise ValueError(
                 f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear"
@@ -472,6 +492,9 @@ def make_plan(
         plan.layers[n] = LayerPlan(
             n, "vocab" if split else "replicate", e.num_embeddings, e.embedding_dim, kind="embedding", note=note
         )
+
+    if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
+        plan_experts(plan, model, trace, mp, forced)
 
     # Fan-out: column-style layers that read the same tensor share one entry into the region.
     by_input: dict[int, list[str]] = {}

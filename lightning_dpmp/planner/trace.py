@@ -21,7 +21,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LinearCall", "NoDropout", "OpCall", "Trace", "describe_index", "is_linear", "loss_of", "op_name", "trace_step"]
+__all__ = [
+    "LinearCall", "ModuleCall", "NoDropout", "OpCall", "Trace", "describe_index", "is_linear", "loss_of", "op_name",
+    "trace_step",
+]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,18 @@ class LinearCall:
     input_requires_grad: bool
 
 
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of a module other than ``nn.Linear``/``nn.Embedding``: its tensor arguments as ``(position or
+    keyword, node, requires_grad)``, its tensor output nodes, and the events it issued (``events[start:end]``)."""
+
+    name: str
+    args: tuple[tuple[Union[int, str], int, bool], ...]
+    outputs: tuple[int, ...]
+    start: int
+    end: int
+
+
 @dataclass
 class Trace:
     """Events in call order, each tensor node's shape, and the nodes that leave the step (its return value)."""
@@ -62,6 +77,7 @@ class Trace:
     embedding_outputs: dict[int, str] = field(default_factory=dict)  # output node -> nn.Embedding name
     params: dict[int, str] = field(default_factory=dict)  # node -> parameter name, for parameters read by ops
     modules: list[tuple[str, int, int]] = field(default_factory=list)  # other modules: (name, first input, output)
+    calls: list[ModuleCall] = field(default_factory=list)  # other modules' calls, with every tensor argument
     result: Any = None
 
     def linear_calls(self) -> list[LinearCall]:
@@ -211,6 +227,7 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
     for module in others:
         handles.append(module.register_forward_pre_hook(mod_pre))
         handles.append(module.register_forward_hook(mod_post))
+    handles += _record_calls(others, recorder, trace)
     for module in names:
         handles.append(module.register_forward_pre_hook(pre_hook))
         handles.append(module.register_forward_hook(post_hook))
@@ -228,6 +245,28 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         for h in handles:
             h.remove()
     return trace
+
+
+def _record_calls(names: dict[nn.Module, str], recorder: _Recorder, trace: Trace) -> list[Any]:
+    """Hooks filling ``trace.calls`` (every tensor argument, positional or keyword, and the span of events)."""
+    opened: dict[nn.Module, list[tuple[tuple, int]]] = {}
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        keyed = list(enumerate(args)) + list(kwargs.items())
+        tensors = tuple((k, recorder.node(a), a.requires_grad) for k, a in keyed if isinstance(a, Tensor))
+        opened.setdefault(module, []).append((tensors if recorder.hidden == 0 else (), len(trace.events)))
+
+    def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        tensors, start = opened[module].pop()
+        if recorder.hidden == 0:
+            outs = tuple(recorder.node(t) for t in tree_leaves(output) if isinstance(t, Tensor))
+            trace.calls.append(ModuleCall(names[module], tensors, outs, start, len(trace.events)))
+
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    return handles
 
 
 def loss_of(step_output: Any) -> Optional[Tensor]:

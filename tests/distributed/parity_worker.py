@@ -97,6 +97,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         "per_block": plan.per_block(),
         "plan_text": strategy.plan.text,
         "styles": {n: lp.style for n, lp in plan.layers.items()},
+        "notes": {n: lp.note for n, lp in plan.layers.items()},
         "verified": strategy.plan.verified,
         "consistent": probe.consistent,
         "dense_after_fit": not shard_dims(model),

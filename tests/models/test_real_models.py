@@ -2,8 +2,10 @@
 found with no plan written, checked against single-process training.
 
 For every model of ``tests.support.real_models.REAL_MODELS`` at mp=2 and mp=4 (where its heads allow):
-- weights within 1e-8 of single-process training in float64 (20 AdamW steps, norm clipping);
-- every Linear-like layer of every block is ``column`` or ``row`` (head-parallel attention, split MLP);
+- weights within 1e-8 of single-process training in float64 (20 AdamW steps, norm clipping; a model that computes
+  part of the step in float32 whatever the precision says so with its own ``float64_tol``);
+- every Linear-like layer of every block is ``column`` or ``row`` (head-parallel attention, split MLP), or
+  ``experts`` (stacked expert weights split along the intermediate dim) with its router kept replicated;
 - per-rank parameters exactly split/mp + replicated, counted from the tensors;
 - exactly 2 MP all-reduces forward + 2 backward per block (3 + 3 with cross-attention), no all-gather in a block,
   and the counted collectives of a whole step equal to the plan's figures.
@@ -64,7 +66,8 @@ def test_weights_match_single_process(run, reference, model):
     _skip_unless_run(model, mp)
     worst = max_weight_diff(torch.load(out / f"{model}_64.ckpt", weights_only=True), reference[model])
     print(f"real-model parity {model} dp={dp} mp={mp} float64: max |w - w_ref| = {worst:.2e}")
-    assert worst <= 1e-8, f"{model} dp={dp} mp={mp}: {worst:.3e}"
+    tol = REAL_MODELS[model].float64_tol
+    assert worst <= tol, f"{model} dp={dp} mp={mp}: {worst:.3e} > {tol:.0e}"
 
 
 @pytest.mark.slow
@@ -78,12 +81,15 @@ def test_megatron_layout_and_collectives(run, reference, model):
         r = res[f"{model}_64"]
         assert r["verified"] is True, (rank, model)
         assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}
-        styles = r["styles"]
+        styles, notes = r["styles"], r["notes"]
         blocks = r["per_block"]  # the plan's blocks: module paths up to their first numeric index
         assert len(blocks) == spec.n_blocks, sorted(blocks)
         for name, b in blocks.items():
             layout = {n: styles[n] for n in b["layers"]}
-            assert all(s in ("column", "row") for s in layout.values()), (model, layout)
+            # split: column/row pairs and experts; whole: only the routers of those experts (Megatron's layout)
+            ok = {n: s in ("column", "row", "experts") or (s == "replicate" and notes[n].startswith("router of "))
+                  for n, s in layout.items()}
+            assert layout and all(ok.values()), (model, layout)
         # parameters held: exactly 1/mp of every split one, all of every replicated one
         expected = sum(dense[n] // mp if split else dense[n] for n, (_, split) in r["local_params"].items())
         assert sum(n for n, _ in r["local_params"].values()) == expected

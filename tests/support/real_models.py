@@ -48,6 +48,7 @@ class RealModel:
     # MP all-reduces (forward, backward) a block must cost: one per sublayer each way (attention, MLP), by
     # default 2 + 2; an encoder-decoder block with cross-attention has 3.
     per_block: Callable[[str], tuple[int, int]] = lambda block: (2, 2)
+    float64_tol: float = 1e-8  # weights vs single process after 20 float64 steps (see _mixtral for the exception)
 
 
 def _llama() -> tuple[L.LightningModule, object]:
@@ -108,10 +109,138 @@ def _t5_block(block: str) -> tuple[int, int]:
     return (3, 4) if block.endswith(".0") else (3, 3)
 
 
+class _Out:
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _Attention(nn.Module):
+    """Separate q/k/v, ``view(B, T, -1, head_dim)`` and causal sdpa (the planner splits it by heads)."""
+
+    def __init__(self, width: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _Experts(nn.Module):
+    """Stacked experts as transformers 5.x keeps them: ``gate_up`` (E, 2I, H), ``down`` (E, H, I), a loop over the
+    experts that were hit, SiLU-gated, scaled by the routing weights and ``index_add_``-ed into a zero buffer."""
+
+    def __init__(self, n_experts: int, width: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(n_experts, 2 * inner, width) / width**0.5)
+        self.down = nn.Parameter(torch.randn(n_experts, width, inner) / inner**0.5)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            token, slot = torch.where(index == e)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+
+
+class _MoE(nn.Module):
+    """Router ``nn.Linear(width, experts)``, softmax, top-2 renormalised, then the experts."""
+
+    def __init__(self, width: int, n_experts: int = 4, inner: int = 64, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(width, n_experts, bias=False)
+        self.experts = _Experts(n_experts, width, inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        probs = F.softmax(self.router(flat), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(flat, index, weights).reshape(B, T, C)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, width: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.RMSNorm(width), _Attention(width, head_dim)
+        self.norm2, self.moe = nn.LayerNorm(width), _MoE(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+class MoELM(nn.Module):
+    """embedding(64, 32) -> 2 x [norm -> attention -> residual; norm -> MoE -> residual] -> norm -> lm_head."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 32, n_blocks: int = 2, head_dim: int = 8) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(_MoEBlock(width, head_dim) for _ in range(n_blocks))
+        self.norm = nn.RMSNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> _Out:
+        x = self.embed_tokens(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return _Out(self.lm_head(self.norm(x)))
+
+
+def _moe() -> tuple[L.LightningModule, object]:
+    return CausalLM(MoELM()), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
+def _mixtral() -> tuple[L.LightningModule, object]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=False, output_router_logits=False,  # no router aux loss
+    )
+    cfg._experts_implementation = "eager"  # grouped_mm (the default) has no float64 kernel on CPU
+    return CausalLM(MixtralForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
+def _mixtral_wide_router() -> tuple[L.LightningModule, object]:
+    """Mixtral with its router computing in the training dtype (transformers casts router logits to float32)."""
+    import types
+
+    lm, data = _mixtral()
+    for mod in lm.modules():
+        if type(mod).__name__ == "MixtralTopKRouter":
+            mod.forward = types.MethodType(_router_in_training_dtype, mod)
+    return lm, data
+
+
+def _router_in_training_dtype(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    top, index = torch.topk(F.softmax(router_logits, dim=-1), self.top_k, dim=-1)
+    return router_logits, top / top.sum(dim=-1, keepdim=True), index
+
+
 REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),
+    "moe": RealModel(_moe, 2),
+    # transformers routes in float32 whatever the training dtype (`router_logits.float()`): each MP rank's partial
+    # gradient of the routing weights is rounded to float32 before the all-reduce sums them, one float32 ulp per
+    # step off rounding the sum once; measured 1.5e-8 after 20 steps at mp=2, and 1.1e-15 with the router in
+    # float64 (hf_moe_wide_router), which keeps the 1e-8 bound.
+    "hf_moe": RealModel(_mixtral, 2, float64_tol=1e-7),
+    "hf_moe_wide_router": RealModel(_mixtral_wide_router, 2),
 }
 
 
