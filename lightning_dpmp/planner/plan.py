@@ -11,6 +11,12 @@ Styles (the values a user plan may name):
   vocab-parallel, full logits never gathered); or an ``nn.Embedding`` split by vocabulary rows.
 * ``"replicate"``: not split: the split dimension is not divisible by ``mp``, the weight is tied to a layer that
   stays whole, or the layer is never called through ``forward()`` (its weight is read directly).
+* ``"heads"``: an ``nn.MultiheadAttention`` computed head-parallel: its ``in_proj`` split per q/k/v block like a
+  fused column layer, its ``out_proj`` (listed as ``"row"``) split by input features; self-contained.
+
+"Linear" covers ``nn.Linear`` and linear-like modules found in the traced step by what they compute
+(:mod:`lightning_dpmp.planner.linear_like`, e.g. GPT-2's ``Conv1D``); ``LayerPlan.out_dim`` records how such a
+layer stores its weight, and it is split in that layout.
 
 Example:
     >>> plan = make_plan(model, mp=2, trace=trace_step(model, run))    # doctest: +SKIP
@@ -28,12 +34,14 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_dpmp.planner.attention import decide_attention
 from lightning_dpmp.planner.flow import analyse
+from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
 __all__ = ["LayerPlan", "Plan", "STYLES", "make_plan"]
 
-STYLES = ("column", "row", "column_gather", "vocab", "replicate")
+STYLES = ("column", "row", "column_gather", "vocab", "replicate", "heads")
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,12 @@ class LayerPlan:
         entry: layers with the same non-negative ``entry`` share one input copy (one backward all-reduce).
         input_requires_grad: whether the traced input needed a gradient (a data input does not).
         blocks: fused projections (q|k|v): each of ``blocks`` row blocks is split separately.
-        kind: ``"linear"`` or ``"embedding"``.
+        kind: ``"linear"``, ``"embedding"`` or ``"attention"`` (an ``nn.MultiheadAttention``: ``in_features`` is
+            ``embed_dim``, ``out_features`` the ``3 * embed_dim`` rows of ``in_proj_weight``).
         note: why this style, for the printout.
+        out_dim: dim of the stored weight holding the output features: 0 for ``(out, in)`` (``nn.Linear``), 1 for
+            ``(in, out)`` (``Conv1D``).
+        gather_weights: an attention whose averaged weights are returned (``need_weights=True``).
     """
 
     name: str
@@ -62,17 +74,26 @@ class LayerPlan:
     blocks: int = 1
     kind: str = "linear"
     note: str = ""
+    out_dim: int = 0
+    gather_weights: bool = False
+
+    def full_shape(self) -> tuple[int, int]:
+        """Dense weight shape as stored: ``(out, in)`` or ``(in, out)`` of a Linear, ``(rows, dim)`` of an embedding."""
+        if self.kind == "embedding":
+            return (self.in_features, self.out_features)
+        return (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
 
     def local_shape(self, mp: int) -> tuple[int, int]:
-        """Local weight shape: ``(out, in)`` of a Linear, ``(rows, dim)`` of an embedding."""
+        """Local weight shape, in the same layout as :meth:`full_shape`."""
         if self.kind == "embedding":
             rows = self.in_features // mp if self.style == "vocab" else self.in_features
             return (rows, self.out_features)
-        if self.style in ("column", "column_gather", "vocab"):
-            return (self.out_features // mp, self.in_features)
-        if self.style == "row":
-            return (self.out_features, self.in_features // mp)
-        return (self.out_features, self.in_features)
+        out, inp = self.out_features, self.in_features
+        if self.style in ("column", "column_gather", "vocab", "heads"):
+            out //= mp
+        elif self.style == "row":
+            inp //= mp
+        return (out, inp) if self.out_dim == 0 else (inp, out)
 
 
 @dataclass
@@ -98,18 +119,19 @@ class Plan:
         """
         layers = [lp for lp in self.layers.values() if self.mp > 1]
         linear = [lp for lp in layers if lp.kind == "linear"]
+        heads = [lp for lp in layers if lp.kind == "attention" and lp.style == "heads"]
         sp = self.sequence
         split_in = sp.gather_entries if sp is not None else set()
         entries: dict[Any, tuple[bool, bool]] = {}
-        for lp in linear:
-            if lp.style in ("column", "column_gather", "vocab"):
+        for lp in linear + heads:  # a head-parallel attention enters like a column layer (its out_proj is a row)
+            if lp.style in ("column", "column_gather", "vocab", "heads"):
                 key = lp.entry if lp.entry >= 0 else f"own:{lp.name}"
                 entries[key] = (lp.name in split_in, lp.input_requires_grad)
         rows = sum(lp.style == "row" for lp in linear)
         vocab_emb = sum(lp.style == "vocab" for lp in layers if lp.kind == "embedding")
         fwd = {"all_reduce": 2 * sum(lp.style == "vocab" for lp in linear), "all_gather": 0, "reduce_scatter": 0}
         bwd = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-        fwd["all_gather"] += sum(lp.style == "column_gather" for lp in linear)
+        fwd["all_gather"] += sum(lp.style == "column_gather" for lp in linear) + sum(lp.gather_weights for lp in heads)
         bwd["all_gather"] += sum(lp.style == "row" and not lp.input_is_parallel and lp.input_requires_grad for lp in linear)
         for seq_split, needs_grad in entries.values():
             fwd["all_gather"] += seq_split
@@ -129,22 +151,24 @@ class Plan:
         saved, seen = 0, set()
         for name, mod in model.named_modules():
             lp = self.layers.get(name)
-            if lp is None or lp.style == "replicate" or self.mp == 1 or id(mod.weight) in seen:
+            if lp is None or lp.style == "replicate" or self.mp == 1:
                 continue
-            seen.add(id(mod.weight))
-            saved += mod.weight.numel() - mod.weight.numel() // self.mp
-            bias = getattr(mod, "bias", None)
-            if bias is not None and lp.style != "row":
-                saved += bias.numel() - bias.numel() // self.mp
+            if lp.kind == "attention":  # out_proj has its own "row" entry
+                split = [mod.in_proj_weight, mod.in_proj_bias]
+            else:
+                split = [mod.weight] + ([getattr(mod, "bias", None)] if lp.style != "row" else [])
+            for p in split:
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    saved += p.numel() - p.numel() // self.mp
         return total - saved, total
 
     def describe(self, model: nn.Module) -> str:
         """A table, one line per layer (name, style, full shape -> local shape, note), and per-rank totals."""
         rows = [("layer", "style", "full", "local", "note")]
         for lp in self.layers.values():
-            full = (lp.in_features, lp.out_features) if lp.kind == "embedding" else (lp.out_features, lp.in_features)
             style = lp.style + ("(emb)" if lp.kind == "embedding" else "")
-            rows.append((lp.name, style, str(full), str(lp.local_shape(self.mp)), lp.note))
+            rows.append((lp.name, style, str(lp.full_shape()), str(lp.local_shape(self.mp)), lp.note))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"DPMPStrategy plan for mp={self.mp} ({'traced one step' if self.traced else 'not traced'}):"]
         for r in rows:
@@ -171,27 +195,43 @@ class Plan:
         return "\n".join(lines)
 
 
-def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int) -> dict[str, str]:
+def _user_styles(
+    model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int, forms: Mapping[str, LinearForm]
+) -> dict[str, str]:
     """Resolve glob patterns to {layer name: style}; the first pattern that matches a name wins."""
     forced: dict[str, str] = {}
     if not user_plan:
         return forced
     modules = dict(model.named_modules())
+    inside_mha = {f"{n}.{c}" for n, m in modules.items() if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()}
     for pattern, style in user_plan.items():
         if style not in STYLES:
             raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style; choose one of {', '.join(STYLES)}.")
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")
-        layers = [n for n in matched if is_linear(modules[n]) or type(modules[n]) is nn.Embedding]
+        layers = [n for n in matched if n in forms or type(modules[n]) is nn.Embedding
+                  or isinstance(modules[n], nn.MultiheadAttention)]
         if matched and not layers:
             mod = modules[matched[0]]
             raise ValueError(
-                f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear"
-                " or nn.Embedding; only those layers can be given a style."
+                f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear,"
+                " linear-like layer, nn.Embedding or nn.MultiheadAttention; only those layers can be given a style."
             )
         for name in layers:  # a glob like 'blocks.*' may also match norms and containers: those are skipped
             mod = modules[name]
+            if isinstance(mod, nn.MultiheadAttention):
+                if style not in ("heads", "replicate"):
+                    raise ValueError(f"plan gives the nn.MultiheadAttention {name!r} style {style!r}; use 'heads' or 'replicate'.")
+                forced.setdefault(name, style)
+                continue
+            if name in inside_mha:
+                if fnmatch.fnmatchcase(name.rpartition(".")[0], pattern):
+                    continue  # 'blocks.*' matched the attention too: its out_proj follows the attention
+                raise ValueError(
+                    f"plan gives {name!r} style {style!r}, but F.multi_head_attention_forward reads its weight without"
+                    f" calling it; style the nn.MultiheadAttention {name.rpartition('.')[0]!r} ('heads' or 'replicate')."
+                )
             if isinstance(mod, nn.Embedding):
                 if style not in ("vocab", "replicate"):
                     raise ValueError(f"plan gives the embedding {name!r} style {style!r}; use 'vocab' or 'replicate'.")
@@ -202,16 +242,19 @@ def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: i
                     )
                 forced.setdefault(name, style)
                 continue
+            if style == "heads":
+                raise ValueError(f"plan gives {name!r} style 'heads', which is for nn.MultiheadAttention only.")
             forced.setdefault(name, style)
-            if style in ("column", "column_gather", "vocab") and mod.out_features % mp:
+            f = forms[name]
+            if style in ("column", "column_gather", "vocab") and f.out_features % mp:
                 raise ValueError(
-                    f"plan forces {name!r} to {style!r}, but its out_features={mod.out_features} is not divisible by"
-                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {mod.out_features}."
+                    f"plan forces {name!r} to {style!r}, but its out_features={f.out_features} is not divisible by"
+                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {f.out_features}."
                 )
-            if style == "row" and mod.in_features % mp:
+            if style == "row" and f.in_features % mp:
                 raise ValueError(
-                    f"plan forces {name!r} to 'row', but its in_features={mod.in_features} is not divisible by"
-                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {mod.in_features}."
+                    f"plan forces {name!r} to 'row', but its in_features={f.in_features} is not divisible by"
+                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {f.in_features}."
                 )
     return forced
 
@@ -251,7 +294,7 @@ def make_plan(
     user_plan: Optional[Mapping[str, str]] = None,
     level: int = 0,
 ) -> Plan:
-    """Plan every ``nn.Linear`` and ``nn.Embedding`` of ``model`` for an MP width ``mp``.
+    """Plan every Linear (``nn.Linear`` or linear-like), ``nn.Embedding`` and ``nn.MultiheadAttention`` of ``model``.
 
     Args:
         model: the dense model (module names are those of ``model.named_modules()``).
@@ -265,14 +308,24 @@ def make_plan(
         >>> make_plan(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)), mp=2).layers["0"].style
         'column_gather'
     """
-    linears = {n: m for n, m in model.named_modules() if is_linear(m)}
-    embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
-    forced = _user_styles(model, user_plan, mp)
+    modules = dict(model.named_modules())
+    linears: dict[str, LinearForm] = {n: form_of_linear(m) for n, m in modules.items() if is_linear(m)}
+    linears.update(trace.linear_forms if trace is not None else {})  # Conv1D & co, found by what they computed
+    linears = {n: linears[n] for n in modules if n in linears}  # module order
+    embeddings = {n: m for n, m in modules.items() if type(m) is nn.Embedding}
+    forced = _user_styles(model, user_plan, mp, linears)
     plan = Plan(mp=mp, traced=trace is not None)
     if mp == 1:
-        for n, m in linears.items():
-            plan.layers[n] = LayerPlan(n, "replicate", m.in_features, m.out_features, note="mp=1")
+        for n, f in linears.items():
+            plan.layers[n] = LayerPlan(n, "replicate", f.in_features, f.out_features, note="mp=1", out_dim=f.out_dim)
         return plan
+    fixed: dict[str, str] = {}  # layers kept whole for a reason of their own
+    for n, f in linears.items():
+        if (f.weight, f.bias) not in (("weight", "bias"), ("weight", None)):
+            forced[n], fixed[n] = "replicate", (
+                f"linear-like, but its parameters are named {f.weight!r}/{f.bias!r}: only 'weight'/'bias' can be"
+                " split under the dense module's state_dict keys"
+            )
 
     # Embeddings: split the token table (the largest, or one tied to an LM head) by vocabulary rows.
     owners: dict[int, list[str]] = {}
@@ -297,8 +350,8 @@ def make_plan(
         for o in tied:  # a Linear sharing this weight can be split only together with it
             if o in linears and emb_split[n]:
                 forced[o] = "replicate"
-    for n, m in linears.items():
-        tied = [o for o in owners[id(m.weight)] if o != n]
+    for n, f in linears.items():
+        tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
         if tied and not all(o in embeddings and not emb_split[o] for o in tied):
             if forced.get(n, "replicate") != "replicate":
                 raise ValueError(f"plan forces {n!r} to {forced[n]!r}, but its weight is tied to {tied[0]!r}.")
@@ -324,7 +377,7 @@ def make_plan(
     else:
         roles = {n: s for n, s in forced.items() if s in ("column", "row") and n in linears}
 
-    for n, m in linears.items():
+    for n, f in linears.items():
         style, note, parallel_in = roles.get(n), "", True
         own = calls.get(n, [])
         if style in ("column", "row"):
@@ -332,23 +385,23 @@ def make_plan(
         elif style == "vocab":
             note = "logits reach only cross_entropy: vocab-parallel loss"
         elif forced.get(n) in ("column_gather", "replicate"):
-            tied = [o for o in owners[id(m.weight)] if o != n]
-            style, note = forced[n], (f"weight tied to {tied[0]}.weight" if tied else "user plan")
+            tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
+            style, note = forced[n], fixed.get(n) or (f"weight tied to {tied[0]}.weight" if tied else "user plan")
         elif forced.get(n) in ("column", "vocab"):
             style, note = "column_gather", f"user plan said {forced[n]}; its output is not read only by row layers/loss"
         elif forced.get(n) == "row":
             style, parallel_in, note = "row", False, "user plan said row; input is replicated, split locally"
         elif trace is not None and not own:
             style, note = "replicate", "not called through forward() in the traced step"
-        elif m.out_features % mp == 0:
+        elif f.out_features % mp == 0:
             style = "column_gather"
             note = "called more than once per step" if len(own) > 1 else why.get(n, "")
         else:
-            style, note = "replicate", f"out_features={m.out_features} not divisible by mp={mp}"
+            style, note = "replicate", f"out_features={f.out_features} not divisible by mp={mp}"
         requires_grad = all(c.input_requires_grad for c in own) if own else True
         plan.layers[n] = LayerPlan(
-            n, style, m.in_features, m.out_features, parallel_in, input_requires_grad=requires_grad,
-            blocks=blocks.get(n, 1) if style == "column" else 1, note=note,
+            n, style, f.in_features, f.out_features, parallel_in, input_requires_grad=requires_grad,
+            blocks=blocks.get(n, 1) if style == "column" else 1, note=note, out_dim=f.out_dim,
         )
     for n, e in embeddings.items():
         tied_heads = [o for o in owners[id(e.weight)] if o in plan.layers and o != n]
@@ -360,12 +413,45 @@ def make_plan(
             n, "vocab" if split else "replicate", e.num_embeddings, e.embedding_dim, kind="embedding", note=note
         )
 
-    # Fan-out: column-style layers that read the same tensor share one entry into the region.
+    attention = decide_attention(model, trace, mp, forced, level)
+    _add_attention(plan, model, attention)
+
+    # Fan-out: column-style layers (and head-parallel attention) that read the same tensor share one entry.
     by_input: dict[int, list[str]] = {}
     for n, lp in plan.layers.items():
         if lp.kind == "linear" and lp.style in ("column", "column_gather", "vocab") and len(calls.get(n, [])) == 1:
             by_input.setdefault(calls[n][0].input, []).append(n)
+        elif lp.style == "heads" and attention[n].input is not None:
+            by_input.setdefault(attention[n].input, []).append(n)  # type: ignore[arg-type]
     for entry, names in enumerate(v for v in by_input.values() if len(v) > 1):
         for n in names:
             plan.layers[n] = replace(plan.layers[n], entry=entry)
     return plan
+
+
+def _add_attention(plan: Plan, model: nn.Module, decisions: Mapping[str, Any]) -> None:
+    """Insert one entry per ``nn.MultiheadAttention`` (right before its ``out_proj``) and restyle that out_proj."""
+    extra: dict[str, LayerPlan] = {}
+    for name, d in decisions.items():
+        mha = model.get_submodule(name)
+        e = mha.embed_dim
+        heads = d.style == "heads"
+        extra[name] = LayerPlan(
+            name, d.style, e, 3 * e, input_requires_grad=d.input_requires_grad, blocks=3 if heads else 1,
+            kind="attention", note=d.note, gather_weights=heads and d.gather_weights,
+        )
+        out = f"{name}.out_proj"
+        if out in plan.layers:
+            note = f"<- heads of {name}" if heads else f"read inside {name}, which stays whole"
+            plan.layers[out] = replace(plan.layers[out], style="row" if heads else "replicate", note=note,
+                                       input_is_parallel=True)
+    if not extra:
+        return
+    layers: dict[str, LayerPlan] = {}
+    for n, lp in plan.layers.items():
+        owner = n.rpartition(".")[0]
+        if owner in extra:
+            layers[owner] = extra.pop(owner)
+        layers[n] = lp
+    layers.update(extra)
+    plan.layers = layers
