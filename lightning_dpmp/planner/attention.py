@@ -51,6 +51,8 @@ def decide_attention(
         reason = unsupported_reason(mha, mp)
         if forced.get(name) == "replicate":
             reason = "user plan"
+        elif reason is not None:
+            pass
         elif level >= 1:
             reason = "attention-like region disabled after a failed verification"
         elif trace is None and forced.get(name) != "heads":

@@ -440,7 +440,7 @@ def _add_attention(plan: Plan, model: nn.Module, decisions: Mapping[str, Any]) -
             name, d.style, e, 3 * e, input_requires_grad=d.input_requires_grad, blocks=3 if heads else 1,
             kind="attention", note=d.note, gather_weights=heads and d.gather_weights,
         )
-        out = f"{name}.out_proj"
+        out = f"{name}.out_proj" if name else "out_proj"
         if out in plan.layers:
             note = f"<- heads of {name}" if heads else f"read inside {name}, which stays whole"
             plan.layers[out] = replace(plan.layers[out], style="row" if heads else "replicate", note=note,

@@ -3,7 +3,8 @@ found with no plan written, checked against single-process training.
 
 For every model of ``tests.support.real_models.REAL_MODELS`` at mp=2 and mp=4 (where its heads allow):
 - weights within 1e-8 of single-process training in float64 (20 AdamW steps, norm clipping);
-- every Linear-like layer of every block is ``column`` or ``row`` (head-parallel attention, split MLP);
+- every Linear-like layer of every block is ``column`` or ``row`` (head-parallel attention, split MLP), an
+  ``nn.MultiheadAttention`` ``heads`` (its out_proj ``row``);
 - per-rank parameters exactly split/mp + replicated, counted from the tensors;
 - exactly 2 MP all-reduces forward + 2 backward per block, no all-gather (counted, and equal to the plan's figures).
 
@@ -81,7 +82,11 @@ def test_megatron_layout_and_collectives(run, reference, model):
         for i in range(spec.n_blocks):
             prefix = spec.block_prefix.format(i)
             block = {n: s for n, s in styles.items() if n.startswith(prefix)}
-            assert block and all(s in ("column", "row") for s in block.values()), (model, block)
+            # "heads" is an nn.MultiheadAttention as one entry: F.multi_head_attention_forward reads its in_proj
+            # (q|k|v, split block by block like a fused column layer) and out_proj.weight without calling a
+            # Linear, so the attention module is the layer that is split; its out_proj is listed as "row".
+            assert block and all(s in ("column", "row", "heads") for s in block.values()), (model, block)
+            assert {"column", "row"} <= set(block.values()) or {"heads", "row"} <= set(block.values()), (model, block)
         # parameters held: exactly 1/mp of every split one, all of every replicated one
         expected = sum(dense[n] // mp if split else dense[n] for n, (_, split) in r["local_params"].items())
         assert sum(n for n, _ in r["local_params"].values()) == expected
