@@ -146,3 +146,27 @@ def _orientation(op, from_x: set[int], weight: int, bias: Optional[int]) -> Opti
     if len(args) >= 2 and args[0] in from_x and args[1] == weight and len([a for a in args if a is not None]) == 2:
         return 1, False  # x @ W, matmul(x, W), mm(x, W)
     return None
+
+
+def left_whole(model: nn.Module, planned: set[str], called: set[str]) -> list[str]:
+    """Printout notes for modules holding matrix-shaped (2-D or more) parameters that no plan entry covers.
+
+    ``planned``: names with a plan entry (their children count as covered); ``called``: modules seen called in
+    the traced step. Norms and other 1-D parameters are not listed: they are replicated by design.
+    """
+    notes = []
+    for name, mod in model.named_modules():
+        if not name or name in planned or any(name.startswith(p + ".") for p in planned if p):
+            continue
+        big = [(n, tuple(p.shape)) for n, p in mod.named_parameters(recurse=False) if p.dim() >= 2]
+        if not big:
+            continue
+        what = ", ".join(f"{n} {s}" for n, s in big)
+        if candidate_params(mod) is not None and name in called:
+            why = "its traced forward is not one matmul of its input with its weight (not linear-like)"
+        elif name not in called:
+            why = "not called in the traced step, or its parameters are read by other code"
+        else:
+            why = "not a Linear, linear-like layer, Embedding or MultiheadAttention"
+        notes.append(f"left whole: {name} ({type(mod).__name__}: {what}): {why}")
+    return notes

@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_dpmp.planner.attention import decide_attention
 from lightning_dpmp.planner.flow import analyse
-from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear
+from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
 __all__ = ["LayerPlan", "Plan", "STYLES", "make_plan"]
@@ -415,6 +415,8 @@ def make_plan(
 
     attention = decide_attention(model, trace, mp, forced, level)
     _add_attention(plan, model, attention)
+    if trace is not None:
+        plan.notes += left_whole(model, set(plan.layers), {m[0] for m in trace.modules})
 
     # Fan-out: column-style layers (and head-parallel attention) that read the same tensor share one entry.
     by_input: dict[int, list[str]] = {}

@@ -105,6 +105,7 @@ def test_modules_computing_something_else_are_not_linear_like(how):
     assert "fc2" not in trace.linear_forms and "fc2" not in plan.layers
     assert not any(isinstance(e, LinearCall) and e.name == "fc2" for e in trace.events)
     assert plan.layers["fc1"].style == "column_gather"  # its output reaches ops that are not a row layer
+    assert "left whole: fc2 (NotLinear: weight (8, 8)): its traced forward is not one matmul" in plan.describe(model)
 
 
 def test_linear_like_with_other_parameter_names_stays_whole_and_says_why():
