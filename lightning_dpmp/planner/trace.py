@@ -4,8 +4,9 @@ A ``TorchFunctionMode`` sees every torch function and tensor method called from 
 (``argmax`` included), and forward hooks on each ``nn.Linear`` mark where a layer reads and writes. Calls made
 inside a Linear are hidden, so the record reads like the model's own code. Leaf modules whose recorded forward
 is one matmul of their input with their 2-D weight (GPT-2's ``Conv1D``: ``addmm(b, x, W)``) are recorded as
-Linear calls too (:mod:`lightning_dpmp.planner.linear_like`); ``Trace.linear_forms`` says how each stores its weight. The planner (:mod:`lightning_dpmp.planner.plan`)
-turns the record into a layout.
+Linear calls too (:mod:`lightning_dpmp.planner.linear_like`); ``Trace.linear_forms`` says how each stores its
+weight, and ``Trace.attention`` lists the ``nn.MultiheadAttention`` calls. The planner
+(:mod:`lightning_dpmp.planner.plan`) turns the record into a layout.
 
 Example:
     >>> trace = trace_step(model, lambda: model.training_step(batch, 0))   # doctest: +SKIP
@@ -158,7 +159,8 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         if node is not None and isinstance(output, Tensor) and recorder.hidden == 0:
             trace.modules.append((others[module], node, recorder.node(output)))
 
-    handles = _hook_linear_like(model, recorder, trace, set(names) | set(embeddings)) + _hook_attention(model, recorder, trace)
+    handles = _hook_linear_like(model, recorder, trace, set(names) | set(embeddings))
+    handles += _hook_attention(model, recorder, trace)
     for module in others:
         handles.append(module.register_forward_pre_hook(mod_pre))
         handles.append(module.register_forward_hook(mod_post))
