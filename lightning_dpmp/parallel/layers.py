@@ -10,6 +10,11 @@ Layouts, for ``y = x @ W.T + b`` with ``W`` of shape ``(out_features, in_feature
 A column layer feeding a row layer through element-wise ops costs one all-reduce forward (in the row layer) and one
 backward (the column layer's input gradient): the Megatron MLP.
 
+Linear-like layers that store the weight transposed, ``(in_features, out_features)`` (GPT-2's ``Conv1D``:
+``addmm(b, x, W)``), are split in that storage layout (``out_dim=1``): the column layer holds ``W[:, slice]``, the
+row layer ``W[slice, :]``, so parameter names and dense shapes stay the original module's, and :meth:`to_dense`
+gives back the original class (any ``nn.Linear`` subclass or linear-like module, not a plain ``nn.Linear``).
+
 Example:
     >>> dense = nn.Linear(16, 64)
     >>> fc1 = ColumnParallelLinear.from_dense(dense, grid.mp_group)   # doctest: +SKIP
@@ -19,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -41,6 +47,7 @@ __all__ = [
     "ColumnParallelEmbedding",
     "SHARDS_ATTR",
     "ColumnParallelLinear",
+    "dense_template",
     "RowParallelLinear",
     "SharedInputCopy",
     "VocabParallelEmbedding",
@@ -127,15 +134,25 @@ class _ParallelLinear(nn.Module):
     # of every block: weight rows viewed as (blocks, rows/blocks) are chunked along the second axis.
     blocks: int = 1
 
+    out_dim: int = 0  # dim of the stored weight holding the output features: 0 (out, in) or 1 (in, out)
+
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: Any, **kwargs: Any) -> Self:
-        """Slice an initialised ``nn.Linear`` so that training starts from exactly its weights."""
+    def from_dense(cls, linear: nn.Module, group: Any, out_dim: int = 0, **kwargs: Any) -> Self:
+        """Slice an initialised ``nn.Linear`` (or a linear-like module with ``weight``/``bias`` stored
+        ``out_dim``-major, e.g. ``Conv1D`` with ``out_dim=1``) so that training starts from exactly its weights."""
+        w = linear.weight
+        out_f, in_f = (w.shape[0], w.shape[1]) if out_dim == 0 else (w.shape[1], w.shape[0])
         layer = cls(  # type: ignore[call-arg]
-            linear.in_features, linear.out_features, linear.bias is not None, group=group,
-            device=linear.weight.device, dtype=linear.weight.dtype, **kwargs,
+            in_f, out_f, getattr(linear, "bias", None) is not None, group=group, out_dim=out_dim,
+            device=w.device, dtype=w.dtype, **kwargs,
         )
         layer._init_from(linear)
         layer.train(linear.training)
+        if type(linear) is not nn.Linear:  # Conv1D, NonDynamicallyQuantizableLinear...: to_dense gives it back
+            layer.__dict__["_template"] = dense_template(linear)
+        for name in ("weight", "bias"):  # frozen (fine-tuned) parameters stay frozen
+            if getattr(layer, name, None) is not None:
+                getattr(layer, name).requires_grad_(getattr(linear, name).requires_grad)
         return layer
 
     def _init_from(self, dense: nn.Module) -> None:
@@ -149,7 +166,20 @@ class _ParallelLinear(nn.Module):
 
     def _dense_module(self) -> nn.Module:
         p = self.weight
-        return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
+        template = self.__dict__.get("_template")
+        if template is None:
+            return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
+        dense = copy.deepcopy(template)
+        shape = (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
+        dense.weight = nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype), requires_grad=p.requires_grad)
+        if self.bias is not None:
+            dense.bias = nn.Parameter(torch.empty(self.out_features, device=p.device, dtype=p.dtype),
+                                      requires_grad=self.bias.requires_grad)
+        return dense
+
+    def _matmul(self, x: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """``x @ W.T + b`` for the ``(out, in)`` layout, ``x @ W + b`` for ``(in, out)``."""
+        return F.linear(x, self.weight if self.out_dim == 0 else self.weight.t(), bias)
 
     def reset_parameters(self) -> None:
         """nn.Linear's default distribution with the *dense* fan-in (a shard's own fan-in would differ for rows).
@@ -176,7 +206,18 @@ class _ParallelLinear(nn.Module):
         return dense
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, mp={self.mp}"
+        layout = ", weight=(in, out)" if self.out_dim == 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, mp={self.mp}{layout}"
+
+
+def dense_template(dense: nn.Module) -> nn.Module:
+    """A deep copy of ``dense`` whose parameters are meta tensors: its class and attributes, no memory.
+
+    ``to_dense`` copies it and sets full-size parameters, so a consolidated model holds the original classes.
+    """
+    memo = {id(p): nn.Parameter(torch.empty(p.shape, device="meta", dtype=p.dtype), requires_grad=p.requires_grad)
+            for p in dense.parameters()}
+    return copy.deepcopy(dense, memo)
 
 
 def shard_tensor(full: Tensor, dim: int, mp: int, rank: int, blocks: int = 1) -> Tensor:
@@ -226,25 +267,30 @@ class ColumnParallelLinear(_ParallelLinear):
         vocab_logits: bool = False,
         rng: Optional[Any] = None,
         sequence_dim: Optional[int] = None,
+        out_dim: int = 0,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(in_features, out_features, group)
         self.sequence_dim = sequence_dim
+        self.out_dim = out_dim
+        if out_dim == 1:  # weight stored (in, out): the output features are its columns
+            self._shard_dims = {"weight": 1, "bias": 0}
         local_out = divide(divide(out_features, blocks, "out_features (fused blocks)"), self.mp, "out_features") * blocks
         self.gather_output = gather_output
         self.shared_input = shared_input
         self.blocks = blocks
         self.vocab_logits = vocab_logits
         self.rng = rng
-        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        shape = (local_out, in_features) if out_dim == 0 else (in_features, local_out)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.shared_input(x) if self.shared_input is not None else enter_region(x, self.group, self.sequence_dim)
-        y = F.linear(x, self.weight, self.bias)
+        y = self._matmul(x, self.bias)
         if self.gather_output:
             return gather_tensor(y, y.dim() - 1, self.group, self.blocks)
         if self.vocab_logits:
@@ -288,15 +334,20 @@ class RowParallelLinear(_ParallelLinear):
         input_is_parallel: bool = True,
         rng: Optional[Any] = None,
         sequence_dim: Optional[int] = None,
+        out_dim: int = 0,
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(in_features, out_features, group)
         self.sequence_dim = sequence_dim
+        self.out_dim = out_dim
+        if out_dim == 1:  # weight stored (in, out): the input features are its rows
+            self._shard_dims = {"weight": 0, "bias": None}
         local_in = divide(in_features, self.mp, "in_features")
         self.input_is_parallel = input_is_parallel
         self.rng = rng
-        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
+        shape = (out_features, local_in) if out_dim == 0 else (local_in, out_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         if self.weight.device.type != "meta":
             self.reset_parameters()
@@ -306,7 +357,7 @@ class RowParallelLinear(_ParallelLinear):
             self.rng.exit()  # back to the replicated stream: the output is the same on every MP rank
         if not self.input_is_parallel:
             x = scatter_to_group(x, self.group)
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.sequence_dim is None:
             y = reduce_from_group(y, self.group)
         else:  # sequence parallel: each rank keeps the summed output for its slice of the sequence
@@ -458,8 +509,8 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
     for prefix, mod in module.named_modules():
         if isinstance(mod, _ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
-            for name, dim in mod._shard_dims.items():
-                if dim == 0 and getattr(mod, name, None) is not None:
+            for name, dim in mod._shard_dims.items():  # only column-style layers are fused: every split is by blocks
+                if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = mod.blocks
         for name, (_, blocks) in mod.__dict__.get(SHARDS_ATTR, {}).items():
             if blocks > 1:

@@ -31,7 +31,7 @@ UNARY = {
     "leaky_relu", "hardtanh", "relu6", "softplus", "mish", "hardswish", "hardsigmoid", "logsigmoid", "softsign",
     "dropout", "dropout_", "alpha_dropout", "exp", "log", "neg", "__neg__", "__pos__", "abs", "square", "sqrt",
     "rsqrt", "sin", "cos", "erf", "clamp", "clamp_", "clip", "float", "double", "half", "bfloat16", "to",
-    "type_as", "contiguous", "clone", "detach", "__get__",
+    "type_as", "type", "contiguous", "clone", "detach", "__get__",
 }
 BINARY = {
     "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "true_divide", "pow", "maximum", "minimum",

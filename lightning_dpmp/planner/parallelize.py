@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 from torch import Tensor, nn
 
+from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
 from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts, shard_experts
 from lightning_dpmp.parallel.layers import (
@@ -62,9 +63,10 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> shard, to keep ties
     repoint: dict[int, nn.Parameter] = {}  # id(dense parameter) -> its replacement, for aliases elsewhere
     order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
+    heads = {n for n, lp in plan.layers.items() if lp.kind == "attention" and lp.style == "heads"}
     for lp in order:
-        if lp.style == "replicate":
-            continue
+        if lp.style == "replicate" or lp.name.rpartition(".")[0] in heads:
+            continue  # out_proj of a head-parallel attention: split by the attention layer itself
         if lp.style == "experts":  # split in place: the module keeps its class and code (parallel/experts.py)
             lay = plan.experts[lp.name]
             originals[lp.name] = shard_experts(model.get_submodule(lp.name), lay.shards, lay.entries, group)
@@ -72,6 +74,13 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
         dense = model.get_submodule(lp.name)
         layer: nn.Module
         seq_dim: Any = GATHERED if lp.name in inside else -2 if lp.name in seq_in else None
+        if lp.kind == "attention":
+            shared = entries.setdefault(lp.entry, SharedInputCopy(group)) if lp.entry >= 0 else None
+            layer = HeadParallelMultiheadAttention.from_dense(dense, group, shared_input=shared, rng=rng)
+            originals[lp.name] = dense
+            set_submodule(model, lp.name, layer)
+            repoint.update(_param_map(dense, layer))
+            continue
         if lp.kind == "embedding" and lp.style == "column":
             layer = ColumnParallelEmbedding.from_dense(dense, group)
         elif lp.kind == "embedding":
@@ -80,13 +89,14 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
         elif lp.style == "row":
             layer = RowParallelLinear.from_dense(
                 dense, group, input_is_parallel=lp.input_is_parallel, rng=rng if sp is None else None,
-                sequence_dim=seq_out,
+                sequence_dim=seq_out, out_dim=lp.out_dim,
             )
         else:
             shared = entries.setdefault(lp.entry, SharedInputCopy(group, seq_dim)) if lp.entry >= 0 else None
             layer = ColumnParallelLinear.from_dense(
                 dense, group, gather_output=lp.style == "column_gather", shared_input=shared, blocks=lp.blocks,
                 vocab_logits=lp.style == "vocab", rng=rng if lp.style == "column" else None, sequence_dim=seq_dim,
+                out_dim=lp.out_dim,
             )
         if id(dense.weight) in shards:
             layer.weight = shards[id(dense.weight)]
@@ -166,16 +176,24 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
     (:func:`lightning_dpmp.checkpoint.consolidated.consolidate_optimizer`).
     """
     moved: dict[int, tuple[nn.Parameter, Optional[int], int]] = {}
+    done: list[str] = []
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, _ParallelLinear):
-            tied = moved.get(id(mod.weight))
-            dense = mod.to_dense()
-            for pname, dim in mod._shard_dims.items():
-                if getattr(mod, pname, None) is not None:
-                    moved.setdefault(id(getattr(mod, pname)), (getattr(dense, pname), dim, mod.blocks if dim == 0 else 1))
-            if tied is not None:
-                dense.weight = tied[0]
-            set_submodule(model, name, dense)
+        if not isinstance(mod, _ParallelLinear) or any(name.startswith(d + ".") for d in done):
+            continue  # a parallel layer inside another (an attention's out_proj) is gathered by its owner
+        weight = getattr(mod, "weight", None)  # an attention layer has none (in_proj_weight is never tied)
+        tied = moved.get(id(weight)) if weight is not None else None
+        dense = mod.to_dense()
+        for sub, part in mod.named_modules():
+            if not isinstance(part, _ParallelLinear):
+                continue
+            target = dense.get_submodule(sub) if sub else dense
+            for pname, dim in part._shard_dims.items():
+                if getattr(part, pname, None) is not None:
+                    moved.setdefault(id(getattr(part, pname)), (getattr(target, pname), dim, part.blocks if dim is not None else 1))
+        if tied is not None:
+            dense.weight = tied[0]
+        set_submodule(model, name, dense)
+        done.append(name)
     moved.update(consolidate_experts(model))
     _repoint_aliases(model, {k: v[0] for k, v in moved.items()})
     _restore_attrs(model)

@@ -13,6 +13,12 @@ Styles (the values a user plan may name):
   (:mod:`lightning_dpmp.planner.experts`); its routers stay replicated.
 * ``"replicate"``: not split: the split dimension is not divisible by ``mp``, the weight is tied to a layer that
   stays whole, or the layer is never called through ``forward()`` (its weight is read directly).
+* ``"heads"``: an ``nn.MultiheadAttention`` computed head-parallel: its ``in_proj`` split per q/k/v block like a
+  fused column layer, its ``out_proj`` (listed as ``"row"``) split by input features; self-contained.
+
+"Linear" covers ``nn.Linear`` and linear-like modules found in the traced step by what they compute
+(:mod:`lightning_dpmp.planner.linear_like`, e.g. GPT-2's ``Conv1D``); ``LayerPlan.out_dim`` records how such a
+layer stores its weight, and it is split in that layout.
 
 Example:
     >>> plan = make_plan(model, mp=2, trace=trace_step(model, run))    # doctest: +SKIP
@@ -31,12 +37,14 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_dpmp.planner.experts import plan_experts
+from lightning_dpmp.planner.attention import decide_attention
 from lightning_dpmp.planner.flow import analyse
+from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
 __all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan"]
 
-STYLES = ("column", "row", "column_gather", "vocab", "experts", "replicate")
+STYLES = ("column", "row", "column_gather", "vocab", "experts", "heads", "replicate")
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,14 @@ class LayerPlan:
         entry: layers with the same non-negative ``entry`` share one input copy (one backward all-reduce).
         input_requires_grad: whether the traced input needed a gradient (a data input does not).
         blocks: fused projections (q|k|v): each of ``blocks`` row blocks is split separately.
-        kind: ``"linear"``, ``"embedding"`` or ``"experts"`` (in/out: hidden and intermediate width of one expert).
+        kind: ``"linear"``, ``"embedding"``, ``"experts"`` (in/out: hidden and intermediate width of one expert) or
+            ``"attention"`` (an ``nn.MultiheadAttention``: ``in_features`` is ``embed_dim``, ``out_features`` the
+            ``3 * embed_dim`` rows of ``in_proj_weight``).
         note: why this style, for the printout.
         attention: a column/row layer of a head-parallel (attention-like) region.
+        out_dim: dim of the stored weight holding the output features: 0 for ``(out, in)`` (``nn.Linear``), 1 for
+            ``(in, out)`` (``Conv1D``).
+        gather_weights: an attention whose averaged weights are returned (``need_weights=True``).
     """
 
     name: str
@@ -67,19 +80,28 @@ class LayerPlan:
     kind: str = "linear"
     note: str = ""
     attention: bool = False
+    out_dim: int = 0
+    gather_weights: bool = False
+
+    def full_shape(self) -> tuple[int, int]:
+        """Dense weight shape as stored: ``(out, in)`` or ``(in, out)`` of a Linear, ``(rows, dim)`` of an embedding."""
+        if self.kind == "embedding":
+            return (self.in_features, self.out_features)
+        return (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
 
     def local_shape(self, mp: int) -> tuple[int, int]:
-        """Local weight shape: ``(out, in)`` of a Linear, ``(rows, dim)`` of an embedding."""
+        """Local weight shape, in the same layout as :meth:`full_shape`."""
         if self.kind == "embedding":
             rows = self.in_features // mp if self.style == "vocab" else self.in_features
             return (rows, self.out_features // mp if self.style == "column" else self.out_features)
         if self.style == "experts":
             return (self.out_features // mp, self.in_features)
-        if self.style in ("column", "column_gather", "vocab"):
-            return (self.out_features // mp, self.in_features)
-        if self.style == "row":
-            return (self.out_features, self.in_features // mp)
-        return (self.out_features, self.in_features)
+        out, inp = self.out_features, self.in_features
+        if self.style in ("column", "column_gather", "vocab", "heads"):
+            out //= mp
+        elif self.style == "row":
+            inp //= mp
+        return (out, inp) if self.out_dim == 0 else (inp, out)
 
 
 @dataclass
@@ -121,7 +143,7 @@ class Plan:
                 elif sp is not None and lp.name in sp.scatter:
                     out.append((lp.name, "backward", "all_gather"))
                 continue
-            if lp.style in ("column", "column_gather", "vocab"):
+            if lp.style in ("column", "column_gather", "vocab", "heads"):  # heads: its out_proj is the row
                 if lp.entry < 0 or lp.entry not in seen_entries:
                     seen_entries.add(lp.entry)
                     seq_split = lp.name in split_in
@@ -129,7 +151,7 @@ class Plan:
                         out.append((lp.name, "forward", "all_gather"))
                     if lp.input_requires_grad:
                         out.append((lp.name, "backward", "reduce_scatter" if seq_split else "all_reduce"))
-                if lp.style == "column_gather":
+                if lp.style == "column_gather" or lp.gather_weights:  # need_weights: the per-head weights
                     out.append((lp.name, "forward", "all_gather"))
                 if lp.style == "vocab":
                     out += [(lp.name, "forward", "all_reduce")] * 2  # the vocab-parallel loss: max, then sums
@@ -166,7 +188,7 @@ class Plan:
                     "forward": dict.fromkeys(ops, 0), "backward": dict.fromkeys(ops, 0),
                 })
                 entry["layers"].append(lp.name)
-                entry["head_parallel"] |= lp.attention and lp.style in ("column", "row")
+                entry["head_parallel"] |= (lp.attention and lp.style in ("column", "row")) or lp.style == "heads"
         for name, phase, op in self.layer_comm():
             block = block_of(name)
             if block in blocks:
@@ -180,9 +202,9 @@ class Plan:
             return " + ".join(f"{n} {k.replace('_', '-')}" for k, n in d.items() if n) or "none"
 
         def describe(b: dict[str, Any]) -> str:
-            has_attn = any(self.layers[n].attention for n in b["layers"])
+            has_attn = any(self.layers[n].attention or self.layers[n].kind == "attention" for n in b["layers"])
             attn = "attention head-parallel" if b["head_parallel"] else "no head-parallel attention"
-            if not has_attn and all(self.layers[n].style in ("column", "row", "experts") for n in b["layers"]):
+            if not has_attn and all(self.layers[n].style in ("column", "row", "experts", "heads") for n in b["layers"]):
                 attn = "split (no attention found)"
             return f"{attn}; MP collectives per block: forward {fmt(b['forward'])}, backward {fmt(b['backward'])}"
 
@@ -208,22 +230,24 @@ class Plan:
             if lp is not None and lp.style == "experts" and self.mp > 1:
                 saved += self.experts[name].saved(mod, self.mp)
                 continue
-            if lp is None or lp.style == "replicate" or self.mp == 1 or id(mod.weight) in seen:
+            if lp is None or lp.style == "replicate" or self.mp == 1:
                 continue
-            seen.add(id(mod.weight))
-            saved += mod.weight.numel() - mod.weight.numel() // self.mp
-            bias = getattr(mod, "bias", None)
-            if bias is not None and lp.style != "row":
-                saved += bias.numel() - bias.numel() // self.mp
+            if lp.kind == "attention":  # out_proj has its own "row" entry
+                split = [mod.in_proj_weight, mod.in_proj_bias]
+            else:
+                split = [mod.weight] + ([getattr(mod, "bias", None)] if lp.style != "row" else [])
+            for p in split:
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    saved += p.numel() - p.numel() // self.mp
         return total - saved, total
 
     def describe(self, model: nn.Module) -> str:
         """A table, one line per layer (name, style, full shape -> local shape, note), and per-rank totals."""
         rows = [("layer", "style", "full", "local", "note")]
         for lp in self.layers.values():
-            full = (lp.in_features, lp.out_features) if lp.kind == "embedding" else (lp.out_features, lp.in_features)
             style = lp.style + ("(emb)" if lp.kind == "embedding" else "")
-            rows.append((lp.name, style, str(full), str(lp.local_shape(self.mp)), lp.note))
+            rows.append((lp.name, style, str(lp.full_shape()), str(lp.local_shape(self.mp)), lp.note))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"DPMPStrategy plan for mp={self.mp} ({'traced one step' if self.traced else 'not traced'}):"]
         for r in rows:
@@ -260,19 +284,23 @@ def block_of(name: str) -> str:
     return ""
 
 
-def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int) -> dict[str, str]:
+def _user_styles(
+    model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int, forms: Mapping[str, LinearForm]
+) -> dict[str, str]:
     """Resolve glob patterns to {layer name: style}; the first pattern that matches a name wins."""
     forced: dict[str, str] = {}
     if not user_plan:
         return forced
     modules = dict(model.named_modules())
+    inside_mha = {f"{n}.{c}" for n, m in modules.items() if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()}
     for pattern, style in user_plan.items():
         if style not in STYLES:
             raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style; choose one of {', '.join(STYLES)}.")
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")
-        layers = [n for n in matched if is_linear(modules[n]) or type(modules[n]) is nn.Embedding]
+        layers = [n for n in matched if n in forms or type(modules[n]) is nn.Embedding
+                  or isinstance(modules[n], nn.MultiheadAttention)]
         stacked = [n for n in matched if n not in layers and any(p.dim() >= 3 for p in modules[n].parameters(False))]
         for name in stacked if style in ("experts", "replicate") else ():  # experts modules (planner/experts.py)
             forced.setdefault(name, style)
@@ -283,11 +311,23 @@ def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: i
         if matched and not layers and not stacked:
             mod = modules[matched[0]]
             raise ValueError(
-                f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear"
-                " or nn.Embedding; only those layers can be given a style."
+                f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear,"
+                " linear-like layer, nn.Embedding or nn.MultiheadAttention; only those layers can be given a style."
             )
         for name in layers:  # a glob like 'blocks.*' may also match norms and containers: those are skipped
             mod = modules[name]
+            if isinstance(mod, nn.MultiheadAttention):
+                if style not in ("heads", "replicate"):
+                    raise ValueError(f"plan gives the nn.MultiheadAttention {name!r} style {style!r}; use 'heads' or 'replicate'.")
+                forced.setdefault(name, style)
+                continue
+            if name in inside_mha:
+                if fnmatch.fnmatchcase(name.rpartition(".")[0], pattern):
+                    continue  # 'blocks.*' matched the attention too: its out_proj follows the attention
+                raise ValueError(
+                    f"plan gives {name!r} style {style!r}, but F.multi_head_attention_forward reads its weight without"
+                    f" calling it; style the nn.MultiheadAttention {name.rpartition('.')[0]!r} ('heads' or 'replicate')."
+                )
             if isinstance(mod, nn.Embedding):
                 if style not in ("vocab", "replicate"):
                     raise ValueError(f"plan gives the embedding {name!r} style {style!r}; use 'vocab' or 'replicate'.")
@@ -298,16 +338,19 @@ def _user_styles(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: i
                     )
                 forced.setdefault(name, style)
                 continue
+            if style == "heads":
+                raise ValueError(f"plan gives {name!r} style 'heads', which is for nn.MultiheadAttention only.")
             forced.setdefault(name, style)
-            if style in ("column", "column_gather", "vocab") and mod.out_features % mp:
+            f = forms[name]
+            if style in ("column", "column_gather", "vocab") and f.out_features % mp:
                 raise ValueError(
-                    f"plan forces {name!r} to {style!r}, but its out_features={mod.out_features} is not divisible by"
-                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {mod.out_features}."
+                    f"plan forces {name!r} to {style!r}, but its out_features={f.out_features} is not divisible by"
+                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {f.out_features}."
                 )
-            if style == "row" and mod.in_features % mp:
+            if style == "row" and f.in_features % mp:
                 raise ValueError(
-                    f"plan forces {name!r} to 'row', but its in_features={mod.in_features} is not divisible by"
-                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {mod.in_features}."
+                    f"plan forces {name!r} to 'row', but its in_features={f.in_features} is not divisible by"
+                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {f.in_features}."
                 )
     return forced
 
@@ -372,7 +415,7 @@ def make_plan(
     user_plan: Optional[Mapping[str, str]] = None,
     level: int = 0,
 ) -> Plan:
-    """Plan every ``nn.Linear`` and ``nn.Embedding`` of ``model`` for an MP width ``mp``.
+    """Plan every Linear (``nn.Linear`` or linear-like), ``nn.Embedding`` and ``nn.MultiheadAttention`` of ``model``.
 
     Args:
         model: the dense model (module names are those of ``model.named_modules()``).
@@ -386,14 +429,24 @@ def make_plan(
         >>> make_plan(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)), mp=2).layers["0"].style
         'column_gather'
     """
-    linears = {n: m for n, m in model.named_modules() if is_linear(m)}
-    embeddings = {n: m for n, m in model.named_modules() if type(m) is nn.Embedding}
-    forced = _user_styles(model, user_plan, mp)
+    modules = dict(model.named_modules())
+    linears: dict[str, LinearForm] = {n: form_of_linear(m) for n, m in modules.items() if is_linear(m)}
+    linears.update(trace.linear_forms if trace is not None else {})  # Conv1D & co, found by what they computed
+    linears = {n: linears[n] for n in modules if n in linears}  # module order
+    embeddings = {n: m for n, m in modules.items() if type(m) is nn.Embedding}
+    forced = _user_styles(model, user_plan, mp, linears)
     plan = Plan(mp=mp, traced=trace is not None)
     if mp == 1:
-        for n, m in linears.items():
-            plan.layers[n] = LayerPlan(n, "replicate", m.in_features, m.out_features, note="mp=1")
+        for n, f in linears.items():
+            plan.layers[n] = LayerPlan(n, "replicate", f.in_features, f.out_features, note="mp=1", out_dim=f.out_dim)
         return plan
+    fixed: dict[str, str] = {}  # layers kept whole for a reason of their own
+    for n, f in linears.items():
+        if (f.weight, f.bias) not in (("weight", "bias"), ("weight", None)):
+            forced[n], fixed[n] = "replicate", (
+                f"linear-like, but its parameters are named {f.weight!r}/{f.bias!r}: only 'weight'/'bias' can be"
+                " split under the dense module's state_dict keys"
+            )
 
     # Embeddings: split the token table (the largest, or one tied to an LM head) by vocabulary rows.
     owners: dict[int, list[str]] = {}
@@ -418,15 +471,15 @@ def make_plan(
         for o in tied:  # a Linear sharing this weight can be split only together with it
             if o in linears and emb_split[n]:
                 forced[o] = "replicate"
-    for n, m in linears.items():
-        tied = [o for o in owners[id(m.weight)] if o != n]
+    for n, f in linears.items():
+        tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
         if tied and not all(o in embeddings and not emb_split[o] for o in tied):
             if forced.get(n, "replicate") != "replicate":
                 raise ValueError(f"plan forces {n!r} to {forced[n]!r}, but its weight is tied to {tied[0]!r}.")
             forced[n] = "replicate"
 
     calls: dict[str, list[LinearCall]] = {}
-    attention: set[str] = set()
+    attn_layers: set[str] = set()  # column/row layers of attention-like regions
     roles: dict[str, str] = {}
     partners: dict[str, set[str]] = {}
     why: dict[str, str] = {}
@@ -443,13 +496,13 @@ def make_plan(
                     flow.roles.pop(n, None)
                 why[src] = reason
             roles, partners, blocks = flow.roles, flow.partners, flow.blocks
-            attention = {src for src, simple in flow.simple.items() if not simple}
-            attention |= {n for n, r in roles.items() if r == "row" and partners.get(n, set()) & attention}
+            attn_layers = {src for src, simple in flow.simple.items() if not simple}
+            attn_layers |= {n for n, r in roles.items() if r == "row" and partners.get(n, set()) & attn_layers}
             why = {**flow.why, **why}
     else:
         roles = {n: s for n, s in forced.items() if s in ("column", "row") and n in linears}
 
-    for n, m in linears.items():
+    for n, f in linears.items():
         style, note, parallel_in = roles.get(n), "", True
         own = calls.get(n, [])
         if style in ("column", "row"):
@@ -457,31 +510,31 @@ def make_plan(
         elif style == "vocab":
             note = "logits reach only cross_entropy: vocab-parallel loss"
         elif forced.get(n) in ("column_gather", "replicate"):
-            tied = [o for o in owners[id(m.weight)] if o != n]
-            style, note = forced[n], (f"weight tied to {tied[0]}.weight" if tied else "user plan")
+            tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
+            style, note = forced[n], fixed.get(n) or (f"weight tied to {tied[0]}.weight" if tied else "user plan")
         elif forced.get(n) in ("column", "vocab"):
             style, note = "column_gather", f"user plan said {forced[n]}; its output is not read only by row layers/loss"
         elif forced.get(n) == "row":
             style, parallel_in, note = "row", False, "user plan said row; input is replicated, split locally"
         elif trace is not None and not own:
             style, note = "replicate", "not called through forward() in the traced step"
-        elif m.out_features % mp == 0:
+        elif f.out_features % mp == 0:
             style = "column_gather"
             note = "called more than once per step" if len(own) > 1 else why.get(n, "")
         else:
-            style, note = "replicate", f"out_features={m.out_features} not divisible by mp={mp}"
+            style, note = "replicate", f"out_features={f.out_features} not divisible by mp={mp}"
         requires_grad = all(c.input_requires_grad for c in own) if own else True
         plan.layers[n] = LayerPlan(
-            n, style, m.in_features, m.out_features, parallel_in, input_requires_grad=requires_grad,
-            blocks=blocks.get(n, 1) if style == "column" else 1, note=note,
-            attention=style in ("column", "row") and n in attention,
+            n, style, f.in_features, f.out_features, parallel_in, input_requires_grad=requires_grad,
+            blocks=blocks.get(n, 1) if style == "column" else 1, note=note, out_dim=f.out_dim,
+            attention=style in ("column", "row") and n in attn_layers,
         )
     for n, e in embeddings.items():
         if roles.get(n) == "column":  # its rows reach head-parallel attention: each rank looks up its heads
             partner = ", ".join(sorted(partners.get(n, ())))
             plan.layers[n] = LayerPlan(
                 n, "column", e.num_embeddings, e.embedding_dim, kind="embedding", note=f"-> {partner}",
-                attention=n in attention,
+                attention=n in attn_layers,
             )
             continue
         tied_heads = [o for o in owners[id(e.weight)] if o in plan.layers and o != n]
@@ -495,13 +548,47 @@ def make_plan(
 
     if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
         plan_experts(plan, model, trace, mp, forced)
+    attention = decide_attention(model, trace, mp, forced, level)
+    _add_attention(plan, model, attention)
+    if trace is not None:
+        plan.notes += left_whole(model, set(plan.layers), {m[0] for m in trace.modules})
 
-    # Fan-out: column-style layers that read the same tensor share one entry into the region.
+    # Fan-out: column-style layers (and head-parallel attention) that read the same tensor share one entry.
     by_input: dict[int, list[str]] = {}
     for n, lp in plan.layers.items():
         if lp.kind == "linear" and lp.style in ("column", "column_gather", "vocab") and len(calls.get(n, [])) == 1:
             by_input.setdefault(calls[n][0].input, []).append(n)
+        elif lp.style == "heads" and attention[n].input is not None:
+            by_input.setdefault(attention[n].input, []).append(n)  # type: ignore[arg-type]
     for entry, names in enumerate(v for v in by_input.values() if len(v) > 1):
         for n in names:
             plan.layers[n] = replace(plan.layers[n], entry=entry)
     return plan
+
+
+def _add_attention(plan: Plan, model: nn.Module, decisions: Mapping[str, Any]) -> None:
+    """Insert one entry per ``nn.MultiheadAttention`` (right before its ``out_proj``) and restyle that out_proj."""
+    extra: dict[str, LayerPlan] = {}
+    for name, d in decisions.items():
+        mha = model.get_submodule(name)
+        e = mha.embed_dim
+        heads = d.style == "heads"
+        extra[name] = LayerPlan(
+            name, d.style, e, 3 * e, input_requires_grad=d.input_requires_grad, blocks=3 if heads else 1,
+            kind="attention", note=d.note, gather_weights=heads and d.gather_weights,
+        )
+        out = f"{name}.out_proj" if name else "out_proj"
+        if out in plan.layers:
+            note = f"<- heads of {name}" if heads else f"read inside {name}, which stays whole"
+            plan.layers[out] = replace(plan.layers[out], style="row" if heads else "replicate", note=note,
+                                       input_is_parallel=True)
+    if not extra:
+        return
+    layers: dict[str, LayerPlan] = {}
+    for n, lp in plan.layers.items():
+        owner = n.rpartition(".")[0]
+        if owner in extra:
+            layers[owner] = extra.pop(owner)
+        layers[n] = lp
+    layers.update(extra)
+    plan.layers = layers

@@ -2,8 +2,11 @@
 
 A ``TorchFunctionMode`` sees every torch function and tensor method called from Python, differentiable or not
 (``argmax`` included), and forward hooks on each ``nn.Linear`` mark where a layer reads and writes. Calls made
-inside a Linear are hidden, so the record reads like the model's own code. The planner (:mod:`lightning_dpmp.planner.plan`)
-turns the record into a layout.
+inside a Linear are hidden, so the record reads like the model's own code. Leaf modules whose recorded forward
+is one matmul of their input with their 2-D weight (GPT-2's ``Conv1D``: ``addmm(b, x, W)``) are recorded as
+Linear calls too (:mod:`lightning_dpmp.planner.linear_like`); ``Trace.linear_forms`` says how each stores its
+weight, and ``Trace.attention`` lists the ``nn.MultiheadAttention`` calls. The planner
+(:mod:`lightning_dpmp.planner.plan`) turns the record into a layout.
 
 Example:
     >>> trace = trace_step(model, lambda: model.training_step(batch, 0))   # doctest: +SKIP
@@ -21,9 +24,11 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_dpmp.planner.linear_like import LinearForm, candidate_params, detect
+
 __all__ = [
-    "LinearCall", "ModuleCall", "NoDropout", "OpCall", "Trace", "describe_index", "is_linear", "loss_of", "op_name",
-    "trace_step",
+    "AttentionCall", "LinearCall", "ModuleCall", "NoDropout", "OpCall", "Trace", "describe_index", "is_linear",
+    "loss_of", "op_name", "trace_step",
 ]
 
 
@@ -66,6 +71,18 @@ class ModuleCall:
     end: int
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of an ``nn.MultiheadAttention``: its query node, whether q, k, v were one tensor, whether the
+    attention weights were returned (``need_weights``), and whether the query needed a gradient."""
+
+    name: str
+    input: int
+    self_attention: bool
+    need_weights: bool
+    input_requires_grad: bool
+
+
 @dataclass
 class Trace:
     """Events in call order, each tensor node's shape, and the nodes that leave the step (its return value)."""
@@ -78,6 +95,8 @@ class Trace:
     params: dict[int, str] = field(default_factory=dict)  # node -> parameter name, for parameters read by ops
     modules: list[tuple[str, int, int]] = field(default_factory=list)  # other modules: (name, first input, output)
     calls: list[ModuleCall] = field(default_factory=list)  # other modules' calls, with every tensor argument
+    linear_forms: dict[str, LinearForm] = field(default_factory=dict)  # linear-like modules (not nn.Linear) found
+    attention: dict[str, list[AttentionCall]] = field(default_factory=dict)  # nn.MultiheadAttention calls
     result: Any = None
 
     def linear_calls(self) -> list[LinearCall]:
@@ -223,7 +242,8 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         if node is not None and isinstance(output, Tensor) and recorder.hidden == 0:
             trace.modules.append((others[module], node, recorder.node(output)))
 
-    handles = []
+    handles = _hook_linear_like(model, recorder, trace, set(names) | set(embeddings))
+    handles += _hook_attention(model, recorder, trace)
     for module in others:
         handles.append(module.register_forward_pre_hook(mod_pre))
         handles.append(module.register_forward_hook(mod_post))
@@ -241,6 +261,7 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         trace.escapes = {recorder.node(t) for t in tree_leaves(result) if isinstance(t, Tensor)}
         by_id = {id(p): n for n, p in model.named_parameters()}
         trace.params = {node: by_id[key] for key, node in recorder._ids.items() if key in by_id}
+        _drop_inconsistent_linear_like(trace)
     finally:
         for h in handles:
             h.remove()
@@ -267,6 +288,69 @@ def _record_calls(names: dict[nn.Module, str], recorder: _Recorder, trace: Trace
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     return handles
+
+
+def _hook_linear_like(model: nn.Module, recorder: _Recorder, trace: Trace, skip: set[nn.Module]) -> list:
+    """Hooks on leaf modules shaped like a Linear: a call whose recorded ops are one matmul of the input with the
+    weight is replaced in ``trace.events`` by a :class:`LinearCall`; any other call stays as its ops."""
+    cands = {m: (n, p) for n, m in model.named_modules() if m not in skip and (p := candidate_params(m)) is not None}
+    opened: dict[nn.Module, list[tuple[int, int, bool]]] = {}
+
+    def pre(module: nn.Module, args: tuple) -> None:
+        if recorder.hidden == 0 and args and isinstance(args[0], Tensor):
+            opened.setdefault(module, []).append((len(trace.events), recorder.node(args[0]), args[0].requires_grad))
+
+    def post(module: nn.Module, args: tuple, output: Any) -> None:
+        if recorder.hidden or not opened.get(module):
+            return
+        start, x, requires_grad = opened[module].pop()
+        name, (w, b) = cands[module]
+        form = None
+        if isinstance(output, Tensor):
+            w_node = recorder._ids.get(id(getattr(module, w)))
+            b_node = recorder._ids.get(id(getattr(module, b))) if b is not None else None
+            if w_node is not None:
+                ops = trace.events[start:]
+                form = detect(ops, x, recorder.node(output), w_node, b_node, trace.shapes, (w, b))
+        if form is None or trace.linear_forms.get(name, form) != form:
+            trace.linear_forms[name] = None  # type: ignore[assignment]  # seen computing something else
+            return
+        del trace.events[start:]
+        trace.events.append(LinearCall(name, x, recorder.node(output), requires_grad))
+        trace.linear_forms[name] = form
+
+    handles = []
+    for module in cands:
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    return handles
+
+
+def _hook_attention(model: nn.Module, recorder: _Recorder, trace: Trace) -> list:
+    """Record each ``nn.MultiheadAttention`` call (its ops stay in the trace: one ``multi_head_attention_forward``)."""
+    mhas = {m: n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        q, k, v = (list(args) + [kwargs.get(a) for a in ("query", "key", "value")[len(args):]])[:3]
+        if recorder.hidden or not isinstance(q, Tensor):
+            return
+        weights = isinstance(output, tuple) and len(output) > 1 and isinstance(output[1], Tensor)
+        call = AttentionCall(mhas[module], recorder.node(q), q is k and k is v, weights, q.requires_grad)
+        trace.attention.setdefault(mhas[module], []).append(call)
+
+    return [m.register_forward_hook(hook, with_kwargs=True) for m in mhas]
+
+
+def _drop_inconsistent_linear_like(trace: Trace) -> None:
+    """A module linear-like in one call but not in another is opaque: its Linear calls become plain ops."""
+    bad = {n for n, f in trace.linear_forms.items() if f is None}
+    for n in bad:
+        del trace.linear_forms[n]
+    if bad:
+        trace.events = [
+            OpCall("linear_like_module", (e.input,), (e.output,)) if isinstance(e, LinearCall) and e.name in bad else e
+            for e in trace.events
+        ]
 
 
 def loss_of(step_output: Any) -> Optional[Tensor]:

@@ -4,8 +4,9 @@ found with no plan written, checked against single-process training.
 For every model of ``tests.support.real_models.REAL_MODELS`` at mp=2 and mp=4 (where its heads allow):
 - weights within 1e-8 of single-process training in float64 (20 AdamW steps, norm clipping; a model that computes
   part of the step in float32 whatever the precision says so with its own ``float64_tol``);
-- every Linear-like layer of every block is ``column`` or ``row`` (head-parallel attention, split MLP), or
-  ``experts`` (stacked expert weights split along the intermediate dim) with its router kept replicated;
+- every Linear-like layer of every block is ``column`` or ``row`` (head-parallel attention, split MLP),
+  ``experts`` (stacked expert weights split along the intermediate dim, its router kept replicated), or
+  ``heads`` (an ``nn.MultiheadAttention``, its out_proj ``row``);
 - per-rank parameters exactly split/mp + replicated, counted from the tensors;
 - exactly 2 MP all-reduces forward + 2 backward per block (3 + 3 with cross-attention), no all-gather in a block,
   and the counted collectives of a whole step equal to the plan's figures.
@@ -86,8 +87,11 @@ def test_megatron_layout_and_collectives(run, reference, model):
         assert len(blocks) == spec.n_blocks, sorted(blocks)
         for name, b in blocks.items():
             layout = {n: styles[n] for n in b["layers"]}
-            # split: column/row pairs and experts; whole: only the routers of those experts (Megatron's layout)
-            ok = {n: s in ("column", "row", "experts") or (s == "replicate" and notes[n].startswith("router of "))
+            # split: column/row pairs, experts, and "heads": an nn.MultiheadAttention as one entry
+            # (F.multi_head_attention_forward reads its in_proj and out_proj.weight without calling a Linear, so
+            # the attention module is the layer that is split; its out_proj is listed as "row"). Whole: only the
+            # routers of experts (Megatron's layout).
+            ok = {n: s in ("column", "row", "experts", "heads") or (s == "replicate" and notes[n].startswith("router of "))
                   for n, s in layout.items()}
             assert layout and all(ok.values()), (model, layout)
         # parameters held: exactly 1/mp of every split one, all of every replicated one

@@ -230,6 +230,45 @@ def _router_in_training_dtype(self, hidden_states):
     return router_logits, top / top.sum(dim=-1, keepdim=True), index
 
 
+def _gpt2() -> tuple[L.LightningModule, object]:
+    """GPT-2: every projection is a ``Conv1D`` (weight stored (in, out), ``addmm``), c_attn fused q|k|v."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,  # use_cache stays True: the step builds a DynamicCache
+    )
+    return CausalLM(GPT2LMHeadModel(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
+class EncoderLM(L.LightningModule):
+    """torch's own layers: nn.Embedding -> nn.TransformerEncoder (causal mask) -> nn.Linear head, shifted loss."""
+
+    def __init__(self, norm_first: bool, vocab: int = VOCAB, d: int = 32, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.vocab, self.lr = vocab, lr
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                           norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.lm_head = nn.Linear(d, vocab)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0]
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=self.embed.weight.dtype)
+        logits = self.lm_head(self.encoder(self.embed(ids), mask=mask, is_causal=True))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def _encoder(norm_first: bool) -> Callable[[], tuple[L.LightningModule, object]]:
+    return lambda: (EncoderLM(norm_first), make_lm_dataset(vocab=VOCAB, seq=SEQ))
+
+
 REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
     "hf_bert": RealModel(_bert, 2),
@@ -241,6 +280,9 @@ REAL_MODELS: dict[str, RealModel] = {
     # float64 (hf_moe_wide_router), which keeps the 1e-8 bound.
     "hf_moe": RealModel(_mixtral, 2, float64_tol=1e-7),
     "hf_moe_wide_router": RealModel(_mixtral_wide_router, 2),
+    "hf_gpt2": RealModel(_gpt2, 2),
+    "torch_encoder": RealModel(_encoder(False), 2),
+    "torch_encoder_prenorm": RealModel(_encoder(True), 2),
 }
 
 

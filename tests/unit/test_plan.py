@@ -142,7 +142,7 @@ def test_without_a_trace_user_plan_pairs_and_the_rest_is_self_contained():
 
 
 @pytest.mark.parametrize("vocab", [32, 33])
-def test_tied_head_splits_with_its_embedding_and_weights_read_directly_stay_whole(vocab):
+def test_tied_head_splits_with_its_embedding_and_attention_is_head_parallel(vocab):
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -156,7 +156,9 @@ def test_tied_head_splits_with_its_embedding_and_weights_read_directly_stay_whol
             return self.head(self.attn(h, h, h)[0])
 
     styles, plan = plan_of(Tied(), torch.randint(0, vocab, (2, 5)))
-    assert styles["attn.out_proj"] == "replicate" and "not called" in plan.layers["attn.out_proj"].note
+    # nn.MultiheadAttention reads out_proj.weight without calling it: the attention itself is the plan entry
+    assert styles["attn"] == "heads" and styles["attn.out_proj"] == "row"
+    assert plan.layers["attn.out_proj"].note == "<- heads of attn"
     if vocab == 32:  # split together: the head's logits are returned, so it gathers them
         assert styles["emb"] == "vocab" and styles["head"] == "column_gather"
     else:  # 33 rows cannot be split 2 ways: the tie keeps both whole
