@@ -137,6 +137,7 @@ class _ParallelLinear(nn.Module):
         return layer
 
     def _init_from(self, dense: nn.Module) -> None:
+        """Copy this rank's slices of ``dense``'s parameters, and their ``requires_grad`` (frozen stays frozen)."""
         with torch.no_grad():
             for name, dim in self._shard_dims.items():
                 full = getattr(dense, name)
@@ -144,6 +145,7 @@ class _ParallelLinear(nn.Module):
                     continue
                 local = full if dim is None else shard_tensor(full, dim, self.mp, self.mp_rank, self.blocks)
                 getattr(self, name).copy_(local)
+                getattr(self, name).requires_grad_(full.requires_grad)
 
     def _dense_module(self) -> nn.Module:
         p = self.weight
@@ -170,6 +172,7 @@ class _ParallelLinear(nn.Module):
                 if local is not None:
                     full = local if dim is None else gather_tensor(local.detach(), dim, self.group, self.blocks)
                     getattr(dense, name).copy_(full)
+                    getattr(dense, name).requires_grad_(local.requires_grad)
         dense.train(self.training)
         return dense
 
