@@ -42,6 +42,8 @@ TRANSPOSES = {"transpose", "swapaxes", "permute", "t"}
 SPLITS = {"chunk", "split", "unbind"}
 BATCHED = {"scaled_dot_product_attention", "matmul", "__matmul__", "bmm", "softmax", "log_softmax", "repeat_interleave"}
 LOSSES = {"cross_entropy"}
+ATTENTION = {"scaled_dot_product_attention", "softmax", "log_softmax"}
+MATMULS = {"matmul", "__matmul__", "bmm"}
 
 
 @dataclass
@@ -59,6 +61,7 @@ class _Region:
     conflicts: list[str] = field(default_factory=list)
     literals: set[int] = field(default_factory=set)
     simple: bool = True  # element-wise ops only (an MLP); False once heads/attention are involved
+    attention: bool = False  # softmax, scaled_dot_product_attention or a matmul of two split activations
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Flow:
     blocks: dict[str, int] = field(default_factory=dict)
     literals: dict[str, set[int]] = field(default_factory=dict)  # per paired source: fixed sizes to adjust
     simple: dict[str, bool] = field(default_factory=dict)
+    attention: dict[str, bool] = field(default_factory=dict)  # per paired layer: its region involves attention
 
 
 class _Analysis:
@@ -101,6 +105,7 @@ class _Analysis:
             a.conflicts += b.conflicts
             a.literals |= b.literals
             a.simple &= b.simple
+            a.attention |= b.attention
         return keep
 
     def new_region(self, source: str) -> int:
@@ -154,6 +159,8 @@ class _Analysis:
         r = self.union(regions)
         if ev.name not in UNARY and ev.name not in BINARY:
             self.regions[r].simple = False
+        if ev.name in ATTENTION or (ev.name in MATMULS and len(ins) > 1):
+            self.regions[r].attention = True
         for n, out in zip(ev.outputs, result):
             if out is None:
                 self.state.pop(n, None)
@@ -299,8 +306,14 @@ def _dim_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
 
 
 def analyse(trace: Trace, linears: dict[str, nn.Linear], mp: int, forced: dict[str, str], complex_ok: bool = True) -> Flow:
-    """Find the pairs (and vocab-parallel heads) of a traced step; ``complex_ok=False`` keeps only MLP-like pairs."""
+    """Find the pairs (and vocab-parallel heads) of a traced step; ``complex_ok=False`` keeps only MLP-like pairs.
+
+    Every layer gets at most one role. A layer can be the row end of one region and the source of the next (a
+    chain ``L1 -> L2 -> L3 -> L4``); the regions are then taken greedily in call order, each only if none of its
+    layers has a role yet: ``(L1 column, L2 row), (L3 column, L4 row)``. Layers left out become self-contained.
+    """
     calls = Counter(c.name for c in trace.linear_calls())
+    order = {c.name: i for i, c in reversed(list(enumerate(trace.linear_calls())))}
 
     def can_source(n: str) -> bool:
         return calls[n] == 1 and forced.get(n, "column") in ("column", "vocab") and linears[n].out_features % mp == 0
@@ -311,29 +324,36 @@ def analyse(trace: Trace, linears: dict[str, nn.Linear], mp: int, forced: dict[s
     an = _Analysis(trace, mp, can_source, can_sink)
     an.run()
     flow = Flow()
+    candidates: list[_Region] = []
     for root in sorted({an.find(r) for r in range(len(an.parent))}):
         reg = an.regions[root]
-        srcs, snks = reg.sources, reg.sinks
         if reg.conflicts:
-            flow.why.update((s, f"output {reg.conflicts[0]}") for s in srcs)
+            flow.why.update((s, f"output {reg.conflicts[0]}") for s in reg.sources)
+        elif not complex_ok and not reg.simple and reg.sinks:  # a pair; a vocab-parallel head pairs with nothing
+            kind = "attention-like region" if reg.attention else "paired region (reshapes/transposes)"
+            flow.why.update((s, f"{kind} disabled after a failed verification") for s in reg.sources)
+        elif reg.losses and not reg.sinks and len(reg.sources) == 1 or reg.sinks and not reg.losses:
+            candidates.append(reg)
+    taken: dict[str, str] = {}  # layer -> the first layer of the region that gave it its role
+    for reg in sorted(candidates, key=lambda g: min(order[s] for s in g.sources)):
+        members = reg.sources | reg.sinks
+        first = min(reg.sources, key=order.__getitem__)
+        clash = sorted(m for m in members if m in taken)
+        if clash:
+            held = f"{clash[0]} already is {flow.roles[clash[0]]} (paired from {taken[clash[0]]})"
+            flow.why.update((s, f"one role per layer: {held}") for s in reg.sources)
             continue
-        if not complex_ok and not reg.simple:
-            flow.why.update((s, "attention-like region disabled after a failed verification") for s in srcs)
+        taken.update((m, first) for m in members)
+        if not reg.sinks:
+            flow.roles[first] = "vocab"
             continue
-        if reg.losses and not snks and len(srcs) == 1:
-            (s,) = srcs
-            flow.roles[s] = "vocab"
-            continue
-        if not snks or reg.losses:
-            continue
-        if any(flow.roles.get(s) == "row" for s in srcs) or any(flow.roles.get(s) == "column" for s in snks):
-            continue  # a chain a -> b -> c: b already closes the pair (a, b)
-        for s in srcs:
-            flow.roles[s], flow.partners[s] = "column", set(snks)
+        for s in reg.sources:
+            flow.roles[s], flow.partners[s] = "column", set(reg.sinks)
             flow.blocks[s] = an.blocks.get(s, 1)
             flow.literals[s] = set(reg.literals)
             flow.simple[s] = reg.simple
-        for s in snks:
-            flow.roles[s], flow.partners[s] = "row", set(srcs)
+            flow.attention[s] = reg.attention
+        for s in reg.sinks:
+            flow.roles[s], flow.partners[s] = "row", set(reg.sources)
+            flow.attention[s] = reg.attention
     return flow
-

@@ -321,6 +321,8 @@ def make_plan(
                 why[src] = reason
             roles, partners, blocks = flow.roles, flow.partners, flow.blocks
             why = {**flow.why, **why}
+        else:
+            why = {n: "no pairs (fallback after a failed verification)" for n in linears}
     else:
         roles = {n: s for n, s in forced.items() if s in ("column", "row") and n in linears}
 
