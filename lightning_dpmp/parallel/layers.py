@@ -388,14 +388,15 @@ class VocabParallelEmbedding(_ParallelLinear):
 def shard_dims(module: nn.Module) -> dict[str, int]:
     """Fully qualified names of the split parameters of ``module`` and the dimension each is split along.
 
-    Parameters not listed are replicated across the MP group.
+    Parameters not listed are replicated across the MP group. A module registered under several names (an
+    embedding shared as ``encoder.embed_tokens`` and ``decoder.embed_tokens``) is listed under each.
 
     Example:
         >>> shard_dims(parallel_model)   # doctest: +SKIP
         {'blocks.0.fc1.weight': 0, 'blocks.0.fc1.bias': 0, 'blocks.0.fc2.weight': 1}
     """
     out: dict[str, int] = {}
-    for prefix, mod in module.named_modules():
+    for prefix, mod in module.named_modules(remove_duplicate=False):  # every alias is a state_dict key
         if isinstance(mod, _ParallelLinear) and mod.mp > 1:
             for name, dim in mod._shard_dims.items():
                 if dim is not None and getattr(mod, name, None) is not None:
@@ -410,7 +411,7 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
     :func:`gather_tensor` (or :func:`interleave_blocks`) with this count.
     """
     out: dict[str, int] = {}
-    for prefix, mod in module.named_modules():
+    for prefix, mod in module.named_modules(remove_duplicate=False):
         if isinstance(mod, _ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
             for name, dim in mod._shard_dims.items():
                 if dim == 0 and getattr(mod, name, None) is not None:

@@ -36,6 +36,18 @@ _ADJUSTED = "_dpmp_dense_attrs"  # on a module whose int attributes were set to 
 _SP_HOOK = "_dpmp_sequence_hook"  # on an unsplit embedding whose output is split along the sequence
 
 
+def _modules_with_names(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Every module object once, with all the names it is registered under (in module order)."""
+    out: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        out.setdefault(id(mod), (mod, []))[1].append(name)
+    return list(out.values())
+
+
+def _names_by_module(model: nn.Module) -> dict[int, list[str]]:
+    return {id(m): names for m, names in _modules_with_names(model)}
+
+
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     """Replace ``root.<name>`` (dotted) by ``module``, keeping its slot in the parent's module order."""
     parent_name, _, attr = name.rpartition(".")
@@ -58,6 +70,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     seq_out = -2 if sp is not None else None
     entries: dict[int, SharedInputCopy] = {}
     shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> shard, to keep ties
+    aliases = _names_by_module(model)
     order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
     for lp in order:
         if lp.style == "replicate":
@@ -82,8 +95,9 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
         if id(dense.weight) in shards:
             layer.weight = shards[id(dense.weight)]
         shards[id(dense.weight)] = layer.weight
-        originals[lp.name] = dense
-        set_submodule(model, lp.name, layer)
+        for name in aliases.get(id(dense), [lp.name]):  # the same module object registered under several names
+            originals[name] = dense
+            set_submodule(model, name, layer)
     if sp is not None:  # attention/MLP modules gather the sequence at their input (their code sees all of it)
         for name in sp.owner_gather:
             module = model.get_submodule(name)
@@ -147,15 +161,15 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
     (:func:`lightning_dpmp.checkpoint.consolidated.consolidate_optimizer`).
     """
     moved: dict[int, tuple[nn.Parameter, Optional[int], int]] = {}
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, _ParallelLinear):
-            tied = moved.get(id(mod.weight))
-            dense = mod.to_dense()
-            for pname, dim in mod._shard_dims.items():
-                if getattr(mod, pname, None) is not None:
-                    moved.setdefault(id(getattr(mod, pname)), (getattr(dense, pname), dim, mod.blocks if dim == 0 else 1))
-            if tied is not None:
-                dense.weight = tied[0]
+    for mod, names in [(m, n) for m, n in _modules_with_names(model) if isinstance(m, _ParallelLinear)]:
+        tied = moved.get(id(mod.weight))
+        dense = mod.to_dense()
+        for pname, dim in mod._shard_dims.items():
+            if getattr(mod, pname, None) is not None:
+                moved.setdefault(id(getattr(mod, pname)), (getattr(dense, pname), dim, mod.blocks if dim == 0 else 1))
+        if tied is not None:
+            dense.weight = tied[0]
+        for name in names:
             set_submodule(model, name, dense)
     _restore_attrs(model)
     return moved

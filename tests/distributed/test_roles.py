@@ -1,8 +1,10 @@
 """One role per layer, and fallback notes that name the layer and the reason.
 
 One 2-process launch (dp=1, mp=2, float64): MLP chains of 2..5 Linears (each layer could be the row end of one
-pair and the start of the next), one of them without verification, and a head-wise MLP whose value depends on the
-local width (verification must fall back, and the note must say where and why, without calling it attention).
+pair and the start of the next), one of them without verification, a head-wise MLP whose value depends on the
+local width (verification must fall back, and the note must say where and why, without calling it attention), and
+two models whose token table is shared by several modules, one of them never called itself (a small one of ours and
+transformers' T5): planned per weight, split by vocabulary under every name, every alias key kept in checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from tests.conftest import run_script
 from tests.support.reference import max_weight_diff, reference_run
 
 CHAINS = ("chain2", "chain3", "chain4", "chain5", "chain4+noverify")
-MODELS = CHAINS + ("headscaled",)
+MODELS = CHAINS + ("headscaled", "aliased", "t5")
+ALIASES = {  # every name of the one token table, and the LM head tied to it
+    "aliased": ("net.shared", "net.enc.embed_tokens", "net.dec.embed_tokens", "net.head"),
+    "t5": ("net.shared", "net.encoder.embed_tokens", "net.decoder.embed_tokens", "net.lm_head"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +81,25 @@ def test_fallback_note_names_the_layer_and_the_kind_of_region(run):
         assert ("fell back to pairs through reshapes or attention self-contained: fc1 column -> column_gather"
                 " (paired region (reshapes/transposes) disabled after a failed verification)") in text, text
         assert "attention" not in text.replace("reshapes or attention", ""), text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(ALIASES))
+def test_shared_token_table_is_split_under_every_name(run, model):
+    out, ranks = run
+    names = ALIASES[model]
+    state = torch.load(out / f"{model}_64.ckpt", weights_only=True)["state_dict"]
+    split_state = torch.load(out / f"{model}_64_split.ckpt", weights_only=True)["state_dict"]
+    for name in names:  # every alias key is in both checkpoints, dense, and one tensor
+        assert state[f"{name}.weight"].shape == (64, 32), name
+        assert torch.equal(state[f"{name}.weight"], state[f"{names[0]}.weight"]), name
+        assert torch.equal(split_state[f"{name}.weight"], state[f"{name}.weight"]), name
+    for res in ranks:
+        r = res[f"{model}_64"]
+        assert r["verified"] is True, r["plan_text"]
+        assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}
+        for name in names:
+            if name in r["styles"]:  # a second name of the same module object is not a layer of its own
+                assert r["styles"][name] == "vocab", (name, r["plan_text"])
+        assert r["local_params"][f"{names[0]}.weight"] == [32 * 32, True]  # 1/mp of the vocabulary rows
+        print(r["plan_text"])

@@ -105,6 +105,27 @@ class HeadScaled(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
+class AliasedLM(nn.Module):
+    """One token table under four names, the T5 way: ``shared`` is never called itself. ``dec.embed_tokens`` is the
+    same module object, ``enc.embed_tokens`` a distinct module holding the same weight, ``head`` an LM head tied to it.
+    """
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, dim)
+        self.enc, self.dec = nn.Module(), nn.Module()
+        self.enc.embed_tokens = nn.Embedding(vocab, dim)
+        self.enc.embed_tokens.weight = self.shared.weight
+        self.dec.embed_tokens = self.shared
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.enc.embed_tokens(ids) + 0.5 * self.dec.embed_tokens(ids.flip(-1))
+        return self.head(x + self.fc2(F.gelu(self.fc1(x))))
+
+
 def make_dataset(n: int = 160, d_in: int = 12, n_out: int = 3, seed: int = 1234) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d_in, generator=g)
@@ -236,6 +257,33 @@ def make_lm_dataset(n: int = 160, vocab: int = 64, seq: int = 16, seed: int = 12
     return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
 
 
+class Seq2SeqLM(L.LightningModule):
+    """An encoder-decoder trained to map ``x`` to ``y`` (teacher forcing: the decoder reads ``y`` shifted right)."""
+
+    def __init__(self, net: nn.Module, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.net, self.lr = net, lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        dec = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
+        logits = self.net(input_ids=x, decoder_input_ids=dec).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def _tiny_t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)  # the same dense init in every process and in the reference
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, dropout_rate=0.0)
+    return T5ForConditionalGeneration(cfg)
+
+
 def freeze_attention(module: nn.Module) -> nn.Module:
     """Fine-tuning style: every parameter of the attention modules (q/k/v/out) gets ``requires_grad=False``."""
     for name, mod in module.named_modules():
@@ -256,6 +304,10 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return LMModule(freeze_attention(net) if name == "gpt_frozen" else net), make_lm_dataset()
     if name == "llama":
         return LMModule(TinyLlama()), make_lm_dataset()
+    if name == "aliased":
+        return LMModule(AliasedLM()), make_lm_dataset()
+    if name == "t5":
+        return Seq2SeqLM(_tiny_t5()), make_lm_dataset()
     if name == "headscaled":
         ds = make_dataset(n_out=4)
         return HeadScaled(), TensorDataset(ds.tensors[0].view(-1, 1, 12).repeat(1, 4, 1) * torch.arange(1.0, 5.0).view(1, 4, 1), ds.tensors[1])

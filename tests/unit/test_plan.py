@@ -301,3 +301,18 @@ def test_chain_conflict_is_explained():
     assert flow.roles == {"layers.0": "column", "layers.1": "row", "layers.2": "column", "layers.3": "row"}
     assert flow.why["layers.1"] == "one role per layer: layers.1 already is row (paired from layers.0)"
     assert flow.why["layers.3"] == "one role per layer: layers.3 already is row (paired from layers.2)"  # not vocab too
+
+
+def test_a_shared_token_table_is_planned_per_weight():
+    """``shared`` is never called itself; a same-object alias and a distinct module holding its weight are."""
+    from tests.support.models import AliasedLM
+
+    model = AliasedLM()
+    ids = torch.randint(0, 64, (2, 16))
+    styles, plan = plan_of(model, ids, step=lambda: F.cross_entropy(model(ids).view(-1, 64), ids.view(-1)))
+    assert styles == {"fc1": "column", "fc2": "row", "head": "vocab", "shared": "vocab", "enc.embed_tokens": "vocab"}
+    assert "same weight as enc.embed_tokens, dec.embed_tokens" in plan.layers["shared"].note
+    # a replicate forced on one name holds for the whole table, and for the head tied to it
+    styles, _ = plan_of(model, ids, user_plan={"enc.embed_tokens": "replicate"},
+                        step=lambda: F.cross_entropy(model(ids).view(-1, 64), ids.view(-1)))
+    assert (styles["shared"], styles["enc.embed_tokens"], styles["head"]) == ("replicate",) * 3
