@@ -60,8 +60,17 @@ def _llama() -> tuple[L.LightningModule, object]:
     return CausalLM(LlamaForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
+def _frozen_llama() -> tuple[L.LightningModule, object]:
+    """Fine-tuning: the Llama above with every attention parameter frozen (``self_attn``'s q/k/v/o)."""
+    module, data = _llama()
+    for layer in module.net.model.layers:
+        layer.self_attn.requires_grad_(False)
+    return module, data
+
+
 REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2, "net.model.layers.{}."),
+    "frozen_llama": RealModel(_frozen_llama, 2, "net.model.layers.{}."),
 }
 
 
