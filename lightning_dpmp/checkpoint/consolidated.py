@@ -91,10 +91,14 @@ def gather_state_dict(
 ) -> dict[str, Any]:
     """Dense ``state`` on the group's first rank (split entries gathered one by one); ``state`` unchanged elsewhere."""
     out = dict(state)
+    done: dict[tuple, Optional[Tensor]] = {}  # aliases of one weight (tied or shared modules) are gathered once
     for key, dim in dims.items():
-        full = gather_to_first(state[key], group, dim, (blocks or {}).get(key, 1))
-        if full is not None:
-            out[key] = full
+        t = state[key]
+        tag = (t.data_ptr(), tuple(t.shape), dim)
+        if tag not in done:
+            done[tag] = gather_to_first(t, group, dim, (blocks or {}).get(key, 1))
+        if done[tag] is not None:
+            out[key] = done[tag]
     return out
 
 

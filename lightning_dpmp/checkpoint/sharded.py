@@ -17,6 +17,12 @@ The folder::
 Keys inside DCP: ``model/<state_dict key>`` and ``optim<i>/<parameter name>/<state key>`` (e.g.
 ``optim0/blocks.0.fc1.weight/exp_avg``): by dense names, so they survive any change of layout.
 
+Fused projections (q|k|v in one weight, split block by block: each rank holds the same rows of every block) are
+not one contiguous shard of the dense tensor. Each block is stored as its own logical tensor, ``<key>#block<i>``
+(``dpmp_meta.pt`` lists the fused keys and their block counts), sharded over MP like any other split tensor. A
+layout that splits the same blocks reads its rows of each block; any other (mp=1, or the layer planned differently)
+reads the dense blocks and slices them locally.
+
 Example:
     >>> save_sharded(checkpoint, "last.ckpt", module, optimizers, grid)      # collective  # doctest: +SKIP
     >>> ckpt = load_sharded("last.ckpt", module, optimizers, grid)           # this rank's slices  # doctest: +SKIP
@@ -47,12 +53,14 @@ from lightning_dpmp.checkpoint.consolidated import (
     check_state_matches,
     dense_shapes,
     fsync_dir,
+    optimizer_param_blocks,
     optimizer_param_dims,
     optimizer_param_names,
     replace_path,
 )
+from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.layers import shard_blocks, shard_dims
+from lightning_dpmp.parallel.layers import shard_blocks, shard_dims, shard_tensor
 
 __all__ = ["LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"]
 
@@ -133,6 +141,73 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _block_key(key: str, i: int) -> str:
+    return f"{key}#block{i}"
+
+
+def _put(flat: dict[str, Tensor], fused: dict[str, int], key: str, local: Tensor, dim: Optional[int], blocks: int,
+         mesh: Any) -> None:
+    """Describe one local tensor to DCP: a fused one (``blocks > 1``, split along dim 0) as one entry per block."""
+    if dim == 0 and blocks > 1 and mesh is not None:
+        fused[key] = blocks
+        for i, part in enumerate(local.chunk(blocks, dim=0)):
+            flat[_block_key(key, i)] = _as_dcp(part.contiguous(), 0, mesh)
+    else:
+        flat[key] = _as_dcp(local, dim, mesh)
+
+
+def _logical_shapes(saved: dict[str, TensorStorageMetadata], fused: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Dense shape of every logical tensor of a folder (a fused tensor's blocks stacked along dim 0)."""
+    out = {k: tuple(v.size) for k, v in saved.items() if "#block" not in k}
+    for key, blocks in fused.items():
+        first = tuple(saved[_block_key(key, 0)].size)
+        out[key] = (first[0] * blocks,) + first[1:]
+    return out
+
+
+class _Reads:
+    """What one ``dcp.load`` asks for, and how each answer becomes this rank's local tensor afterwards.
+
+    A logical tensor stored as it will be held (plain, or fused with the same blocks split the same way) is read
+    straight into its local slices; any other pairing reads the dense tensor (or its dense blocks) and slices it.
+    """
+
+    def __init__(self, saved: dict[str, TensorStorageMetadata], fused: dict[str, int], mesh: Any, group: Any) -> None:
+        self.saved, self.fused, self.mesh, self.group = saved, fused, mesh, group
+        self.targets: dict[str, Tensor] = {}
+        self.after: list[Any] = []
+
+    def add(self, key: str, local: Tensor, dim: Optional[int], blocks: int) -> None:
+        """Fill ``local`` (this rank's tensor: split along ``dim`` in ``blocks`` blocks, or whole) from ``key``."""
+        stored = self.fused.get(key, 1)
+        if stored == 1 and blocks == 1:
+            self.targets[key] = _as_dcp(local, dim, self.mesh)
+            return
+        if stored == blocks and dim == 0:
+            parts = [torch.empty_like(p) for p in local.chunk(blocks, dim=0)]
+            for i, part in enumerate(parts):
+                self.targets[_block_key(key, i)] = _as_dcp(part, 0, self.mesh)
+            self.after.append(lambda: local.copy_(torch.cat(parts, dim=0)))
+            return
+        keys = [key] if stored == 1 else [_block_key(key, i) for i in range(stored)]
+        dense = [torch.empty(tuple(self.saved[k].size), dtype=self.saved[k].properties.dtype, device=local.device)
+                 for k in keys]
+        self.targets.update(zip(keys, dense))
+
+        def finish() -> None:
+            full = torch.cat(dense, dim=0)
+            n, r = group_size(self.group), group_rank(self.group)
+            local.copy_(full if dim is None else shard_tensor(full, dim, n, r, blocks))
+
+        self.after.append(finish)
+
+    def load(self, path: str) -> None:
+        dcp.load(self.targets, storage_reader=_SafeReader(path), planner=_SafePlanner())
+        with torch.no_grad():
+            for finish in self.after:
+                finish()
+
+
 # ---------------------------------------------------------------------------------------------- save
 def save_sharded(
     checkpoint: dict[str, Any], path: str, module: nn.Module, optimizers: Sequence[Any], grid: Optional[Grid],
@@ -144,15 +219,15 @@ def save_sharded(
     ``dpmp_meta.pt`` and renames the folder over ``path``. A crash before the rename leaves the previous
     checkpoint untouched. Needs a filesystem that every rank sees at ``path``.
     """
-    dims = shard_dims(module)
-    _refuse_fused(module)
+    dims, blocks = shard_dims(module), shard_blocks(module)
     mesh = _mesh(grid, device_type) if dims and grid is not None else None
     flat: dict[str, Tensor] = {}
+    fused: dict[str, int] = {}  # DCP key -> blocks, for tensors stored block by block
     state = checkpoint.pop("state_dict", {})
     model_keys, model_extra = [], {}
     for key, value in state.items():
         if isinstance(value, Tensor):
-            flat[f"model/{key}"] = _as_dcp(value.detach(), dims.get(key), mesh)
+            _put(flat, fused, f"model/{key}", value.detach(), dims.get(key), blocks.get(key, 1), mesh)
             model_keys.append(key)
         else:
             model_extra[key] = value
@@ -160,6 +235,7 @@ def save_sharded(
     for i, (opt, st) in enumerate(zip(optimizers, checkpoint.pop("optimizer_states", []))):
         inner = getattr(opt, "_optimizer", opt)
         names, pdims = optimizer_param_names(inner, module), optimizer_param_dims(inner, module)
+        pblocks = optimizer_param_blocks(inner, module)
         params = [p for g in inner.param_groups for p in g["params"]]
         layout: dict[int, list[tuple[str, bool, Any]]] = {}
         for idx, per in st["state"].items():
@@ -167,14 +243,14 @@ def save_sharded(
             for key, value in per.items():
                 if isinstance(value, Tensor):
                     dim = pdims[idx] if value.shape == params[idx].shape else None
-                    flat[f"optim{i}/{names[idx]}/{key}"] = _as_dcp(value.detach(), dim, mesh)
+                    _put(flat, fused, f"optim{i}/{names[idx]}/{key}", value.detach(), dim, pblocks[idx], mesh)
                     entries.append((key, True, None))
                 else:
                     entries.append((key, False, value))
             layout[idx] = entries
         optim_info.append({"param_names": names, "param_groups": st["param_groups"], "layout": layout})
     meta = {**checkpoint, "dpmp_sharded": {"format": FORMAT, "model_keys": model_keys, "model_extra": model_extra,
-                                           "optimizers": optim_info}}
+                                           "optimizers": optim_info, "fused": fused}}
 
     distributed = dist.is_available() and dist.is_initialized()
     parent, base = os.path.split(os.path.abspath(path))
@@ -209,21 +285,23 @@ def load_sharded(
     meta = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=True)
     info = meta.pop("dpmp_sharded")
     saved = _tensor_meta(path)
-    saved_model = {k[len("model/"):]: tuple(v.size) for k, v in saved.items() if k.startswith("model/")}
+    fused = info.get("fused", {})
+    shapes = _logical_shapes(saved, fused)
+    saved_model = {k[len("model/"):]: v for k, v in shapes.items() if k.startswith("model/")}
     check_state_matches(dense_shapes(module, grid.mp_group), saved_model, strict)
-    _refuse_fused(module)
-    dims = shard_dims(module)
+    dims, blocks = shard_dims(module), shard_blocks(module)
     mesh = _mesh(grid, device_type) if dims else None
-    targets: dict[str, Tensor] = {}
+    reads = _Reads(saved, fused, mesh, grid.mp_group)
     local_state: dict[str, Any] = dict(info["model_extra"])
     for key, t in module.state_dict().items():
         if isinstance(t, Tensor) and key in saved_model:
             local_state[key] = torch.empty_like(t)
-            targets[f"model/{key}"] = _as_dcp(local_state[key], dims.get(key), mesh)
+            reads.add(f"model/{key}", local_state[key], dims.get(key), blocks.get(key, 1))
     opt_states = []
     for i, (opt, oinfo) in enumerate(zip(optimizers, info["optimizers"])):
         inner = getattr(opt, "_optimizer", opt)
         names, pdims = optimizer_param_names(inner, module), optimizer_param_dims(inner, module)
+        pblocks = optimizer_param_blocks(inner, module)
         params = [p for g in inner.param_groups for p in g["params"]]
         if names != oinfo["param_names"]:
             pairs = list(zip_longest(names, oinfo["param_names"]))
@@ -239,15 +317,15 @@ def load_sharded(
                 if not is_tensor:
                     state[idx][key] = value
                     continue
-                smd = saved[f"optim{i}/{names[idx]}/{key}"]
-                dense = dense_param_shape(params[idx], pdims[idx], grid)
-                split = pdims[idx] is not None and tuple(smd.size) == dense
-                local = torch.empty(params[idx].shape if split else tuple(smd.size), dtype=smd.properties.dtype,
-                                    device=params[idx].device)
+                name = f"optim{i}/{names[idx]}/{key}"
+                size = shapes[name]
+                split = pdims[idx] is not None and size == dense_param_shape(params[idx], pdims[idx], grid)
+                dtype = saved[name if name in saved else _block_key(name, 0)].properties.dtype
+                local = torch.empty(params[idx].shape if split else size, dtype=dtype, device=params[idx].device)
                 state[idx][key] = local
-                targets[f"optim{i}/{names[idx]}/{key}"] = _as_dcp(local, pdims[idx] if split else None, mesh)
+                reads.add(name, local, pdims[idx] if split else None, pblocks[idx] if split else 1)
         opt_states.append({"state": state, "param_groups": oinfo["param_groups"]})
-    dcp.load(targets, storage_reader=_SafeReader(path), planner=_SafePlanner())
+    reads.load(path)
     meta["state_dict"] = local_state
     if info["optimizers"]:  # absent for save_weights_only checkpoints, as in Lightning's own files
         meta["optimizer_states"] = opt_states
@@ -279,6 +357,8 @@ def load_sharded_full(path: str) -> dict[str, Any]:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(targets, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
+    for key, blocks in info.get("fused", {}).items():  # fused tensors: their blocks stacked back in order
+        targets[key] = torch.cat([targets.pop(_block_key(key, i)) for i in range(blocks)], dim=0)
     state: dict[str, Any] = {k: targets[f"model/{k}"] for k in info["model_keys"]}
     state.update(info["model_extra"])
     opt_states = []
@@ -291,13 +371,3 @@ def load_sharded_full(path: str) -> dict[str, Any]:
     if info["optimizers"]:
         meta["optimizer_states"] = opt_states
     return meta
-
-
-def _refuse_fused(module: nn.Module) -> None:
-    """Fused projections split block by block are not one DTensor shard; say so instead of writing wrong data."""
-    fused = shard_blocks(module)
-    if fused:
-        raise NotImplementedError(
-            f"save_distributed_checkpoint=True cannot yet store fused projections split block by block ({next(iter(fused))},"
-            f" {next(iter(fused.values()))} blocks); use the default consolidated format (save_distributed_checkpoint=False)."
-        )

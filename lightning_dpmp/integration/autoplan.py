@@ -167,15 +167,60 @@ def _dense_grads(
     return trace, (loss.detach() if loss is not None else None), grads
 
 
+class _Locator:
+    """Forward hooks on every submodule recording which modules are open: after an exception inside the step, the
+    innermost one still open is the layer that raised."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.stack: list[str] = []
+        self.handles = []
+        for name, mod in module.named_modules():
+            if name:
+                self.handles.append(mod.register_forward_pre_hook(self._opener(name)))
+                self.handles.append(mod.register_forward_hook(self._close))
+
+    def _opener(self, name: str) -> Callable[..., None]:
+        def open_(module: nn.Module, args: Any) -> None:
+            self.stack.append(name)
+
+        return open_
+
+    def _close(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def where(self, module: nn.Module) -> str:
+        if not self.stack:
+            return ""
+        name = self.stack[-1]
+        return f" in '{name}' ({type(module.get_submodule(name)).__name__})"
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def _check(
     module: nn.Module, run: Callable[[], Any], loss_ref: Tensor, grads_ref: dict, group: Any, plan: Plan,
     losses: list[Tensor],
-) -> float:
-    """Largest relative error of this rank's loss and gradient shards against the dense step."""
-    with torch.enable_grad():
-        loss = _step_loss(run(), losses)
-        assert loss is not None
-        loss.backward()
+) -> tuple[float, str]:
+    """Largest relative error of this rank's loss and gradient shards against the dense step, and where it is.
+
+    Only gradients that exist are compared: a frozen parameter (``requires_grad=False``) has none in either step.
+    A gradient present in one step and absent in the other (a frozen flag lost in the split) is an infinite error.
+    A step that raises is an infinite error naming the layer that raised.
+    """
+    locator = _Locator(module)
+    try:
+        with torch.enable_grad():
+            loss = _step_loss(run(), losses)
+            assert loss is not None
+            loss.backward()
+    except Exception as exc:  # a reshape that cannot take local sizes fails the same way on every rank
+        module.zero_grad(set_to_none=True)
+        return float("inf"), f"{type(exc).__name__}{locator.where(module)}: {exc}"
+    finally:
+        locator.remove()
     if plan.sequence is not None:  # as the strategy does before each optimizer step
         names = set(plan.sequence.partial_params)
         sync_sequence_partial_grads([p for n, p in module.named_parameters() if n in names], group)
@@ -183,21 +228,53 @@ def _check(
     blocks = shard_blocks(module)
     n, r = group_size(group), group_rank(group)
     err = float((loss.detach() - loss_ref).abs() / (loss_ref.abs() + 1e-12))
+    where = "the loss"
     # A gradient that is zero in exact arithmetic (a key bias under softmax) is pure rounding noise on both
     # sides; measure each parameter against at least 1% of the largest gradient anywhere.
     floor = 1e-2 * max((g.abs().max().item() for g in grads_ref.values()), default=0.0) + 1e-30
     for name, p in module.named_parameters():
         ref = grads_ref.get(name)
         if ref is None or p.grad is None:
-            if (ref is None) != (p.grad is None):
+            if (ref is None) != (p.grad is None) and err != float("inf"):
                 err = float("inf")
+                where = f"{name} (a gradient in the {'parallel' if ref is None else 'dense'} step only)"
             continue
         if name in dims:
             ref = shard_tensor(ref, dims[name], n, r, blocks.get(name, 1))
         scale = max(ref.abs().max().item(), floor)
-        err = max(err, (p.grad - ref).abs().max().item() / scale)
+        e = (p.grad - ref).abs().max().item() / scale
+        if e > err:
+            err, where = e, name
     module.zero_grad(set_to_none=True)
-    return err
+    return err, f"largest at {where}"
+
+
+def _world_worst(err: float, reason: str) -> tuple[float, str]:
+    """The largest error over the world and the reason its rank gave (collective over the world)."""
+    if not dist.is_initialized():
+        return err, reason
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (err, reason))
+    return max(every, key=lambda e: e[0])
+
+
+def _changes(old: Plan, new: Plan) -> str:
+    """What a fallback changed, layer by layer, grouped by the new style and its reason."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, lp in new.layers.items():
+        if old.layers[name].style != lp.style:
+            groups.setdefault((f"{old.layers[name].style} -> {lp.style}", lp.note), []).append(name)
+    parts = []
+    for (change, note), names in groups.items():
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        parts.append(f"{shown} {change}" + (f" ({note})" if note else ""))
+    return "; ".join(parts)
+
+
+def _same_layout(a: Plan, b: Plan) -> bool:
+    """Whether two plans split every layer alike (notes aside)."""
+    strip = lambda p: {n: replace(lp, note="") for n, lp in p.layers.items()}  # noqa: E731
+    return strip(a) == strip(b) and a.adjust == b.adjust
 
 
 def _world_max(value: float, device: torch.device) -> float:
@@ -254,7 +331,9 @@ def plan_module(
     ok = _world_max(0.0 if trace is not None else 1.0, device) == 0.0
     trace = trace if ok else None
     checkable = verify and trace is not None and loss_ref is not None and bool(grads_ref) and grid.mp > 1
-    fallbacks = {1: "attention-like pairs disabled", 2: "no pairs: every split layer self-contained", 3: "nothing split"}
+    fallbacks = {1: "pairs through reshapes or attention self-contained", 2: "no pairs: every split layer self-contained",
+                 3: "nothing split"}
+    failed: Optional[Plan] = None
     for level in range(4):
         plan = make_plan(module, grid.mp, trace, user_plan, level=min(level, 2))
         if level == 3:
@@ -262,8 +341,12 @@ def plan_module(
                 plan.layers[name] = replace(lp, style="replicate", note="fallback")
         if sequence_parallel and grid.mp > 1:
             plan.sequence = _sequence_plan(trace, plan, module, grid.mp)
-        plan.notes += notes
-        plan = _broadcast(plan)
+        plan = _broadcast(plan)  # every rank applies rank 0's plan, and takes the same decisions below
+        if failed is not None:
+            if _same_layout(failed, plan) and level < 3:
+                continue  # this level changes nothing here: it would fail the same way
+            notes[-1] += f"; fell back to {fallbacks[level]}: {_changes(failed, plan)}"
+        plan.notes += _broadcast(notes)
         text = plan.describe(module)
         originals = parallelize(module, plan, grid.mp_group, rng)
         if not checkable:
@@ -271,15 +354,11 @@ def plan_module(
         losses = []
         with isolated(module, losses):
             try:
-                err = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan, losses)  # type: ignore[arg-type]
-            except Exception as exc:  # a reshape that cannot take local sizes fails the same way on every rank
-                err, reason = float("inf"), f"{type(exc).__name__}: {exc}"
-            else:
-                reason = ""
+                err, reason = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan, losses)  # type: ignore[arg-type]
             finally:
                 if rng is not None:
                     rng.exit()
-        err = _world_max(err, device)
+        err, reason = _world_worst(err, reason)
         if err <= tolerance(precision) or level == 3:
             verdict = "passed" if err <= tolerance(precision) else "FAILED"
             text += f"\n  verified against the dense step on the first batch: {verdict} (max relative error {err:.1e})"
@@ -297,6 +376,6 @@ def plan_module(
         notes.append(
             f"verification failed at level {level} (relative error {err:.2e}{'; ' + reason if reason else ''})"
             + (f" with {adjusted} set to per-rank values" if adjusted else "")
-            + f"; fell back: {fallbacks[level + 1]}"
         )
+        failed = plan
     raise AssertionError("unreachable")

@@ -156,6 +156,7 @@ class _ParallelLinear(nn.Module):
         return layer
 
     def _init_from(self, dense: nn.Module) -> None:
+        """Copy this rank's slices of ``dense``'s parameters, and their ``requires_grad`` (frozen stays frozen)."""
         with torch.no_grad():
             for name, dim in self._shard_dims.items():
                 full = getattr(dense, name)
@@ -163,6 +164,7 @@ class _ParallelLinear(nn.Module):
                     continue
                 local = full if dim is None else shard_tensor(full, dim, self.mp, self.mp_rank, self.blocks)
                 getattr(self, name).copy_(local)
+                getattr(self, name).requires_grad_(full.requires_grad)
 
     def _dense_module(self) -> nn.Module:
         p = self.weight
@@ -202,6 +204,7 @@ class _ParallelLinear(nn.Module):
                 if local is not None:
                     full = local if dim is None else gather_tensor(local.detach(), dim, self.group, self.blocks)
                     getattr(dense, name).copy_(full)
+                    getattr(dense, name).requires_grad_(local.requires_grad)
         dense.train(self.training)
         return dense
 
@@ -475,14 +478,15 @@ SHARDS_ATTR = "_dpmp_param_shards"
 def shard_dims(module: nn.Module) -> dict[str, int]:
     """Fully qualified names of the split parameters of ``module`` and the dimension each is split along.
 
-    Parameters not listed are replicated across the MP group.
+    Parameters not listed are replicated across the MP group. A module registered under several names (an
+    embedding shared as ``encoder.embed_tokens`` and ``decoder.embed_tokens``) is listed under each.
 
     Example:
         >>> shard_dims(parallel_model)   # doctest: +SKIP
         {'blocks.0.fc1.weight': 0, 'blocks.0.fc1.bias': 0, 'blocks.0.fc2.weight': 1}
     """
     out: dict[str, int] = {}
-    for prefix, mod in module.named_modules():
+    for prefix, mod in module.named_modules(remove_duplicate=False):  # every alias is a state_dict key
         if isinstance(mod, _ParallelLinear) and mod.mp > 1:
             for name, dim in mod._shard_dims.items():
                 if dim is not None and getattr(mod, name, None) is not None:
@@ -507,7 +511,7 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
     :func:`gather_tensor` (or :func:`interleave_blocks`) with this count.
     """
     out: dict[str, int] = {}
-    for prefix, mod in module.named_modules():
+    for prefix, mod in module.named_modules(remove_duplicate=False):
         if isinstance(mod, _ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
             for name, dim in mod._shard_dims.items():  # only column-style layers are fused: every split is by blocks
                 if dim is not None and getattr(mod, name, None) is not None:

@@ -47,7 +47,8 @@ FIRST_ONLY = {"to", "type_as"}  # the second tensor only lends its dtype/device
 REDUCTIONS = {"sum", "mean", "amax", "amin", "var", "std", "logsumexp", "prod", "max", "min", "all", "any"}
 EXPANDS = {"expand", "expand_as", "broadcast_to", "repeat"}
 CONCATS = {"cat", "concat", "concatenate", "stack"}
-ATTENTION_LIKE = BATCHED | {"einsum"}  # a region using these is attention-like (for fallback notes)
+ATTENTION = {"scaled_dot_product_attention", "softmax", "log_softmax"}
+MATMULS = {"matmul", "__matmul__", "bmm"}
 
 
 @dataclass
@@ -64,7 +65,8 @@ class _Region:
     losses: int = 0
     conflicts: list[str] = field(default_factory=list)
     literals: set[int] = field(default_factory=set)
-    simple: bool = True  # no attention-like op (an MLP); False once matmuls of activations/softmax are involved
+    simple: bool = True  # element-wise ops only (an MLP); False once heads/attention are involved
+    attention: bool = False  # softmax, scaled_dot_product_attention or a matmul of two split activations
     queried: set[int] = field(default_factory=set)  # split-dim sizes the code read from split tensors
     scoped: set[tuple[str, int, bool]] = field(default_factory=set)  # (module, literal, derived?) sizing a constant
 
@@ -85,6 +87,7 @@ class Flow:
     literals: dict[str, set[int]] = field(default_factory=dict)  # per paired source: fixed sizes to adjust
     scoped: dict[str, set[tuple[str, int, bool]]] = field(default_factory=dict)  # per source: (module, size, derived?)
     simple: dict[str, bool] = field(default_factory=dict)
+    attention: dict[str, bool] = field(default_factory=dict)  # per paired layer: its region involves attention
 
 
 class _Analysis:
@@ -123,6 +126,7 @@ class _Analysis:
             a.simple &= b.simple
             a.queried |= b.queried
             a.scoped |= b.scoped
+            a.attention |= b.attention
         return keep
 
     def new_region(self, source: str) -> int:
@@ -192,8 +196,10 @@ class _Analysis:
                 self.state.pop(n, None)
             return
         r = self.union(regions)
-        if ev.name in ATTENTION_LIKE:
+        if ev.name not in UNARY and ev.name not in BINARY:
             self.regions[r].simple = False
+        if ev.name in ATTENTION or (ev.name in MATMULS | {"einsum"} and len(ins) > 1):
+            self.regions[r].attention = True
         for n, out in zip(ev.outputs, result):
             if out is None:
                 self.state.pop(n, None)
@@ -583,10 +589,15 @@ def analyse(
 ) -> Flow:
     """Find the pairs (and vocab-parallel heads) of a traced step; ``complex_ok=False`` keeps only MLP-like pairs.
 
+    Every layer gets at most one role. A layer can be the row end of one region and the source of the next (a
+    chain ``L1 -> L2 -> L3 -> L4``); the regions are then taken greedily in call order, each only if none of its
+    layers has a role yet: ``(L1 column, L2 row), (L3 column, L4 row)``. Layers left out become self-contained.
+
     ``embeddings`` (called once, plain, ``embedding_dim % mp == 0``) may join a region as column sources split
     by ``embedding_dim``: a relative position bias table whose output reaches head-parallel attention.
     """
     calls = Counter(c.name for c in trace.linear_calls())
+    order = {c.name: i for i, c in reversed(list(enumerate(trace.linear_calls())))}
     tables = embeddings or {}
 
     def can_source_embedding(n: str) -> bool:
@@ -603,30 +614,43 @@ def analyse(
     an = _Analysis(trace, mp, can_source, can_sink, can_source_embedding)
     an.run()
     flow = Flow()
+    candidates: list[_Region] = []
     for root in sorted({an.find(r) for r in range(len(an.parent))}):
         reg = an.regions[root]
-        srcs, snks = reg.sources, reg.sinks
         if reg.conflicts:
-            flow.why.update((s, f"output {reg.conflicts[0]}") for s in srcs)
+            flow.why.update((s, f"output {reg.conflicts[0]}") for s in reg.sources)
+        elif not complex_ok and not reg.simple and reg.sinks:  # a pair; a vocab-parallel head pairs with nothing
+            kind = "attention-like region" if reg.attention else "paired region (reshapes/transposes)"
+            flow.why.update((s, f"{kind} disabled after a failed verification") for s in reg.sources)
+        elif not reg.sources - set(tables):
+            continue  # a region fed only by embedding tables has nothing of its own to split
+        elif reg.losses and not reg.sinks and len(reg.sources) == 1 or reg.sinks and not reg.losses:
+            candidates.append(reg)
+    taken: dict[str, str] = {}  # layer -> the first layer of the region that gave it its role
+
+    def rank(name: str) -> int:  # call order; an embedding table joining a region counts last
+        return order.get(name, len(order))
+
+    for reg in sorted(candidates, key=lambda g: min(rank(s) for s in g.sources)):
+        members = reg.sources | reg.sinks
+        first = min(reg.sources, key=rank)
+        clash = sorted(m for m in members if m in taken)
+        if clash:
+            held = f"{clash[0]} already is {flow.roles[clash[0]]} (paired from {taken[clash[0]]})"
+            flow.why.update((s, f"one role per layer: {held}") for s in reg.sources)
             continue
-        if not complex_ok and not reg.simple:
-            flow.why.update((s, "attention-like region disabled after a failed verification") for s in srcs)
+        taken.update((m, first) for m in members)
+        if not reg.sinks:
+            flow.roles[first] = "vocab"
             continue
-        if reg.losses and not snks and len(srcs) == 1 and not srcs & set(tables):
-            (s,) = srcs
-            flow.roles[s] = "vocab"
-            continue
-        if not snks or reg.losses or not srcs - set(tables):
-            continue  # (a region fed only by embedding tables has nothing of its own to split)
-        if any(flow.roles.get(s) == "row" for s in srcs) or any(flow.roles.get(s) == "column" for s in snks):
-            continue  # a chain a -> b -> c: b already closes the pair (a, b)
-        for s in srcs:
-            flow.roles[s], flow.partners[s] = "column", set(snks)
+        for s in reg.sources:
+            flow.roles[s], flow.partners[s] = "column", set(reg.sinks)
             flow.blocks[s] = an.blocks.get(s, 1)
             flow.literals[s] = set(reg.literals)
             flow.scoped[s] = set(reg.scoped)
             flow.simple[s] = reg.simple
-        for s in snks:
-            flow.roles[s], flow.partners[s] = "row", set(srcs)
+            flow.attention[s] = reg.attention
+        for s in reg.sinks:
+            flow.roles[s], flow.partners[s] = "row", set(reg.sources)
+            flow.attention[s] = reg.attention
     return flow
-

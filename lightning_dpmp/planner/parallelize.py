@@ -39,6 +39,18 @@ _ADJUSTED = "_dpmp_dense_attrs"  # on a module whose int attributes were set to 
 _SP_HOOK = "_dpmp_sequence_hook"  # on an unsplit embedding whose output is split along the sequence
 
 
+def _modules_with_names(model: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Every module object once, with all the names it is registered under (in module order)."""
+    out: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        out.setdefault(id(mod), (mod, []))[1].append(name)
+    return list(out.values())
+
+
+def _names_by_module(model: nn.Module) -> dict[int, list[str]]:
+    return {id(m): names for m, names in _modules_with_names(model)}
+
+
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     """Replace ``root.<name>`` (dotted) by ``module``, keeping its slot in the parent's module order."""
     parent_name, _, attr = name.rpartition(".")
@@ -62,6 +74,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     entries: dict[int, SharedInputCopy] = {}
     shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> shard, to keep ties
     repoint: dict[int, nn.Parameter] = {}  # id(dense parameter) -> its replacement, for aliases elsewhere
+    aliases = _names_by_module(model)
     order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
     heads = {n for n, lp in plan.layers.items() if lp.kind == "attention" and lp.style == "heads"}
     for lp in order:
@@ -101,8 +114,9 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
         if id(dense.weight) in shards:
             layer.weight = shards[id(dense.weight)]
         shards[id(dense.weight)] = layer.weight
-        originals[lp.name] = dense
-        set_submodule(model, lp.name, layer)
+        for name in aliases.get(id(dense), [lp.name]):  # the same module object registered under several names
+            originals[name] = dense
+            set_submodule(model, name, layer)
         repoint.update(_param_map(dense, layer))
     # A parameter can be registered under several names (a decoder bias also held by its parent, as in BERT's
     # MLM head): every other holder must see the shard too, or it would keep training a stale dense copy.
@@ -177,7 +191,8 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
     """
     moved: dict[int, tuple[nn.Parameter, Optional[int], int]] = {}
     done: list[str] = []
-    for name, mod in list(model.named_modules()):
+    for mod, names in _modules_with_names(model):
+        name = names[0]
         if not isinstance(mod, _ParallelLinear) or any(name.startswith(d + ".") for d in done):
             continue  # a parallel layer inside another (an attention's out_proj) is gathered by its owner
         weight = getattr(mod, "weight", None)  # an attention layer has none (in_proj_weight is never tied)
@@ -192,8 +207,9 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
                     moved.setdefault(id(getattr(part, pname)), (getattr(target, pname), dim, part.blocks if dim is not None else 1))
         if tied is not None:
             dense.weight = tied[0]
-        set_submodule(model, name, dense)
-        done.append(name)
+        for alias in names:  # the same module object registered under several names (T5's shared embedding)
+            set_submodule(model, alias, dense)
+        done.extend(names)
     moved.update(consolidate_experts(model))
     _repoint_aliases(model, {k: v[0] for k, v in moved.items()})
     _restore_attrs(model)

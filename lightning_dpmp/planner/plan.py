@@ -355,6 +355,38 @@ def _user_styles(
     return forced
 
 
+def _module_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Other names under which a module object is registered: ``{first name: [further names]}``."""
+    first: dict[int, str] = {}
+    out: dict[str, list[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if id(mod) in first:
+            out.setdefault(first[id(mod)], []).append(name)
+        else:
+            first[id(mod)] = name
+    return out
+
+
+def _weight_owners(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(parameter): [modules holding it]}``, each module object once (under its first name)."""
+    canonical = {id(m): n for n, m in model.named_modules()}
+    owners: dict[int, list[str]] = {}
+    for mod in {id(m): m for m in model.modules()}.values():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(canonical[id(mod)])
+    for p in model.parameters():
+        owners.setdefault(id(p), [])
+    return owners
+
+
+def _groups(modules: Mapping[str, nn.Module], key: Any) -> list[list[str]]:
+    """Module names grouped by ``key(module)`` (e.g. the weight they share), in module order."""
+    out: dict[Any, list[str]] = {}
+    for n, m in modules.items():
+        out.setdefault(key(m), []).append(n)
+    return list(out.values())
+
+
 def _owner(model: nn.Module, names: set[str]) -> str:
     """The innermost module containing all ``names`` (e.g. the attention block of q/k/v/out)."""
     prefix = os.path.commonprefix([n.split(".") for n in names])  # type: ignore[type-var]
@@ -448,28 +480,37 @@ def make_plan(
                 " split under the dense module's state_dict keys"
             )
 
-    # Embeddings: split the token table (the largest, or one tied to an LM head) by vocabulary rows.
-    owners: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(n.rpartition(".")[0])
+    # Embeddings: split the token table (the largest, or one tied to an LM head) by vocabulary rows. Decided per
+    # weight: modules sharing one weight (T5's shared/encoder.embed_tokens/decoder.embed_tokens) are one table.
+    owners = _weight_owners(model)
+    direct = set(trace.params.values()) if trace is not None else set()  # weights read outside their modules
+    pnames = {id(p): n for n, p in model.named_parameters()}
     largest = max((e.num_embeddings for e in embeddings.values()), default=0)
     emb_split: dict[str, str] = {}
-    for n, e in embeddings.items():
-        tied = [o for o in owners[id(e.weight)] if o != n]
-        called = trace is None or trace.embeddings.get(n, 0) > 0
-        plain = e.max_norm is None and not e.sparse and not e.scale_grad_by_freq
-        if forced.get(n) == "replicate" or level >= 2:
-            emb_split[n] = "user plan" if forced.get(n) else "fallback"
-        elif not (called and plain):
-            emb_split[n] = "not called through forward()" if not called else "max_norm/sparse embeddings stay whole"
+    for names in _groups(embeddings, lambda e: id(e.weight)):
+        e = embeddings[names[0]]
+        tied_linears = [o for o in owners[id(e.weight)] if o in linears]
+        styles = {forced[n] for n in names if n in forced}
+        called = trace is None or any(trace.embeddings.get(n, 0) > 0 for n in names)
+        plain = all(embeddings[n].max_norm is None and not embeddings[n].sparse and not embeddings[n].scale_grad_by_freq
+                    for n in names)
+        if "replicate" in styles or level >= 2:
+            reason = "user plan" if styles else "fallback"
+        elif not called:
+            reason = "not called through forward()" + (" (nor any module sharing its weight)" if len(names) > 1 else "")
+        elif pnames.get(id(e.weight)) in direct:
+            reason = "its weight is also read outside the module (not through forward())"
+        elif not plain:
+            reason = "max_norm/sparse embeddings stay whole"
         elif e.num_embeddings % mp:
-            emb_split[n] = f"num_embeddings={e.num_embeddings} not divisible by mp={mp}"
-        elif forced.get(n) != "vocab" and not tied and e.num_embeddings < largest:
-            emb_split[n] = "not the token table (smaller than the largest embedding)"
+            reason = f"num_embeddings={e.num_embeddings} not divisible by mp={mp}"
+        elif "vocab" not in styles and not tied_linears and e.num_embeddings < largest:
+            reason = "not the token table (smaller than the largest embedding)"
         else:
-            emb_split[n] = ""
-        for o in tied:  # a Linear sharing this weight can be split only together with it
-            if o in linears and emb_split[n]:
+            reason = ""
+        emb_split.update((n, reason) for n in names)
+        for o in tied_linears:  # a Linear sharing this weight can be split only together with it
+            if reason:
                 forced[o] = "replicate"
     for n, f in linears.items():
         tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
@@ -496,9 +537,10 @@ def make_plan(
                     flow.roles.pop(n, None)
                 why[src] = reason
             roles, partners, blocks = flow.roles, flow.partners, flow.blocks
-            attn_layers = {src for src, simple in flow.simple.items() if not simple}
-            attn_layers |= {n for n, r in roles.items() if r == "row" and partners.get(n, set()) & attn_layers}
+            attn_layers = {n for n, attn in flow.attention.items() if attn}
             why = {**flow.why, **why}
+        else:
+            why = {n: "no pairs (fallback after a failed verification)" for n in linears}
     else:
         roles = {n: s for n, s in forced.items() if s in ("column", "row") and n in linears}
 
@@ -529,6 +571,7 @@ def make_plan(
             blocks=blocks.get(n, 1) if style == "column" else 1, note=note, out_dim=f.out_dim,
             attention=style in ("column", "row") and n in attn_layers,
         )
+    aliases = _module_aliases(model)
     for n, e in embeddings.items():
         if roles.get(n) == "column":  # its rows reach head-parallel attention: each rank looks up its heads
             partner = ", ".join(sorted(partners.get(n, ())))
@@ -537,11 +580,15 @@ def make_plan(
                 attention=n in attn_layers,
             )
             continue
-        tied_heads = [o for o in owners[id(e.weight)] if o in plan.layers and o != n]
-        split = not emb_split[n] and all(plan.layers[o].style != "replicate" for o in tied_heads)
+        tied_heads = [o for o in owners[id(e.weight)] if o in linears]
+        same = [o for o in owners[id(e.weight)] if o in embeddings and o != n] + aliases.get(n, [])
+        split = not emb_split[n] and all(plan.layers[o].style in ("column", "column_gather", "vocab") for o in tied_heads)
         note = emb_split[n] or ("tied to " + ", ".join(tied_heads) if tied_heads else "")
         if not emb_split[n] and not split:
-            note = f"tied to {tied_heads[0]}, which stays whole"
+            bad = next(o for o in tied_heads if plan.layers[o].style not in ("column", "column_gather", "vocab"))
+            note = f"tied to {bad}, which is {plan.layers[bad].style}"
+        if same:
+            note = (note + "; " if note else "") + "same weight as " + ", ".join(same)
         plan.layers[n] = LayerPlan(
             n, "vocab" if split else "replicate", e.num_embeddings, e.embedding_dim, kind="embedding", note=note
         )

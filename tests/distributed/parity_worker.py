@@ -77,7 +77,8 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     base, _, variant = name.partition("+")
     model, dataset = build(base)
     probe = Probe()
-    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, sequence_parallel=variant in ("sp", "sp_nosync"))
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, sequence_parallel=variant in ("sp", "sp_nosync"),
+                            verify_plan=variant != "noverify", zero=int(variant == "zero"))
     if variant == "sp_nosync":  # the bug sequence parallelism invites: never summing the partial gradients
         probe.drop_sequence_sync = True
     trainer = L.Trainer(
@@ -92,6 +93,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))
     plan = strategy.plan.plan
     return {
+        "plan_text": strategy.plan.text,
         "counts": probe.counts,
         "analytic": plan.comm_per_step(),
         "per_block": plan.per_block(),
@@ -101,6 +103,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         "verified": strategy.plan.verified,
         "consistent": probe.consistent,
         "dense_after_fit": not shard_dims(model),
+        "frozen_after_fit": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
         "local_params": probe.local_params,
         "sampler": trainer.train_dataloader.sampler.num_replicas if hasattr(trainer.train_dataloader, "sampler") else None,
     }

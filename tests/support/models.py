@@ -52,6 +52,80 @@ class ResMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
+class ChainMLP(L.LightningModule):
+    """``n`` Linears in a row, GELU after all but the last two: ``L1 -> GELU -> ... -> L(n-1) -> Ln -> cross-entropy``.
+
+    Every layer but the first could be the row end of the previous one and the start of the next: one role each.
+    """
+
+    def __init__(self, n: int = 4, d_in: int = 12, width: int = 16, n_out: int = 4, lr: float = 1e-2) -> None:
+        super().__init__()
+        sizes = [d_in] + [width] * (n - 1) + [n_out]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 2:
+                x = F.gelu(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class HeadScaled(L.LightningModule):
+    """A head-wise MLP whose code divides by the *number of heads it sees*: ``h / h.shape[-2]``.
+
+    Structurally a paired region (reshape to heads, element-wise, reshape back), but its value depends on the local
+    width, so the split first step disagrees with the dense one: verification must fall back and say why.
+    """
+
+    def __init__(self, d_in: int = 12, hidden: int = 16, n_out: int = 4, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(d_in, hidden), nn.Linear(hidden, d_in), nn.Linear(d_in, n_out)
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = F.gelu(self.fc1(x)).view(B, T, -1, 4)
+        h = (h / h.shape[-2]).reshape(B, T, -1)
+        return self.head(self.fc2(h).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class AliasedLM(nn.Module):
+    """One token table under four names, the T5 way: ``shared`` is never called itself. ``dec.embed_tokens`` is the
+    same module object, ``enc.embed_tokens`` a distinct module holding the same weight, ``head`` an LM head tied to it.
+    """
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, dim)
+        self.enc, self.dec = nn.Module(), nn.Module()
+        self.enc.embed_tokens = nn.Embedding(vocab, dim)
+        self.enc.embed_tokens.weight = self.shared.weight
+        self.dec.embed_tokens = self.shared
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.enc.embed_tokens(ids) + 0.5 * self.dec.embed_tokens(ids.flip(-1))
+        return self.head(x + self.fc2(F.gelu(self.fc1(x))))
+
+
 def make_dataset(n: int = 160, d_in: int = 12, n_out: int = 3, seed: int = 1234) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d_in, generator=g)
@@ -183,17 +257,62 @@ def make_lm_dataset(n: int = 160, vocab: int = 64, seq: int = 16, seed: int = 12
     return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
 
 
+class Seq2SeqLM(L.LightningModule):
+    """An encoder-decoder trained to map ``x`` to ``y`` (teacher forcing: the decoder reads ``y`` shifted right)."""
+
+    def __init__(self, net: nn.Module, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.net, self.lr = net, lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        dec = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
+        logits = self.net(input_ids=x, decoder_input_ids=dec).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def _tiny_t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)  # the same dense init in every process and in the reference
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, dropout_rate=0.0)
+    return T5ForConditionalGeneration(cfg)
+
+
+def freeze_attention(module: nn.Module) -> nn.Module:
+    """Fine-tuning style: every parameter of the attention modules (q/k/v/out) gets ``requires_grad=False``."""
+    for name, mod in module.named_modules():
+        if name.endswith(".attn"):
+            mod.requires_grad_(False)
+    return module
+
+
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
-    """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection)."""
+    """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
+    gpt_frozen (gpt_untied with frozen attention)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
-    if name in ("gpt", "gpt_untied"):
+    if name in ("gpt", "gpt_untied", "gpt_frozen"):
         from examples.models.gpt import GPT
 
         net = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, tie_embeddings=name == "gpt")
-        return LMModule(net), make_lm_dataset()
+        return LMModule(freeze_attention(net) if name == "gpt_frozen" else net), make_lm_dataset()
     if name == "llama":
         return LMModule(TinyLlama()), make_lm_dataset()
+    if name == "aliased":
+        return LMModule(AliasedLM()), make_lm_dataset()
+    if name == "t5":
+        return Seq2SeqLM(_tiny_t5()), make_lm_dataset()
+    if name == "headscaled":
+        ds = make_dataset(n_out=4)
+        return HeadScaled(), TensorDataset(ds.tensors[0].view(-1, 1, 12).repeat(1, 4, 1) * torch.arange(1.0, 5.0).view(1, 4, 1), ds.tensors[1])
+    if name.startswith("chain"):  # chain2 .. chain5
+        return ChainMLP(int(name[len("chain"):] or 4)), make_dataset(n_out=4)
     if name == "fused":
         return LMModule(FusedLM()), make_lm_dataset()
     from tests.support.real_models import REAL_MODELS, build_real

@@ -269,8 +269,17 @@ def _encoder(norm_first: bool) -> Callable[[], tuple[L.LightningModule, object]]
     return lambda: (EncoderLM(norm_first), make_lm_dataset(vocab=VOCAB, seq=SEQ))
 
 
+def _frozen_llama() -> tuple[L.LightningModule, object]:
+    """Fine-tuning: the Llama above with every attention parameter frozen (``self_attn``'s q/k/v/o)."""
+    module, data = _llama()
+    for layer in module.net.model.layers:
+        layer.self_attn.requires_grad_(False)
+    return module, data
+
+
 REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
+    "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),
     "moe": RealModel(_moe, 2),

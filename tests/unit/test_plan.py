@@ -265,3 +265,56 @@ def test_sequence_parallel_analysis_on_gpt_and_refusals():
     mlp = ResMLP()
     t = trace_step(mlp, lambda: mlp(torch.randn(4, 12)))
     assert "no nn.Embedding" in plan_sequence_parallel(t, make_plan(mlp, 2, t), 2).problem
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_mlp_chain_gives_every_layer_one_role(n, mp):
+    """L1 -> GELU -> ... -> L(n-1) -> Ln -> cross-entropy: greedy in call order, (L1, L2), (L3, L4), ...; an odd last
+    layer reads a replicated input and its logits reach only the loss: vocab."""
+    from tests.support.models import ChainMLP
+
+    model = ChainMLP(n)
+    x, y = torch.randn(8, 12), torch.randint(0, 4, (8,))
+    styles, plan = plan_of(model, x, mp, step=lambda: F.cross_entropy(model(x), y))
+    expected = {f"layers.{i}": ("column" if i % 2 == 0 else "row") for i in range(n - n % 2)}
+    if n % 2:
+        expected[f"layers.{n - 1}"] = "vocab"
+    assert styles == expected
+    for name, lp in plan.layers.items():  # partners agree: a column's partners are rows and the reverse
+        if lp.style in ("column", "row"):
+            partners = lp.note[3:].split(", ")
+            want = "row" if lp.style == "column" else "column"
+            assert partners and all(plan.layers[p].style == want for p in partners), (name, lp.note)
+    rows = sum(s == "row" for s in styles.values())
+    assert plan.comm_per_step()["forward"]["all_reduce"] == rows + 2 * (n % 2)
+
+
+def test_chain_conflict_is_explained():
+    """A layer that would start a split after being a row end says so, naming the layer that holds the role."""
+    from tests.support.models import ChainMLP
+
+    model = ChainMLP(4)
+    x, y = torch.randn(8, 12), torch.randint(0, 4, (8,))
+    trace = trace_step(model, lambda: F.cross_entropy(model(x), y))
+    from lightning_dpmp.planner.flow import analyse
+
+    flow = analyse(trace, {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}, 2, {})
+    assert flow.roles == {"layers.0": "column", "layers.1": "row", "layers.2": "column", "layers.3": "row"}
+    assert flow.why["layers.1"] == "one role per layer: layers.1 already is row (paired from layers.0)"
+    assert flow.why["layers.3"] == "one role per layer: layers.3 already is row (paired from layers.2)"  # not vocab too
+
+
+def test_a_shared_token_table_is_planned_per_weight():
+    """``shared`` is never called itself; a same-object alias and a distinct module holding its weight are."""
+    from tests.support.models import AliasedLM
+
+    model = AliasedLM()
+    ids = torch.randint(0, 64, (2, 16))
+    styles, plan = plan_of(model, ids, step=lambda: F.cross_entropy(model(ids).view(-1, 64), ids.view(-1)))
+    assert styles == {"fc1": "column", "fc2": "row", "head": "vocab", "shared": "vocab", "enc.embed_tokens": "vocab"}
+    assert "same weight as enc.embed_tokens, dec.embed_tokens" in plan.layers["shared"].note
+    # a replicate forced on one name holds for the whole table, and for the head tied to it
+    styles, _ = plan_of(model, ids, user_plan={"enc.embed_tokens": "replicate"},
+                        step=lambda: F.cross_entropy(model(ids).view(-1, 64), ids.view(-1)))
+    assert (styles["shared"], styles["enc.embed_tokens"], styles["head"]) == ("replicate",) * 3
