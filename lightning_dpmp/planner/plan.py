@@ -64,6 +64,7 @@ class LayerPlan:
             ``3 * embed_dim`` rows of ``in_proj_weight``).
         note: why this style, for the printout.
         attention: a column/row layer of a head-parallel (attention-like) region.
+        calls: for an embedding, its lookups in the traced step (each vocab-parallel lookup all-reduces once).
         out_dim: dim of the stored weight holding the output features: 0 for ``(out, in)`` (``nn.Linear``), 1 for
             ``(in, out)`` (``Conv1D``).
         gather_weights: an attention whose averaged weights are returned (``need_weights=True``).
@@ -80,6 +81,7 @@ class LayerPlan:
     kind: str = "linear"
     note: str = ""
     attention: bool = False
+    calls: int = 1  # an embedding's lookups per step (a table shared by aliases may be looked up via each, or none)
     out_dim: int = 0
     gather_weights: bool = False
 
@@ -137,9 +139,9 @@ class Plan:
         for lp in self.layers.values():
             if lp.kind == "embedding":
                 if lp.style == "vocab":
-                    out.append((lp.name, "forward", exit_op))
+                    out += [(lp.name, "forward", exit_op)] * lp.calls
                     if sp is not None:
-                        out.append((lp.name, "backward", "all_gather"))
+                        out += [(lp.name, "backward", "all_gather")] * lp.calls
                 elif sp is not None and lp.name in sp.scatter:
                     out.append((lp.name, "backward", "all_gather"))
                 continue
@@ -590,7 +592,8 @@ def make_plan(
         if same:
             note = (note + "; " if note else "") + "same weight as " + ", ".join(same)
         plan.layers[n] = LayerPlan(
-            n, "vocab" if split else "replicate", e.num_embeddings, e.embedding_dim, kind="embedding", note=note
+            n, "vocab" if split else "replicate", e.num_embeddings, e.embedding_dim, kind="embedding", note=note,
+            calls=trace.embeddings.get(n, 0) if trace is not None else 1,
         )
 
     if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
