@@ -19,7 +19,7 @@ Keys inside DCP: ``model/<state_dict key>`` and ``optim<i>/<parameter name>/<sta
 
 Fused projections (q|k|v in one weight, split block by block: each rank holds the same rows of every block) are
 not one contiguous shard of the dense tensor. Each block is stored as its own logical tensor, ``<key>#block<i>``
-(``dpmp_meta.pt`` lists the fused keys and their block counts), sharded over MP like any other split tensor. A
+(``dpmp_meta.pt`` lists the fused keys, their block counts and the dim they are split along), sharded over MP like any other split tensor. A
 layout that splits the same blocks reads its rows of each block; any other (mp=1, or the layer planned differently)
 reads the dense blocks and slices them locally.
 
@@ -145,23 +145,32 @@ def _block_key(key: str, i: int) -> str:
     return f"{key}#block{i}"
 
 
-def _put(flat: dict[str, Tensor], fused: dict[str, int], key: str, local: Tensor, dim: Optional[int], blocks: int,
+def _fused(fused: dict[str, Any], key: str) -> tuple[int, int]:
+    """(blocks, dim the blocks are stacked along) of a stored tensor; plain tensors are one block."""
+    value = fused.get(key, 1)
+    return (value, 0) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def _put(flat: dict[str, Tensor], fused: dict[str, Any], key: str, local: Tensor, dim: Optional[int], blocks: int,
          mesh: Any) -> None:
-    """Describe one local tensor to DCP: a fused one (``blocks > 1``, split along dim 0) as one entry per block."""
-    if dim == 0 and blocks > 1 and mesh is not None:
-        fused[key] = blocks
-        for i, part in enumerate(local.chunk(blocks, dim=0)):
-            flat[_block_key(key, i)] = _as_dcp(part.contiguous(), 0, mesh)
+    """Describe one local tensor to DCP: a fused one (``blocks > 1``, split block by block along ``dim``: dim 0 of a
+    Linear's q|k|v, dim 1 of GPT-2's ``Conv1D`` (in, out) weight) as one entry per block."""
+    if dim is not None and blocks > 1 and mesh is not None:
+        fused[key] = (blocks, dim)
+        for i, part in enumerate(local.chunk(blocks, dim=dim)):
+            flat[_block_key(key, i)] = _as_dcp(part.contiguous(), dim, mesh)
     else:
         flat[key] = _as_dcp(local, dim, mesh)
 
 
-def _logical_shapes(saved: dict[str, TensorStorageMetadata], fused: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Dense shape of every logical tensor of a folder (a fused tensor's blocks stacked along dim 0)."""
+def _logical_shapes(saved: dict[str, TensorStorageMetadata], fused: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Dense shape of every logical tensor of a folder (a fused tensor's blocks stacked along their dim)."""
     out = {k: tuple(v.size) for k, v in saved.items() if "#block" not in k}
-    for key, blocks in fused.items():
-        first = tuple(saved[_block_key(key, 0)].size)
-        out[key] = (first[0] * blocks,) + first[1:]
+    for key in fused:
+        blocks, dim = _fused(fused, key)
+        shape = list(saved[_block_key(key, 0)].size)
+        shape[dim] *= blocks
+        out[key] = tuple(shape)
     return out
 
 
@@ -172,22 +181,22 @@ class _Reads:
     straight into its local slices; any other pairing reads the dense tensor (or its dense blocks) and slices it.
     """
 
-    def __init__(self, saved: dict[str, TensorStorageMetadata], fused: dict[str, int], mesh: Any, group: Any) -> None:
+    def __init__(self, saved: dict[str, TensorStorageMetadata], fused: dict[str, Any], mesh: Any, group: Any) -> None:
         self.saved, self.fused, self.mesh, self.group = saved, fused, mesh, group
         self.targets: dict[str, Tensor] = {}
         self.after: list[Any] = []
 
     def add(self, key: str, local: Tensor, dim: Optional[int], blocks: int) -> None:
         """Fill ``local`` (this rank's tensor: split along ``dim`` in ``blocks`` blocks, or whole) from ``key``."""
-        stored = self.fused.get(key, 1)
+        stored, stored_dim = _fused(self.fused, key)
         if stored == 1 and blocks == 1:
             self.targets[key] = _as_dcp(local, dim, self.mesh)
             return
-        if stored == blocks and dim == 0:
-            parts = [torch.empty_like(p) for p in local.chunk(blocks, dim=0)]
+        if stored == blocks and dim == stored_dim:
+            parts = [torch.empty_like(p) for p in local.chunk(blocks, dim=dim)]
             for i, part in enumerate(parts):
-                self.targets[_block_key(key, i)] = _as_dcp(part, 0, self.mesh)
-            self.after.append(lambda: local.copy_(torch.cat(parts, dim=0)))
+                self.targets[_block_key(key, i)] = _as_dcp(part, dim, self.mesh)
+            self.after.append(lambda: local.copy_(torch.cat(parts, dim=dim)))
             return
         keys = [key] if stored == 1 else [_block_key(key, i) for i in range(stored)]
         dense = [torch.empty(tuple(self.saved[k].size), dtype=self.saved[k].properties.dtype, device=local.device)
@@ -195,7 +204,7 @@ class _Reads:
         self.targets.update(zip(keys, dense))
 
         def finish() -> None:
-            full = torch.cat(dense, dim=0)
+            full = torch.cat(dense, dim=stored_dim)
             n, r = group_size(self.group), group_rank(self.group)
             local.copy_(full if dim is None else shard_tensor(full, dim, n, r, blocks))
 
@@ -222,7 +231,7 @@ def save_sharded(
     dims, blocks = shard_dims(module), shard_blocks(module)
     mesh = _mesh(grid, device_type) if dims and grid is not None else None
     flat: dict[str, Tensor] = {}
-    fused: dict[str, int] = {}  # DCP key -> blocks, for tensors stored block by block
+    fused: dict[str, Any] = {}  # DCP key -> (blocks, dim), for tensors stored block by block
     state = checkpoint.pop("state_dict", {})
     model_keys, model_extra = [], {}
     for key, value in state.items():

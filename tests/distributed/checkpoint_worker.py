@@ -4,7 +4,7 @@ Usage (from the repo root):
     python tests/distributed/checkpoint_worker.py resume OUT_DIR     # 4 processes: save at (2,2), resume at 3 layouts
     python tests/distributed/checkpoint_worker.py mismatch OUT_DIR   # 2 processes: a different model must be refused
     python tests/distributed/checkpoint_worker.py spawn OUT_DIR      # spawn launcher + sharded saves
-    python tests/distributed/checkpoint_worker.py fused OUT_DIR DP MP    # fused qkv: save at (DP, MP) or resume
+    python tests/distributed/checkpoint_worker.py fused OUT_DIR DP MP [MODEL]  # fused blocks: save at (DP, MP) or resume
 
 ``fused``: FusedLM (one qkv projection split block by block). With ``DP MP`` = ``1 2`` it trains 10 steps and saves
 ``fused_s.ckpt`` (sharded) and ``fused_c.ckpt`` (consolidated) in ``on_train_end``; with any other layout it
@@ -137,29 +137,29 @@ def spawn(out: str) -> None:
 FUSED_SAVE_LAYOUT = (1, 2)
 
 
-def fused(out: str, dp: int, mp: int) -> None:
+def fused(out: str, dp: int, mp: int, name: str = "fused") -> None:
     from tests.support.models import build
 
     L.seed_everything(SEED)
-    model, data = build("fused")
+    model, data = build(name)
     batches = DataLoader(data, batch_size=GLOBAL_BATCH // dp)
     if (dp, mp) == FUSED_SAVE_LAYOUT:
-        save = SaveAtTrainEnd([(True, os.path.join(out, "fused_s.ckpt")), (False, os.path.join(out, "fused_c.ckpt"))])
+        save = SaveAtTrainEnd([(True, os.path.join(out, f"{name}_s.ckpt")), (False, os.path.join(out, f"{name}_c.ckpt"))])
         make_trainer(dp, mp, STEPS, callbacks=[save]).fit(model, batches)
         return
     for tag in ("c", "s"):
         L.seed_everything(SEED)
-        model, _ = build("fused")
+        model, _ = build(name)
         trainer = make_trainer(dp, mp, 2 * STEPS)
-        trainer.fit(model, batches, ckpt_path=os.path.join(out, f"fused_{tag}.ckpt"))
+        trainer.fit(model, batches, ckpt_path=os.path.join(out, f"{name}_{tag}.ckpt"))
         if rank() == 0:
             assert not shard_dims(model) and trainer.global_step == 2 * STEPS
-            torch.save(model.state_dict(), os.path.join(out, f"fused_final_{dp}{mp}_{tag}.pt"))
+            torch.save(model.state_dict(), os.path.join(out, f"{name}_final_{dp}{mp}_{tag}.pt"))
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "fused":
-        fused(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        fused(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
     else:
         {"resume": resume, "mismatch": mismatch, "spawn": spawn}[sys.argv[1]](sys.argv[2])

@@ -1,6 +1,9 @@
 """Sharded (DCP) checkpoints of fused projections (q|k|v in one weight, split block by block).
 
-FusedLM trains 10 steps at (1, 2) (float64, AdamW + LR warm-up, norm clipping) and saves sharded and consolidated in
+Four layouts of fused blocks: FusedLM's q|k|v Linear (blocks along dim 0), GPT-2's ``Conv1D`` c_attn (weight
+stored (in, out): blocks along dim 1), the experts' stacked gate|up (E, 2I, H) (blocks along dim 1) and
+``nn.MultiheadAttention``'s packed ``in_proj_weight`` (blocks along dim 0). Each model
+trains 10 steps at (1, 2) (float64, AdamW + LR warm-up, norm clipping) and saves sharded and consolidated in
 ``on_train_end``; both resume to 20 steps at (1, 4) (the same blocks, split 4 ways), (2, 1) (nothing split: the
 blocks are read dense) and on one device with plain Lightning (the converted folder). The oracle is the same
 interrupted run done by single-process Lightning; the sharded folder must also give exactly what the consolidated
@@ -32,9 +35,17 @@ def _single(steps: int, callbacks=()) -> L.Trainer:
     )
 
 
-def _resume_single(path) -> dict:
+MODELS = {  # model -> (a fused DCP key, its (blocks, dim))
+    "fused": ("model/net.blocks.0.qkv.weight", (3, 0)),
+    "hf_gpt2": ("model/net.transformer.h.0.attn.c_attn.weight", (3, 1)),
+    "moe": ("model/net.blocks.0.moe.experts.gate_up", (2, 1)),
+    "torch_encoder": ("model/encoder.layers.0.self_attn.in_proj_weight", (3, 0)),
+}
+
+
+def _resume_single(path, name: str) -> dict:
     L.seed_everything(W.SEED)
-    model, data = build("fused")
+    model, data = build(name)
     model = model.double()
     _single(2 * W.STEPS).fit(model, reference_loader(data, W.GLOBAL_BATCH, W.SEED), ckpt_path=str(path))
     return model.state_dict()
@@ -45,49 +56,55 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fused_ckpt")
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def run(request, tmp_path_factory):
+    name = request.param
+    out = tmp_path_factory.mktemp(f"fused_ckpt_{name}")
     for dp, mp in [W.FUSED_SAVE_LAYOUT] + LAYOUTS:
-        proc = run_script([WORKER, "fused", str(out), str(dp), str(mp)], timeout=600)
+        proc = run_script([WORKER, "fused", str(out), str(dp), str(mp), name], timeout=600)
         assert proc.returncode == 0, proc.stderr[-6000:]
-    return out
+    return name, out
 
 
 @pytest.fixture(scope="module")
 def reference(run):
+    name, out = run
     L.seed_everything(W.SEED)
-    model, data = build("fused")
+    model, data = build(name)
     model = model.double()
-    _single(W.STEPS, [W.SaveAtTrainEnd([(False, str(run / "ref10.ckpt"))])]).fit(
+    _single(W.STEPS, [W.SaveAtTrainEnd([(False, str(out / "ref10.ckpt"))])]).fit(
         model, reference_loader(data, W.GLOBAL_BATCH, W.SEED)
     )
-    return _resume_single(run / "ref10.ckpt")
+    return _resume_single(out / "ref10.ckpt", name)
 
 
 @pytest.mark.slow
 def test_fused_sharded_checkpoint_resumes_at_any_layout(run, reference):
-    assert is_sharded_checkpoint(run / "fused_s.ckpt")
-    fused = torch.load(run / "fused_s.ckpt" / META_FILE, weights_only=True)["dpmp_sharded"]["fused"]
-    assert fused["model/net.blocks.0.qkv.weight"] == 3 and fused["optim0/net.blocks.1.qkv.weight/exp_avg"] == 3, fused
+    name, out = run
+    assert is_sharded_checkpoint(out / f"{name}_s.ckpt")
+    fused = torch.load(out / f"{name}_s.ckpt" / META_FILE, weights_only=True)["dpmp_sharded"]["fused"]
+    key, layout = MODELS[name]
+    assert tuple(fused[key]) == layout, fused
+    opt_key = key.replace("model/", "optim0/", 1) + "/exp_avg"
+    assert tuple(fused[opt_key]) == layout, fused
     L.seed_everything(W.SEED)
-    init = build("fused")[0].double().state_dict()
+    init = build(name)[0].double().state_dict()
     assert _max_diff(reference, init) > 1e-2, "training did not move the weights: the comparison would prove nothing"
     for dp, mp in LAYOUTS:
-        final = {tag: torch.load(run / f"fused_final_{dp}{mp}_{tag}.pt", weights_only=True) for tag in ("c", "s")}
+        final = {tag: torch.load(out / f"{name}_final_{dp}{mp}_{tag}.pt", weights_only=True) for tag in ("c", "s")}
         for tag, state in final.items():
             diff = _max_diff(state, reference)
-            print(f"fused resume from {'sharded' if tag == 's' else 'consolidated'} (1,2) -> ({dp},{mp}): {diff:.2e}")
-            assert diff <= TOL, (dp, mp, tag, diff)
+            print(f"{name} resume from {'sharded' if tag == 's' else 'consolidated'} (1,2) -> ({dp},{mp}): {diff:.2e}")
+            assert diff <= TOL, (name, dp, mp, tag, diff)
         assert _max_diff(final["s"], final["c"]) <= TOL
-    convert(str(run / "fused_s.ckpt"), str(run / "fused_converted.ckpt"))
-    converted = torch.load(run / "fused_converted.ckpt", weights_only=True)
-    consolidated = torch.load(run / "fused_c.ckpt", weights_only=True)
-    for key, value in consolidated["state_dict"].items():  # the folder holds exactly the consolidated tensors
-        assert torch.equal(converted["state_dict"][key], value), key
+    convert(str(out / f"{name}_s.ckpt"), str(out / f"{name}_converted.ckpt"))
+    converted = torch.load(out / f"{name}_converted.ckpt", weights_only=True)
+    consolidated = torch.load(out / f"{name}_c.ckpt", weights_only=True)
+    for k, value in consolidated["state_dict"].items():  # the folder holds exactly the consolidated tensors
+        assert torch.equal(converted["state_dict"][k], value), k
     for idx, per in consolidated["optimizer_states"][0]["state"].items():
-        for key, value in per.items():
-            assert torch.equal(converted["optimizer_states"][0]["state"][idx][key], value), (idx, key)
-    diff = _max_diff(_resume_single(run / "fused_converted.ckpt"), reference)
-    print(f"fused resume of the converted folder on one device (plain Lightning): {diff:.2e}")
+        for k, value in per.items():
+            assert torch.equal(converted["optimizer_states"][0]["state"][idx][k], value), (idx, k)
+    diff = _max_diff(_resume_single(out / f"{name}_converted.ckpt", name), reference)
+    print(f"{name} resume of the converted folder on one device (plain Lightning): {diff:.2e}")
     assert diff <= TOL

@@ -61,8 +61,9 @@ def _llama() -> tuple[L.LightningModule, object]:
     return CausalLM(LlamaForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
-class MaskedLM(CausalLM):
-    """A masked-LM objective computed inside the model (transformers' own ``labels=`` loss)."""
+class LabelsLM(CausalLM):
+    """The objective computed inside the model: transformers' own ``labels=`` loss (BERT's masked-LM head, T5's
+    decoder, which shifts its inputs itself)."""
 
     def training_step(self, batch, batch_idx):
         ids, targets = batch
@@ -78,17 +79,7 @@ def _bert() -> tuple[L.LightningModule, object]:
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
-    return MaskedLM(BertForMaskedLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
-
-
-class Seq2SeqLM(CausalLM):
-    """Encoder-decoder denoising objective: transformers' own ``labels=`` loss (decoder inputs shifted inside)."""
-
-    def training_step(self, batch, batch_idx):
-        ids, targets = batch
-        loss = self.net(input_ids=ids, labels=targets).loss
-        self.log("train_loss", loss)
-        return loss
+    return LabelsLM(BertForMaskedLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
 def _t5() -> tuple[L.LightningModule, object]:
@@ -98,7 +89,7 @@ def _t5() -> tuple[L.LightningModule, object]:
         vocab_size=VOCAB, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, dropout_rate=0.0,
         decoder_start_token_id=0, pad_token_id=0,
     )
-    return Seq2SeqLM(T5ForConditionalGeneration(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+    return LabelsLM(T5ForConditionalGeneration(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
 def _t5_block(block: str) -> tuple[int, int]:
