@@ -250,6 +250,12 @@ class ColumnParallelLinear(_ParallelLinear):
         group: the MP process group (explicit; never a global).
         gather_output: return the full output (replicated) instead of this rank's shard.
         shared_input: a :class:`SharedInputCopy` shared with sibling layers reading the same input.
+        vocab_logits: an LM head whose logits feed a vocab-parallel loss: in ``vocab_mode`` (``(training, grad
+            enabled)`` of the traced step that proved it) it returns them split, as
+            :class:`~lightning_dpmp.parallel.loss.VocabShardedLogits`; in every other mode (validation, test,
+            predict, a ``no_grad`` forward) it all-gathers them here, in its own forward, which every rank runs,
+            so no later code (rank-conditional or not) can start a collective.
+        name: the module name, for error messages of the sharded logits.
 
     Example:
         >>> fc = ColumnParallelLinear(16, 64, group=grid.mp_group)  # weight: (64 // mp, 16)  # doctest: +SKIP
@@ -268,6 +274,8 @@ class ColumnParallelLinear(_ParallelLinear):
         shared_input: Optional[SharedInputCopy] = None,
         blocks: int = 1,
         vocab_logits: bool = False,
+        vocab_mode: tuple[bool, bool] = (True, True),
+        name: str = "",
         rng: Optional[Any] = None,
         sequence_dim: Optional[int] = None,
         out_dim: int = 0,
@@ -284,6 +292,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.shared_input = shared_input
         self.blocks = blocks
         self.vocab_logits = vocab_logits
+        self.vocab_mode = (bool(vocab_mode[0]), bool(vocab_mode[1]))
+        self.name = name
         self.rng = rng
         shape = (local_out, in_features) if out_dim == 0 else (in_features, local_out)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -294,12 +304,12 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor) -> Tensor:
         x = self.shared_input(x) if self.shared_input is not None else enter_region(x, self.group, self.sequence_dim)
         y = self._matmul(x, self.bias)
-        if self.gather_output:
-            return gather_tensor(y, y.dim() - 1, self.group, self.blocks)
+        if self.gather_output or self.vocab_logits and (self.training, torch.is_grad_enabled()) != self.vocab_mode:
+            return gather_tensor(y, y.dim() - 1, self.group, self.blocks)  # full logits outside the proven mode
         if self.vocab_logits:
             from lightning_dpmp.parallel.loss import VocabShardedLogits  # avoids an import cycle
 
-            return VocabShardedLogits.wrap(y, self.group, self.out_features)
+            return VocabShardedLogits.wrap(y, self.group, self.out_features, self.name)
         if self.rng is not None:
             self.rng.enter()  # a sharded region starts: dropout masks differ per MP rank until the row layer
         return y

@@ -4,8 +4,9 @@ Each rank holds logits for ``V/mp`` classes. The loss needs, per row, the max lo
 target logit, the sum of exponentials and (for label smoothing) the sum of logits (one all-reduce SUM of the
 three together): two all-reduces forward, none backward, whatever the vocabulary size.
 
-:class:`VocabShardedLogits` is what a vocab-parallel LM head returns: the local shard, which routes
-``F.cross_entropy`` here and gathers the full logits for any other use, so model code needs no change.
+:class:`VocabShardedLogits` is what a vocab-parallel LM head returns in the mode its traced step was proven in:
+the local shard, reporting the full shape, which routes ``F.cross_entropy`` here, keeps slicing and reshapes along
+other dims local, and refuses (never gathers behind the user's back) anything that needs the whole vocabulary.
 
 Example:
     >>> loss = vocab_parallel_cross_entropy(local_logits, targets, grid.mp_group, ignore_index=-100)  # doctest: +SKIP
@@ -13,16 +14,18 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_dpmp.parallel.comm import all_reduce_sum, gather_from_group, group_rank, group_size
 
-__all__ = ["VocabShardedLogits", "vocab_parallel_cross_entropy"]
+__all__ = ["VocabShardedLogits", "VocabShardedLogitsError", "vocab_parallel_cross_entropy"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -92,71 +95,226 @@ def vocab_parallel_cross_entropy(
     return (total / (target != ignore_index).sum()).to(logits.dtype)
 
 
-_PASSTHROUGH = {"size", "dim", "numel", "__get__", "__len__", "is_contiguous", "element_size", "data_ptr", "stride"}
-_KEEP_SHARDED = {"view", "reshape", "flatten", "contiguous", "float", "to", "detach", "type_as", "double", "half", "bfloat16"}
+# Ops computed on the local shard when the vocab dim provably stays last and whole: element-wise ops (the other
+# tensor operands must broadcast over the vocab dim, size 1 there), layout ops and reductions over other dims.
+# A meta-tensor probe of the op at the logical and at the local shape decides; these are the names it may try.
+# They cover every op the planner's flow lets a vocab-parallel head's logits pass through on their way to the loss
+# (lightning_dpmp.planner.flow.OPS, bar the attention-like ones, which a loss in (N, classes) layout never follows).
+ELEMENTWISE = frozenset({
+    "relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "elu", "selu", "celu",
+    "leaky_relu", "hardtanh", "relu6", "softplus", "mish", "hardswish", "hardsigmoid", "logsigmoid", "softsign",
+    "dropout", "dropout_", "alpha_dropout", "exp", "log", "neg", "__neg__", "__pos__", "abs", "square", "sqrt",
+    "rsqrt", "sin", "cos", "erf", "clamp", "clamp_", "clip", "nan_to_num",
+    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "true_divide", "pow", "maximum", "minimum",
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
+    "__truediv__", "__rtruediv__", "__itruediv__", "__pow__", "masked_fill", "masked_fill_", "where",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge",
+})
+LAYOUT = frozenset({
+    "view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "transpose", "swapaxes", "swapdims",
+    "permute", "t", "chunk", "split", "unbind", "tensor_split", "sum", "mean", "amax", "amin", "var", "std",
+    "logsumexp", "prod", "max", "min", "all", "any", "expand", "expand_as", "broadcast_to", "repeat", "cat",
+    "concat", "concatenate", "stack", "unsqueeze", "squeeze", "narrow", "repeat_interleave",
+})
+# Same shape and layout as the input, whatever the arguments: run on the shard, no probe needed.
+KEEP = frozenset({"float", "double", "half", "bfloat16", "to", "type_as", "type", "contiguous", "detach", "clone",
+                  "requires_grad_", "detach_", "data"})
+# Queries answered from the local tensor as it is (autograd plumbing, memory layout).
+_PASSTHROUGH = frozenset({"is_contiguous", "element_size", "data_ptr", "stride", "storage_offset", "register_hook",
+                          "retain_grad", "backward", "get_device", "is_floating_point", "is_complex"})
+_LAYOUT_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag", "nbytes"})  # refused: they move or count the vocab
+_SIZED = frozenset({"view", "reshape", "expand", "broadcast_to"})  # their last size argument may be the vocab size
+
+
+class VocabShardedLogitsError(RuntimeError):
+    """An op on :class:`VocabShardedLogits` that this rank cannot compute from its shard alone."""
 
 
 class VocabShardedLogits(torch.Tensor):
-    """This rank's vocab shard of LM-head logits (last dim ``V/mp``), still on the autograd graph.
+    """This rank's vocab shard of LM-head logits, still on the autograd graph, that looks like the full logits.
 
-    ``F.cross_entropy`` on it runs :func:`vocab_parallel_cross_entropy`; reshapes that keep the last dim keep it
-    sharded (a literal full vocabulary size in ``view`` is read as the local one); anything else all-gathers the
-    full logits first, so code that inspects logits (``argmax``, sampling) stays correct.
+    It exists only where the traced step proved the logits reach nothing but ``F.cross_entropy``; a
+    :class:`~lightning_dpmp.parallel.layers.ColumnParallelLinear` returns full logits in every other mode.
+
+    * It reports the **full logical shape**: ``shape``, ``size()``, ``size(-1)``, ``numel()``, ``len()`` give the
+      dense values, so ``view(-1, logits.size(-1))`` and shape checks read as on the dense model (the last size of
+      ``view``/``reshape``/``expand`` equal to the vocabulary is read as the local one).
+    * ``F.cross_entropy`` on it (``(N, V)``, class-index targets, no class weights) runs
+      :func:`vocab_parallel_cross_entropy`.
+    * Ops that keep the vocab dim last and whole run on the shard: slicing and reshapes along other dims
+      (``logits[:, :-1].reshape(-1, V)``), ``float``/``to``/``contiguous``/``detach``, element-wise ops with
+      scalars or operands of size 1 on the vocab dim (``logits / temperature``).
+    * Anything else (``argmax``, ``softmax``, ``topk``, ``.tolist()``, a reduction over the vocab) raises
+      :class:`VocabShardedLogitsError` naming the layer and the fix. It never gathers lazily: a gather here would
+      be a collective reached only by the ranks that run this line (``if self.global_rank == 0: ...`` would hang
+      the job until the process-group timeout). :meth:`full` gathers explicitly, for code every MP rank runs.
     """
 
     _dpmp_group: Any = None
     _dpmp_vocab: int = 0
+    _dpmp_name: str = ""
 
     @staticmethod
-    def wrap(local: Tensor, group: Any, vocab: int) -> "VocabShardedLogits":
+    def wrap(local: Tensor, group: Any, vocab: int, name: str = "") -> "VocabShardedLogits":
+        """``local`` (last dim ``vocab / mp``) as the vocab shard of logits with ``vocab`` classes, from layer ``name``."""
         out = local.as_subclass(VocabShardedLogits)
-        out._dpmp_group, out._dpmp_vocab = group, vocab
+        out._dpmp_group, out._dpmp_vocab, out._dpmp_name = group, vocab, name
         return out
 
+    def local(self) -> Tensor:
+        """This rank's shard as a plain tensor (last dim ``vocab / mp``; classes ``[r*V/mp, (r+1)*V/mp)``)."""
+        return self.as_subclass(Tensor)
+
     def full(self) -> Tensor:
-        """The gathered full logits (collective over the MP group)."""
+        """The gathered full logits: a collective over the MP group, which every rank of it must call."""
         return gather_from_group(self.as_subclass(Tensor), self._dpmp_group, -1)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # no gather: printing a shard must not be a collective
+        local = tuple(self.as_subclass(Tensor).shape)
+        return (f"VocabShardedLogits(local {local} of {tuple(_logical(local, self._dpmp_vocab))}, layer "
+                f"{self._dpmp_name or '?'!r}, mp={group_size(self._dpmp_group)})")
+
+    def __format__(self, spec: str) -> str:
+        return self.__repr__()
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        meta = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, VocabShardedLogits))
         name = getattr(func, "__name__", "")
-        meta = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, VocabShardedLogits))
-        group, vocab = meta._dpmp_group, meta._dpmp_vocab
-
-        def plain(x: Any) -> Any:
-            return x.as_subclass(Tensor) if isinstance(x, VocabShardedLogits) else x
-
         with torch._C.DisableTorchFunctionSubclass():
-            if name in _PASSTHROUGH:
-                return func(*[plain(a) for a in args], **kwargs)
-            if func is F.cross_entropy and isinstance(args[0], VocabShardedLogits) and kwargs.get("weight") is None:
-                if len(args) > 2 or args[0].dim() != 2:
-                    pass  # positional legacy arguments or (N, C, d...) layouts: take the general path below
-                else:
-                    return vocab_parallel_cross_entropy(
-                        plain(args[0]), args[1], group, kwargs.get("ignore_index", -100),
-                        kwargs.get("reduction", "mean"), kwargs.get("label_smoothing", 0.0),
-                    )
-            if name == "__getitem__" and isinstance(args[0], VocabShardedLogits) and _keeps_last_dim(args[1], args[0].dim()):
-                out = func(plain(args[0]), args[1])  # e.g. the shift logits[:, :-1]: the vocab dim is untouched
-                return VocabShardedLogits.wrap(out, group, vocab)
-            if name in _KEEP_SHARDED and isinstance(args[0], VocabShardedLogits):
-                local_v = args[0].shape[-1]
-                def local(d: Any) -> Any:
-                    is_int = isinstance(d, int) and not isinstance(d, bool)
-                    return local_v if is_int and d == vocab and name in ("view", "reshape") else d
+            if name == "__get__":  # a property: func is the getter of the getset_descriptor named here
+                prop = getattr(getattr(func, "__self__", None), "__name__", "")
+                if prop == "shape":
+                    return _logical(tuple(_plain(args[0]).shape), meta._dpmp_vocab)
+                if prop in KEEP:  # .data
+                    return _wrap_like(func(_plain(args[0])), meta)
+                if prop not in _LAYOUT_PROPERTIES:  # dtype, device, requires_grad, grad_fn, ndim, ...
+                    return func(*tree_map(_plain, args))
+                name = prop
+            return _dispatch(func, name, args, kwargs, meta)
 
-                rest = [local(a) for a in args[1:]]
-                if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
-                    rest = [tuple(local(d) for d in rest[0])]
-                out = func(plain(args[0]), *rest, **kwargs)
-                if isinstance(out, Tensor) and out.shape[-1] == local_v:
-                    return VocabShardedLogits.wrap(out, group, vocab)
-                return out
-            full_args = [a.full() if isinstance(a, VocabShardedLogits) else a for a in args]
-            full_kwargs = {k: (v.full() if isinstance(v, VocabShardedLogits) else v) for k, v in kwargs.items()}
-            return func(*full_args, **full_kwargs)
+
+def _dispatch(func: Any, name: str, args: tuple, kwargs: dict, meta: VocabShardedLogits) -> Any:
+    """What an op on vocab-sharded logits does (called with subclass dispatch disabled)."""
+    group, vocab, layer = meta._dpmp_group, meta._dpmp_vocab, meta._dpmp_name
+    self = args[0] if args else None
+    mine = isinstance(self, VocabShardedLogits)
+    local_shape = tuple(_plain(meta).shape)
+    if mine and name in ("size", "numel", "nelement", "__len__", "dim", "ndimension"):
+        full = _logical(local_shape, vocab)
+        if name == "size":
+            return full if len(args) < 2 and "dim" not in kwargs else full[args[1] if len(args) > 1 else kwargs["dim"]]
+        return {"numel": full.numel(), "nelement": full.numel(), "__len__": full[0] if full else 0}.get(name, len(full))
+    if name in _PASSTHROUGH:
+        return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+    if func is F.cross_entropy:
+        return _cross_entropy(args, kwargs, meta)
+    if mine and name in KEEP:
+        return _wrap_like(func(*tree_map(_plain, args), **tree_map(_plain, kwargs)), meta)
+    if mine and name == "__getitem__" and _keeps_last_dim(args[1], self.dim()):
+        return _wrap_like(func(_plain(self), tree_map(_plain, args[1])), meta)  # e.g. the shift logits[:, :-1]
+    if name in ELEMENTWISE or name in LAYOUT:
+        done = _local_op(func, name, args, kwargs, meta)
+        if done is not _REFUSED:
+            return done
+    raise VocabShardedLogitsError(
+        f"'{name or func}' on the vocab-sharded logits of {layer or 'a vocab-parallel head'!r} (this rank holds "
+        f"{local_shape[-1] if local_shape else 0} of {vocab} classes, mp={group_size(group)}) cannot be computed "
+        "from this rank's shard, and gathering here would be a collective that only the ranks running this line "
+        "reach. The traced training step used these logits only for F.cross_entropy. Fix: "
+        f"plan={{{layer or '<head>'!r}: 'column_gather'}} (the layer then gathers full logits in its own forward, on "
+        "every rank), or compute it in eval mode or under torch.no_grad(), where the layer returns full logits."
+    )
+
+
+_REFUSED = object()
+
+
+def _plain(x: Any) -> Any:
+    return x.as_subclass(Tensor) if isinstance(x, VocabShardedLogits) else x
+
+
+def _logical(local: tuple, vocab: int) -> torch.Size:
+    return torch.Size(tuple(local[:-1]) + (vocab,)) if local else torch.Size(())
+
+
+def _wrap_like(out: Any, meta: VocabShardedLogits) -> Any:
+    return tree_map(lambda t: VocabShardedLogits.wrap(t, meta._dpmp_group, meta._dpmp_vocab, meta._dpmp_name)
+                    if isinstance(t, Tensor) else t, out)
+
+
+def _local_sizes(name: str, args: tuple, vocab: int, local_v: int) -> tuple:
+    """``args`` of ``view``/``reshape``/``expand`` with a last size equal to the vocabulary read as the local one."""
+    if name not in _SIZED or len(args) < 2:
+        return args
+    if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)):
+        sizes = list(args[1])
+        if sizes and sizes[-1] == vocab:
+            sizes[-1] = local_v
+        return (args[0], type(args[1])(sizes) if not isinstance(args[1], torch.Size) else torch.Size(sizes))
+    rest = list(args[1:])
+    if isinstance(rest[-1], int) and not isinstance(rest[-1], bool) and rest[-1] == vocab:
+        rest[-1] = local_v
+    return (args[0], *rest)
+
+
+def _local_op(func: Any, name: str, args: tuple, kwargs: dict, meta: VocabShardedLogits) -> Any:
+    """Run ``func`` on the shard if a meta probe shows it maps logical ``(..., V)`` inputs to ``(..., V)`` outputs
+    and local ``(..., V/mp)`` ones to ``(..., V/mp)``, every other size alike; ``_REFUSED`` otherwise."""
+    vocab = meta._dpmp_vocab
+    shards = [a for a in tree_leaves((args, kwargs)) if isinstance(a, VocabShardedLogits)]
+    if any(s._dpmp_vocab != vocab or s._dpmp_group is not meta._dpmp_group for s in shards):
+        return _REFUSED
+    local_v = _plain(shards[0]).shape[-1]
+    local_args = _local_sizes(name, args, vocab, local_v)
+
+    def probe(full: bool) -> Any:
+        def to_meta(t: Any) -> Any:
+            if not isinstance(t, Tensor):
+                return t
+            shape = tuple(_plain(t).shape)
+            if isinstance(t, VocabShardedLogits) and full:
+                shape = tuple(_logical(shape, vocab))
+            return torch.empty(shape, dtype=t.dtype, device="meta")
+        return func(*tree_map(to_meta, args if full else local_args), **tree_map(to_meta, kwargs))
+
+    try:
+        logical, local = tree_leaves(probe(True)), tree_leaves(probe(False))
+    except Exception:  # the op cannot take these shapes (e.g. a full-vocabulary operand against the shard)
+        return _REFUSED
+    tensors = [(a, b) for a, b in zip(logical, local) if isinstance(a, Tensor)]
+    if not tensors or len(logical) != len(local):
+        return _REFUSED
+    for full_t, local_t in tensors:
+        if full_t.dim() == 0 or full_t.shape[-1] != vocab or tuple(local_t.shape) != tuple(full_t.shape[:-1]) + (local_v,):
+            return _REFUSED  # the vocab dim was reduced, moved or merged
+    return _wrap_like(func(*tree_map(_plain, local_args), **tree_map(_plain, kwargs)), meta)
+
+
+def _cross_entropy(args: tuple, kwargs: dict, meta: VocabShardedLogits) -> Tensor:
+    """``F.cross_entropy`` on vocab-sharded ``(N, V)`` logits with class-index targets: the vocab-parallel loss."""
+    bound = inspect.signature(F.cross_entropy).bind(*args, **kwargs).arguments
+    logits, target = bound.get("input"), bound.get("target")
+    problem = None
+    if not isinstance(logits, VocabShardedLogits):
+        problem = "the sharded logits are not its input"
+    elif logits.dim() != 2:
+        problem = f"input of {logits.dim()} dims (only (N, classes) is computed vocab-parallel)"
+    elif any(bound.get(k) is not None for k in ("weight", "size_average", "reduce")):
+        problem = "class weights / legacy size_average, reduce arguments"
+    elif not isinstance(target, Tensor) or target.is_floating_point():
+        problem = "class-probability targets (only class indices are computed vocab-parallel)"
+    if problem is not None:
+        raise VocabShardedLogitsError(
+            f"F.cross_entropy on the vocab-sharded logits of {meta._dpmp_name or 'a vocab-parallel head'!r} with "
+            f"{problem} cannot be computed vocab-parallel. Fix: plan={{{meta._dpmp_name or '<head>'!r}: "
+            "'column_gather'}} (the layer then returns full logits)."
+        )
+    return vocab_parallel_cross_entropy(
+        _plain(logits), _plain(target), meta._dpmp_group, bound.get("ignore_index", -100),
+        bound.get("reduction", "mean"), bound.get("label_smoothing", 0.0),
+    )
 
 
 def _keeps_last_dim(index: Any, ndim: int) -> bool:

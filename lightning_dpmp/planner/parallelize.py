@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
             layer = ColumnParallelLinear.from_dense(
                 dense, group, gather_output=lp.style == "column_gather", shared_input=shared, blocks=lp.blocks,
                 vocab_logits=lp.style == "vocab", rng=rng if lp.style == "column" else None, sequence_dim=seq_dim,
-                out_dim=lp.out_dim,
+                out_dim=lp.out_dim, vocab_mode=lp.mode, name=lp.name,
             )
         if id(dense.weight) in shards:
             layer.weight = shards[id(dense.weight)]

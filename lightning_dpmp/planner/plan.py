@@ -8,7 +8,9 @@ Styles (the values a user plan may name):
 * ``"column_gather"``: split by output features, output all-gathered: correct wherever the output goes. The
   default for a Linear that pairs with nothing.
 * ``"vocab"``: an LM head split by vocabulary whose logits reach only ``F.cross_entropy`` (computed
-  vocab-parallel, full logits never gathered); or an ``nn.Embedding`` split by vocabulary rows.
+  vocab-parallel, full logits never gathered) and that is wider than its input (``out_features > in_features``,
+  see :func:`vocab_split_pays`); or an ``nn.Embedding`` split by vocabulary rows. Its logits stay split only in
+  the mode of the traced call (``LayerPlan.mode``); in any other mode the layer gathers them in its forward.
 * ``"experts"``: a mixture-of-experts module whose stacked expert weights are split along the intermediate dim
   (:mod:`lightning_dpmp.planner.experts`); its routers stay replicated.
 * ``"replicate"``: not split: the split dimension is not divisible by ``mp``, the weight is tied to a layer that
@@ -28,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -42,7 +45,7 @@ from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
-__all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan"]
+__all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan", "vocab_split_pays"]
 
 STYLES = ("column", "row", "column_gather", "vocab", "experts", "heads", "replicate")
 
@@ -68,6 +71,8 @@ class LayerPlan:
         out_dim: dim of the stored weight holding the output features: 0 for ``(out, in)`` (``nn.Linear``), 1 for
             ``(in, out)`` (``Conv1D``).
         gather_weights: an attention whose averaged weights are returned (``need_weights=True``).
+        mode: for ``"vocab"``: ``(training, grad enabled)`` of the traced call, the one mode in which the logits
+            were proven to reach only the loss and so stay split; any other mode gathers them in the layer.
     """
 
     name: str
@@ -84,6 +89,7 @@ class LayerPlan:
     calls: int = 1  # an embedding's lookups per step (a table shared by aliases may be looked up via each, or none)
     out_dim: int = 0
     gather_weights: bool = False
+    mode: tuple[bool, bool] = (True, True)
 
     def full_shape(self) -> tuple[int, int]:
         """Dense weight shape as stored: ``(out, in)`` or ``(in, out)`` of a Linear, ``(rows, dim)`` of an embedding."""
@@ -442,6 +448,35 @@ def _attr_up(model: nn.Module, scope: str, value: int) -> Optional[tuple[str, li
     return None
 
 
+def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCall], trace: Optional[Trace]) -> Optional[str]:
+    """``None`` when splitting head ``name`` by vocabulary pays; otherwise why it stays whole (the printout note).
+
+    The rule: split only a head wider than its input, ``out_features > in_features``. Per token, the split adds
+    one all-reduce of the ``in_features`` values of the input gradient (plus 4 loss statistics), and saves
+    ``(1 - 1/mp) * out_features`` logits and ``(1 - 1/mp) * out_features * in_features`` weights per rank. A head
+    no wider than its input (a 10-class classifier on a 128-wide stream) can never save more logits than it sends,
+    and its weight is a rounding error next to the blocks: it stays whole and costs no collective at all. An LM
+    head (vocabulary >> width) saves the most memory of any layer. ``plan={name: "vocab"}`` forces the split.
+    """
+    out_f, in_f = form.out_features, form.in_features
+    if out_f > in_f:
+        return None
+    weights = out_f * in_f + (out_f if form.bias is not None else 0)
+    saved = weights - weights // mp
+    tokens = 0
+    if trace is not None and calls:
+        shape = trace.shapes.get(calls[0].input, ())
+        tokens = math.prod(shape[:-1]) if shape else 0
+    grads = all(c.input_requires_grad for c in calls) if calls else True
+    moved = tokens * (in_f * grads + 4)
+    traffic = f" moving {moved:,} values per step at the traced batch" if tokens else ""
+    return (
+        f"kept whole: out_features={out_f} <= in_features={in_f}: a vocab split would save {saved:,} parameters per"
+        f" rank for {3 if grads else 2} all-reduces{traffic}; it pays only when out_features > in_features"
+        f" (plan={{{name!r}: 'vocab'}} forces it)"
+    )
+
+
 def make_plan(
     model: nn.Module,
     mp: int,
@@ -553,6 +588,9 @@ def make_plan(
             note = ("-> " if style == "column" else "<- ") + ", ".join(sorted(partners.get(n, ()))) if partners else ""
         elif style == "vocab":
             note = "logits reach only cross_entropy: vocab-parallel loss"
+            whole = None if forced.get(n) == "vocab" else vocab_split_pays(n, f, mp, own, trace)
+            if whole is not None:
+                style, note = "replicate", whole
         elif forced.get(n) in ("column_gather", "replicate"):
             tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
             style, note = forced[n], fixed.get(n) or (f"weight tied to {tied[0]}.weight" if tied else "user plan")
@@ -572,6 +610,7 @@ def make_plan(
             n, style, f.in_features, f.out_features, parallel_in, input_requires_grad=requires_grad,
             blocks=blocks.get(n, 1) if style == "column" else 1, note=note, out_dim=f.out_dim,
             attention=style in ("column", "row") and n in attn_layers,
+            mode=own[0].mode if style == "vocab" and own else (True, True),
         )
     aliases = _module_aliases(model)
     for n, e in embeddings.items():

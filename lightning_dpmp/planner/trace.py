@@ -51,12 +51,14 @@ class OpCall:
 
 @dataclass(frozen=True)
 class LinearCall:
-    """One call of an ``nn.Linear`` module: the tensor node it read and the one it produced."""
+    """One call of an ``nn.Linear`` module: the tensor node it read and the one it produced, and the mode it ran
+    in: ``(module.training, torch.is_grad_enabled())`` (a vocab-parallel head keeps its logits split only in it)."""
 
     name: str
     input: int
     output: int
     input_requires_grad: bool
+    mode: tuple[bool, bool] = (True, True)
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         recorder.hidden -= 1
         if recorder.hidden == 0 and pending.get(module) and isinstance(output, Tensor):
             node, requires_grad = pending[module].pop()
-            trace.events.append(LinearCall(names[module], node, recorder.node(output), requires_grad))
+            trace.events.append(LinearCall(names[module], node, recorder.node(output), requires_grad, _mode(module)))
 
     embeddings = {m: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
 
@@ -290,6 +292,11 @@ def _record_calls(names: dict[nn.Module, str], recorder: _Recorder, trace: Trace
     return handles
 
 
+def _mode(module: nn.Module) -> tuple[bool, bool]:
+    """The mode a call runs in: the module's training flag and whether autograd records."""
+    return (module.training, torch.is_grad_enabled())
+
+
 def _hook_linear_like(model: nn.Module, recorder: _Recorder, trace: Trace, skip: set[nn.Module]) -> list:
     """Hooks on leaf modules shaped like a Linear: a call whose recorded ops are one matmul of the input with the
     weight is replaced in ``trace.events`` by a :class:`LinearCall`; any other call stays as its ops."""
@@ -316,7 +323,7 @@ def _hook_linear_like(model: nn.Module, recorder: _Recorder, trace: Trace, skip:
             trace.linear_forms[name] = None  # type: ignore[assignment]  # seen computing something else
             return
         del trace.events[start:]
-        trace.events.append(LinearCall(name, x, recorder.node(output), requires_grad))
+        trace.events.append(LinearCall(name, x, recorder.node(output), requires_grad, _mode(module)))
         trace.linear_forms[name] = form
 
     handles = []
