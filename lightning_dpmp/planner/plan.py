@@ -40,11 +40,10 @@ from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.attention import decide_attention
 from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
+from lightning_dpmp.planner.styles import STYLES, CommContext, Style, style_of
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 
 __all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan"]
-
-STYLES = ("column", "row", "column_gather", "vocab", "experts", "heads", "replicate")
 
 
 @dataclass(frozen=True)
@@ -91,19 +90,14 @@ class LayerPlan:
             return (self.in_features, self.out_features)
         return (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
 
+    @property
+    def parallel_style(self) -> Style:
+        """The style object (:mod:`lightning_dpmp.planner.styles`) of this layer's ``(kind, style)``."""
+        return style_of(self)
+
     def local_shape(self, mp: int) -> tuple[int, int]:
         """Local weight shape, in the same layout as :meth:`full_shape`."""
-        if self.kind == "embedding":
-            rows = self.in_features // mp if self.style == "vocab" else self.in_features
-            return (rows, self.out_features // mp if self.style == "column" else self.out_features)
-        if self.style == "experts":
-            return (self.out_features // mp, self.in_features)
-        out, inp = self.out_features, self.in_features
-        if self.style in ("column", "column_gather", "vocab", "heads"):
-            out //= mp
-        elif self.style == "row":
-            inp //= mp
-        return (out, inp) if self.out_dim == 0 else (inp, out)
+        return style_of(self).local_shape(self, mp)
 
 
 @dataclass
@@ -131,43 +125,8 @@ class Plan:
         """
         if self.mp == 1:
             return []
-        sp = self.sequence
-        split_in = sp.gather_entries if sp is not None else set()
-        exit_op = "reduce_scatter" if sp is not None else "all_reduce"
-        out: list[tuple[str, str, str]] = []
-        seen_entries: set[int] = set()
-        for lp in self.layers.values():
-            if lp.kind == "embedding":
-                if lp.style == "vocab":
-                    out += [(lp.name, "forward", exit_op)] * lp.calls
-                    if sp is not None:
-                        out += [(lp.name, "backward", "all_gather")] * lp.calls
-                elif sp is not None and lp.name in sp.scatter:
-                    out.append((lp.name, "backward", "all_gather"))
-                continue
-            if lp.style in ("column", "column_gather", "vocab", "heads"):  # heads: its out_proj is the row
-                if lp.entry < 0 or lp.entry not in seen_entries:
-                    seen_entries.add(lp.entry)
-                    seq_split = lp.name in split_in
-                    if seq_split:
-                        out.append((lp.name, "forward", "all_gather"))
-                    if lp.input_requires_grad:
-                        out.append((lp.name, "backward", "reduce_scatter" if seq_split else "all_reduce"))
-                if lp.style == "column_gather" or lp.gather_weights:  # need_weights: the per-head weights
-                    out.append((lp.name, "forward", "all_gather"))
-                if lp.style == "vocab":
-                    out += [(lp.name, "forward", "all_reduce")] * 2  # the vocab-parallel loss: max, then sums
-            elif lp.style == "experts":  # output all-reduced forward, entered inputs' gradients backward
-                out.append((lp.name, "forward", "all_reduce"))
-                if self.experts[lp.name].needs_grad:
-                    out.append((lp.name, "backward", "all_reduce"))
-            elif lp.style == "row":
-                out.append((lp.name, "forward", exit_op))
-                if sp is not None:
-                    out.append((lp.name, "backward", "all_gather"))
-                if not lp.input_is_parallel and lp.input_requires_grad:
-                    out.append((lp.name, "backward", "all_gather"))
-        return out
+        ctx = CommContext(sequence=self.sequence, experts=self.experts)
+        return [c for lp in self.layers.values() for c in style_of(lp).comm(lp, ctx)]
 
     def comm_per_step(self) -> dict[str, dict[str, int]]:
         """Analytic MP collectives of one forward + backward (clipping's all-reduce excluded), by phase and op."""
