@@ -36,6 +36,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from lightning_dpmp.planner import ops
+from lightning_dpmp.planner.layout import LayerPlan
 from lightning_dpmp.planner.trace import LinearCall, ModuleCall, OpCall, Trace
 
 __all__ = ["ExpertsLayout", "analyse_experts", "plan_experts"]
@@ -497,7 +498,6 @@ def _ancestors(trace: Trace, end: int, nodes: set[int]) -> set[int]:
 def plan_experts(plan: Any, model: nn.Module, trace: Optional[Trace], mp: int, forced: dict[str, str]) -> None:
     """Add experts layouts to ``plan`` (``plan.experts``, ``plan.layers`` entries of kind ``"experts"``), keep their
     routers replicated, and record why any other experts-like module stays whole."""
-    from lightning_dpmp.planner.plan import LayerPlan  # plan.py calls this module: import at use
 
     if trace is None or mp == 1:
         return

@@ -367,7 +367,7 @@ class _Analysis:
 
     def _not_neutral(self, ev: OpCall, ins: list, dim: int, ndim: int) -> bool:
         """Whether a replicated operand spans the split dim at full extent (it would need slicing). A constant
-        one sized by a literal is neutral: that literal becomes per-rank (see :func:`plan._resolve_literals`)."""
+        one sized by a literal is neutral: that literal becomes per-rank (see :func:`structure.resolve_literals`)."""
         split_pos = {p for p, _ in ins}
         region = self.regions[self.find(ins[0][1].region)]
         for p, n in enumerate(ev.inputs):

@@ -22,7 +22,7 @@ Layouts, as torch's ``ParallelStyle`` comments state them (``mp`` ranks, activat
 ============================  ================================================================================
 
 Example:
-    >>> from lightning_dpmp.planner.plan import LayerPlan
+    >>> from lightning_dpmp.planner.layout import LayerPlan
     >>> style_of(LayerPlan("fc1", "column", 16, 64)).local_shape(LayerPlan("fc1", "column", 16, 64), mp=4)
     (16, 16)
     >>> style_of(LayerPlan("fc2", "row", 64, 16)).is_column_entry
@@ -48,7 +48,7 @@ from lightning_dpmp.parallel.layers import (
 )
 
 if TYPE_CHECKING:
-    from lightning_dpmp.planner.plan import LayerPlan
+    from lightning_dpmp.planner.layout import LayerPlan
 
 __all__ = ["STYLES", "BuildContext", "CommContext", "Comm", "Style", "style_of"]
 
@@ -315,7 +315,7 @@ def style_of(lp: "LayerPlan") -> Style:
     """The style object of a planned layer, by its ``(kind, style)``.
 
     Example:
-        >>> from lightning_dpmp.planner.plan import LayerPlan
+        >>> from lightning_dpmp.planner.layout import LayerPlan
         >>> style_of(LayerPlan("wte", "vocab", 50304, 768, kind="embedding"))
         <style embedding/vocab>
     """
