@@ -35,32 +35,26 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
+from lightning_dpmp.planner import ops
+from lightning_dpmp.planner.layout import LayerPlan
 from lightning_dpmp.planner.trace import LinearCall, ModuleCall, OpCall, Trace
 
 __all__ = ["ExpertsLayout", "analyse_experts", "plan_experts"]
 
 Key = Union[int, str]
 
-# Op families (the experts' own table: element-wise, layout and linear ops as they act on a split/partial tensor).
-ELEMENTWISE = {
-    "relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "elu", "selu", "celu",
-    "leaky_relu", "hardtanh", "relu6", "softplus", "mish", "hardswish", "hardsigmoid", "logsigmoid", "softsign",
-    "dropout", "dropout_", "exp", "log", "square", "sqrt", "rsqrt", "sin", "cos", "erf", "clamp", "clamp_", "clip",
-}
-CASTS = {"to", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "__get__", "neg", "__neg__", "__pos__"}
-BINARY = {
-    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "true_divide", "__add__", "__radd__", "__iadd__",
-    "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__", "__truediv__", "__itruediv__",
-}
-ADDS = {"add", "add_", "sub", "sub_", "__add__", "__radd__", "__iadd__", "__sub__", "__isub__"}
-MULS = {"mul", "mul_", "__mul__", "__rmul__", "__imul__"}
-DIVS = {"div", "div_", "true_divide", "__truediv__", "__itruediv__"}
-RESHAPES = {"view", "reshape", "flatten", "squeeze", "unsqueeze", "squeeze_", "unsqueeze_"}
-TRANSPOSES = {"transpose", "swapaxes", "permute", "t", "T", "mT"}  # T/mT: the attribute getters (trace.op_name)
-SPLITS = {"chunk", "split", "unbind"}
-MATMULS = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "grouped_mm", "_grouped_mm"}
+# Op families as they act on a split/partial tensor (the experts' own semantics), drawn from the shared vocabulary.
+ELEMENTWISE = ops.ACTIVATIONS | ops.MATH | {"dropout", "dropout_"}  # keep a split; never applied to a partial sum
+CASTS = ops.CASTS | ops.SIGNS  # value-preserving or linear: a partial sum stays one
+MULS, DIVS = ops.MULS, ops.DIVS
+BINARY = ops.ADDS | ops.SUBS | MULS | DIVS | {"__rsub__"}
+ADDS = ops.ADDS | ops.SUBS
+RESHAPES = ops.VIEWS | ops.SQUEEZES
+TRANSPOSES = ops.TRANSPOSES - {"swapdims"}  # the forms expert code was seen to use
+SPLITS = ops.SPLITS - {"tensor_split"}
+MATMULS = ops.MATMULS | {"linear", "__rmatmul__", "mm", "grouped_mm", "_grouped_mm"}  # activation @ weight too
 ACCUMULATES = {"index_add_", "index_add", "scatter_add_", "scatter_add"}
-REDUCTIONS = {"sum", "mean"}
+REDUCTIONS = {"sum", "mean"}  # linear: a partial sum stays one
 LAYOUT_ANY = RESHAPES | TRANSPOSES | SPLITS | {"__getitem__", "expand", "repeat_interleave", "narrow", "select"}
 ZEROS = {"zeros_like", "new_zeros", "zero_", "zeros"}
 SHAPE_ONLY = {"size"}
@@ -504,7 +498,6 @@ def _ancestors(trace: Trace, end: int, nodes: set[int]) -> set[int]:
 def plan_experts(plan: Any, model: nn.Module, trace: Optional[Trace], mp: int, forced: dict[str, str]) -> None:
     """Add experts layouts to ``plan`` (``plan.experts``, ``plan.layers`` entries of kind ``"experts"``), keep their
     routers replicated, and record why any other experts-like module stays whole."""
-    from lightning_dpmp.planner.plan import LayerPlan  # plan.py calls this module: import at use
 
     if trace is None or mp == 1:
         return

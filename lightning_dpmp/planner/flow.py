@@ -22,33 +22,13 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
-from lightning_dpmp.planner.trace import FACTORIES, LinearCall, OpCall, Trace
+from lightning_dpmp.planner.ops import (
+    ATTENTION, BATCHED, BINARY, CONCATS, EXPANDS, FACTORIES, FIRST_ONLY, LOSSES, MATMULS, REDUCTIONS, RESHAPES, SPLITS,
+    TRANSPOSES, UNARY,
+)
+from lightning_dpmp.planner.trace import LinearCall, OpCall, Trace
 
 __all__ = ["Flow", "analyse"]
-
-UNARY = {
-    "relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "elu", "selu", "celu",
-    "leaky_relu", "hardtanh", "relu6", "softplus", "mish", "hardswish", "hardsigmoid", "logsigmoid", "softsign",
-    "dropout", "dropout_", "alpha_dropout", "exp", "log", "neg", "__neg__", "__pos__", "abs", "square", "sqrt",
-    "rsqrt", "sin", "cos", "erf", "clamp", "clamp_", "clip", "float", "double", "half", "bfloat16", "to",
-    "type_as", "type", "contiguous", "clone", "detach", "__get__",
-}
-BINARY = {
-    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "true_divide", "pow", "maximum", "minimum",
-    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
-    "__truediv__", "__rtruediv__", "__itruediv__", "__pow__", "masked_fill", "masked_fill_", "where",
-}
-RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
-TRANSPOSES = {"transpose", "swapaxes", "swapdims", "permute", "t", "T", "mT"}
-SPLITS = {"chunk", "split", "unbind", "tensor_split"}
-BATCHED = {"scaled_dot_product_attention", "matmul", "__matmul__", "bmm", "softmax", "log_softmax"}
-LOSSES = {"cross_entropy"}
-FIRST_ONLY = {"to", "type_as"}  # the second tensor only lends its dtype/device
-REDUCTIONS = {"sum", "mean", "amax", "amin", "var", "std", "logsumexp", "prod", "max", "min", "all", "any"}
-EXPANDS = {"expand", "expand_as", "broadcast_to", "repeat"}
-CONCATS = {"cat", "concat", "concatenate", "stack"}
-ATTENTION = {"scaled_dot_product_attention", "softmax", "log_softmax"}
-MATMULS = {"matmul", "__matmul__", "bmm"}
 
 
 @dataclass
@@ -387,7 +367,7 @@ class _Analysis:
 
     def _not_neutral(self, ev: OpCall, ins: list, dim: int, ndim: int) -> bool:
         """Whether a replicated operand spans the split dim at full extent (it would need slicing). A constant
-        one sized by a literal is neutral: that literal becomes per-rank (see :func:`plan._resolve_literals`)."""
+        one sized by a literal is neutral: that literal becomes per-rank (see :func:`structure.resolve_literals`)."""
         split_pos = {p for p, _ in ins}
         region = self.regions[self.find(ins[0][1].region)]
         for p, n in enumerate(ev.inputs):

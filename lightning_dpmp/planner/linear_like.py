@@ -24,11 +24,13 @@ from typing import Optional, Sequence
 
 from torch import nn
 
+from lightning_dpmp.planner.ops import ADDS, VIEWS
+
 __all__ = ["LinearForm", "MATMULS", "SHAPE_OPS", "candidate_params", "detect", "form_of_linear"]
 
-MATMULS = {"linear", "addmm", "matmul", "__matmul__", "mm"}
-SHAPE_OPS = {"view", "reshape", "flatten", "contiguous"}
-_BIAS_ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__"}
+MATMULS = {"linear", "addmm", "mm", "matmul", "__matmul__"}  # activation x weight (ops.MATMULS: activation x activation)
+SHAPE_OPS = VIEWS | {"contiguous"}
+_BIAS_ADDS = ADDS
 
 
 @dataclass(frozen=True)

@@ -16,22 +16,11 @@ from typing import Any, Optional, Union
 
 from torch import Tensor, nn
 
-from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
-from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts, shard_experts
-from lightning_dpmp.parallel.layers import (
-    GATHERED,
-    ColumnParallelEmbedding,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SharedInputCopy,
-    VocabParallelEmbedding,
-    _ParallelLinear,
-    gather_tensor,
-    shard_blocks,
-    shard_dims,
-)
+from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts
+from lightning_dpmp.parallel.layers import _ParallelLinear, gather_tensor, shard_blocks, shard_dims
 from lightning_dpmp.planner.plan import Plan
+from lightning_dpmp.planner.styles import BuildContext
 
 __all__ = ["consolidate", "consolidated_state_dict", "parallelize", "restore", "set_submodule"]
 
@@ -68,49 +57,26 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
     if group_size(group) == 1:
         return originals
     sp = plan.sequence
-    seq_in = sp.gather_entries if sp is not None else set()
-    inside = {n for names in (sp.owner_gather.values() if sp is not None else ()) for n in names}
-    seq_out = -2 if sp is not None else None
-    entries: dict[int, SharedInputCopy] = {}
+    ctx = BuildContext(group, rng=rng, sequence=sp, experts=plan.experts)
     shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> shard, to keep ties
     repoint: dict[int, nn.Parameter] = {}  # id(dense parameter) -> its replacement, for aliases elsewhere
     aliases = _names_by_module(model)
     order = sorted(plan.layers.values(), key=lambda lp: lp.kind != "embedding")  # embeddings first: they own ties
-    heads = {n for n, lp in plan.layers.items() if lp.kind == "attention" and lp.style == "heads"}
+    owners = {n for n, lp in plan.layers.items() if lp.parallel_style.builds_children}
     for lp in order:
-        if lp.style == "replicate" or lp.name.rpartition(".")[0] in heads:
+        style = lp.parallel_style
+        if not style.splits or lp.name.rpartition(".")[0] in owners:
             continue  # out_proj of a head-parallel attention: split by the attention layer itself
-        if lp.style == "experts":  # split in place: the module keeps its class and code (parallel/experts.py)
-            lay = plan.experts[lp.name]
-            originals[lp.name] = shard_experts(model.get_submodule(lp.name), lay.shards, lay.entries, group)
-            continue
         dense = model.get_submodule(lp.name)
-        layer: nn.Module
-        seq_dim: Any = GATHERED if lp.name in inside else -2 if lp.name in seq_in else None
-        if lp.kind == "attention":
-            shared = entries.setdefault(lp.entry, SharedInputCopy(group)) if lp.entry >= 0 else None
-            layer = HeadParallelMultiheadAttention.from_dense(dense, group, shared_input=shared, rng=rng)
+        if style.in_place:  # split in place: the module keeps its class and code (parallel/experts.py)
+            originals[lp.name] = style.build(dense, lp, ctx)
+            continue
+        layer = style.build(dense, lp, ctx)
+        if not style.swaps_weight:  # a whole attention module: no single weight to tie, one name
             originals[lp.name] = dense
             set_submodule(model, lp.name, layer)
             repoint.update(_param_map(dense, layer))
             continue
-        if lp.kind == "embedding" and lp.style == "column":
-            layer = ColumnParallelEmbedding.from_dense(dense, group)
-        elif lp.kind == "embedding":
-            layer = VocabParallelEmbedding.from_dense(dense, group, sequence_dim=seq_out)
-            layer.rng = rng if sp is not None else None
-        elif lp.style == "row":
-            layer = RowParallelLinear.from_dense(
-                dense, group, input_is_parallel=lp.input_is_parallel, rng=rng if sp is None else None,
-                sequence_dim=seq_out, out_dim=lp.out_dim,
-            )
-        else:
-            shared = entries.setdefault(lp.entry, SharedInputCopy(group, seq_dim)) if lp.entry >= 0 else None
-            layer = ColumnParallelLinear.from_dense(
-                dense, group, gather_output=lp.style == "column_gather", shared_input=shared, blocks=lp.blocks,
-                vocab_logits=lp.style == "vocab", rng=rng if lp.style == "column" else None, sequence_dim=seq_dim,
-                out_dim=lp.out_dim, vocab_mode=lp.mode, name=lp.name,
-            )
         if id(dense.weight) in shards:
             layer.weight = shards[id(dense.weight)]
         shards[id(dense.weight)] = layer.weight
@@ -127,7 +93,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
             module.__dict__[_SP_HOOK] = module.register_forward_pre_hook(_SequenceGather(group))
     if sp is not None:  # unsplit embeddings feeding the stream keep only their slice of the sequence
         for name in sp.scatter:
-            if plan.layers[name].style == "replicate":
+            if not plan.layers[name].parallel_style.splits:
                 module = model.get_submodule(name)
                 module.__dict__[_SP_HOOK] = module.register_forward_hook(_SequenceScatter(group, rng))
     for name, attrs in plan.adjust.items():

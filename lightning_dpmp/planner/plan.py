@@ -29,10 +29,7 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -42,410 +39,43 @@ from torch import nn
 from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.attention import decide_attention
 from lightning_dpmp.planner.flow import analyse
+from lightning_dpmp.planner.layout import LayerPlan, Plan, block_of
 from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
+from lightning_dpmp.planner.structure import groups_by, module_aliases, resolve_literals, weight_owners
+from lightning_dpmp.planner.styles import STYLES
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
+from lightning_dpmp.planner.user_plan import user_styles
 
-__all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan", "vocab_split_pays"]
-
-STYLES = ("column", "row", "column_gather", "vocab", "experts", "heads", "replicate")
+__all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan", "vocab_split_pays"]  # LayerPlan, Plan: planner/layout.py
 
 
-@dataclass(frozen=True)
-class LayerPlan:
-    """How one layer is parallelised.
+def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCall], trace: Optional[Trace]) -> Optional[str]:
+    """``None`` when splitting head ``name`` by vocabulary pays; otherwise why it stays whole (the printout note).
 
-    Attributes:
-        name: fully qualified module name.
-        style: one of :data:`STYLES`.
-        in_features, out_features: dense sizes (for an embedding: ``num_embeddings``, ``embedding_dim``).
-        input_is_parallel: for ``"row"``: the input arrives split (else it is split locally).
-        entry: layers with the same non-negative ``entry`` share one input copy (one backward all-reduce).
-        input_requires_grad: whether the traced input needed a gradient (a data input does not).
-        blocks: fused projections (q|k|v): each of ``blocks`` row blocks is split separately.
-        kind: ``"linear"``, ``"embedding"``, ``"experts"`` (in/out: hidden and intermediate width of one expert) or
-            ``"attention"`` (an ``nn.MultiheadAttention``: ``in_features`` is ``embed_dim``, ``out_features`` the
-            ``3 * embed_dim`` rows of ``in_proj_weight``).
-        note: why this style, for the printout.
-        attention: a column/row layer of a head-parallel (attention-like) region.
-        calls: for an embedding, its lookups in the traced step (each vocab-parallel lookup all-reduces once).
-        out_dim: dim of the stored weight holding the output features: 0 for ``(out, in)`` (``nn.Linear``), 1 for
-            ``(in, out)`` (``Conv1D``).
-        gather_weights: an attention whose averaged weights are returned (``need_weights=True``).
-        mode: for ``"vocab"``: ``(training, grad enabled)`` of the traced call, the one mode in which the logits
-            were proven to reach only the loss and so stay split; any other mode gathers them in the layer.
+    The rule: split only a head wider than its input, ``out_features > in_features``. Per token, the split adds
+    one all-reduce of the ``in_features`` values of the input gradient (plus 4 loss statistics), and saves
+    ``(1 - 1/mp) * out_features`` logits and ``(1 - 1/mp) * out_features * in_features`` weights per rank. A head
+    no wider than its input (a 10-class classifier on a 128-wide stream) can never save more logits than it sends,
+    and its weight is a rounding error next to the blocks: it stays whole and costs no collective at all. An LM
+    head (vocabulary >> width) saves the most memory of any layer. ``plan={name: "vocab"}`` forces the split.
     """
-
-    name: str
-    style: str
-    in_features: int
-    out_features: int
-    input_is_parallel: bool = True
-    entry: int = -1
-    input_requires_grad: bool = True
-    blocks: int = 1
-    kind: str = "linear"
-    note: str = ""
-    attention: bool = False
-    calls: int = 1  # an embedding's lookups per step (a table shared by aliases may be looked up via each, or none)
-    out_dim: int = 0
-    gather_weights: bool = False
-    mode: tuple[bool, bool] = (True, True)
-
-    def full_shape(self) -> tuple[int, int]:
-        """Dense weight shape as stored: ``(out, in)`` or ``(in, out)`` of a Linear, ``(rows, dim)`` of an embedding."""
-        if self.kind == "embedding":
-            return (self.in_features, self.out_features)
-        return (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
-
-    def local_shape(self, mp: int) -> tuple[int, int]:
-        """Local weight shape, in the same layout as :meth:`full_shape`."""
-        if self.kind == "embedding":
-            rows = self.in_features // mp if self.style == "vocab" else self.in_features
-            return (rows, self.out_features // mp if self.style == "column" else self.out_features)
-        if self.style == "experts":
-            return (self.out_features // mp, self.in_features)
-        out, inp = self.out_features, self.in_features
-        if self.style in ("column", "column_gather", "vocab", "heads"):
-            out //= mp
-        elif self.style == "row":
-            inp //= mp
-        return (out, inp) if self.out_dim == 0 else (inp, out)
-
-
-@dataclass
-class Plan:
-    """The layout of every Linear and Embedding of a model, in module order, for an MP width ``mp``.
-
-    ``adjust`` maps a module name to ``{attribute: (dense value, local value)}``: head counts that attention code
-    keeps in attributes and uses in reshapes, set to the per-rank count while the model is parallel.
-    """
-
-    mp: int
-    layers: dict[str, LayerPlan] = field(default_factory=dict)
-    traced: bool = False
-    notes: list[str] = field(default_factory=list)
-    adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
-    experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts.ExpertsLayout
-
-    def layer_comm(self) -> list[tuple[str, str, str]]:
-        """Every analytic MP collective of one forward + backward as ``(layer, phase, op)``, one call per layer.
-
-        Without sequence parallelism: all-reduce and all-gather; with it, every entry all-gathers the sequence
-        forward and reduce-scatters backward, every exit reduce-scatters forward. Column layers sharing one entry
-        (q/k/v reading the same tensor) pay its backward all-reduce once, charged to the first of them.
-        """
-        if self.mp == 1:
-            return []
-        sp = self.sequence
-        split_in = sp.gather_entries if sp is not None else set()
-        exit_op = "reduce_scatter" if sp is not None else "all_reduce"
-        out: list[tuple[str, str, str]] = []
-        seen_entries: set[int] = set()
-        for lp in self.layers.values():
-            if lp.kind == "embedding":
-                if lp.style == "vocab":
-                    out += [(lp.name, "forward", exit_op)] * lp.calls
-                    if sp is not None:
-                        out += [(lp.name, "backward", "all_gather")] * lp.calls
-                elif sp is not None and lp.name in sp.scatter:
-                    out.append((lp.name, "backward", "all_gather"))
-                continue
-            if lp.style in ("column", "column_gather", "vocab", "heads"):  # heads: its out_proj is the row
-                if lp.entry < 0 or lp.entry not in seen_entries:
-                    seen_entries.add(lp.entry)
-                    seq_split = lp.name in split_in
-                    if seq_split:
-                        out.append((lp.name, "forward", "all_gather"))
-                    if lp.input_requires_grad:
-                        out.append((lp.name, "backward", "reduce_scatter" if seq_split else "all_reduce"))
-                if lp.style == "column_gather" or lp.gather_weights:  # need_weights: the per-head weights
-                    out.append((lp.name, "forward", "all_gather"))
-                if lp.style == "vocab":
-                    out += [(lp.name, "forward", "all_reduce")] * 2  # the vocab-parallel loss: max, then sums
-            elif lp.style == "experts":  # output all-reduced forward, entered inputs' gradients backward
-                out.append((lp.name, "forward", "all_reduce"))
-                if self.experts[lp.name].needs_grad:
-                    out.append((lp.name, "backward", "all_reduce"))
-            elif lp.style == "row":
-                out.append((lp.name, "forward", exit_op))
-                if sp is not None:
-                    out.append((lp.name, "backward", "all_gather"))
-                if not lp.input_is_parallel and lp.input_requires_grad:
-                    out.append((lp.name, "backward", "all_gather"))
-        return out
-
-    def comm_per_step(self) -> dict[str, dict[str, int]]:
-        """Analytic MP collectives of one forward + backward (clipping's all-reduce excluded), by phase and op."""
-        ops = ("all_reduce", "all_gather") + (("reduce_scatter",) if self.sequence is not None else ())
-        totals = {phase: dict.fromkeys(ops, 0) for phase in ("forward", "backward")}
-        for _, phase, op in self.layer_comm():
-            totals[phase][op] += 1
-        return totals
-
-    def per_block(self) -> dict[str, dict[str, Any]]:
-        """Per repeated block (the module path up to its first numeric index, e.g. ``model.layers.3``): its
-        layers, whether its attention is head-parallel, and its MP collectives by phase and op."""
-        ops = ("all_reduce", "all_gather") + (("reduce_scatter",) if self.sequence is not None else ())
-        blocks: dict[str, dict[str, Any]] = {}
-        for lp in self.layers.values():
-            block = block_of(lp.name)
-            if block:
-                entry = blocks.setdefault(block, {
-                    "layers": [], "head_parallel": False, "attention_gathered": False,
-                    "forward": dict.fromkeys(ops, 0), "backward": dict.fromkeys(ops, 0),
-                })
-                entry["layers"].append(lp.name)
-                entry["head_parallel"] |= (lp.attention and lp.style in ("column", "row")) or lp.style == "heads"
-        for name, phase, op in self.layer_comm():
-            block = block_of(name)
-            if block in blocks:
-                blocks[block][phase][op] += 1
-        return blocks
-
-    def _block_lines(self) -> list[str]:
-        """One line per run of blocks alike: attention layout and collectives per block."""
-
-        def fmt(d: dict[str, int]) -> str:
-            return " + ".join(f"{n} {k.replace('_', '-')}" for k, n in d.items() if n) or "none"
-
-        def describe(b: dict[str, Any]) -> str:
-            has_attn = any(self.layers[n].attention or self.layers[n].kind == "attention" for n in b["layers"])
-            attn = "attention head-parallel" if b["head_parallel"] else "no head-parallel attention"
-            if not has_attn and all(self.layers[n].style in ("column", "row", "experts", "heads") for n in b["layers"]):
-                attn = "split (no attention found)"
-            return f"{attn}; MP collectives per block: forward {fmt(b['forward'])}, backward {fmt(b['backward'])}"
-
-        runs: list[tuple[list[str], str]] = []
-        for name, b in self.per_block().items():
-            text = describe(b)
-            if runs and runs[-1][1] == text and name.rsplit(".", 1)[0] == runs[-1][0][0].rsplit(".", 1)[0]:
-                runs[-1][0].append(name)
-            else:
-                runs.append(([name], text))
-        out = []
-        for names, text in runs:
-            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1].rsplit('.', 1)[1]} ({len(names)} blocks)"
-            out.append(f"  blocks {span}: {text}")
-        return out
-
-    def param_counts(self, model: nn.Module) -> tuple[int, int]:
-        """(parameters held per rank, parameters of the dense model) for ``model`` in its dense form."""
-        total = sum(p.numel() for p in model.parameters())
-        saved, seen = 0, set()
-        for name, mod in model.named_modules():
-            lp = self.layers.get(name)
-            if lp is not None and lp.style == "experts" and self.mp > 1:
-                saved += self.experts[name].saved(mod, self.mp)
-                continue
-            if lp is None or lp.style == "replicate" or self.mp == 1:
-                continue
-            if lp.kind == "attention":  # out_proj has its own "row" entry
-                split = [mod.in_proj_weight, mod.in_proj_bias]
-            else:
-                split = [mod.weight] + ([getattr(mod, "bias", None)] if lp.style != "row" else [])
-            for p in split:
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    saved += p.numel() - p.numel() // self.mp
-        return total - saved, total
-
-    def describe(self, model: nn.Module) -> str:
-        """A table, one line per layer (name, style, full shape -> local shape, note), and per-rank totals."""
-        rows = [("layer", "style", "full", "local", "note")]
-        for lp in self.layers.values():
-            style = lp.style + ("(emb)" if lp.kind == "embedding" else "")
-            rows.append((lp.name, style, str(lp.full_shape()), str(lp.local_shape(self.mp)), lp.note))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"DPMPStrategy plan for mp={self.mp} ({'traced one step' if self.traced else 'not traced'}):"]
-        for r in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
-        local, total = self.param_counts(model)
-        c = self.comm_per_step()
-
-        def fmt(d: dict[str, int]) -> str:
-            return " + ".join(f"{n} {k.replace('_', '-')}" for k, n in d.items())
-
-        lines.append(
-            f"  parameters per rank: {local:,} of {total:,} ({100.0 * local / max(total, 1):.1f}%);"
-            f" MP collectives per step: forward {fmt(c['forward'])}, backward {fmt(c['backward'])}"
-        )
-        lines.extend(self._block_lines())
-        if self.sequence is not None:
-            lines.append(
-                f"  sequence parallel: {len(self.sequence.partial_params)} parameters see 1/{self.mp} of the tokens"
-                " and are summed over MP once per step"
-            )
-        for module, attrs in self.adjust.items():
-            for attr, (dense, local_v) in attrs.items():
-                lines.append(f"  adjusted: {module}.{attr} = {dense} -> {local_v} per rank")
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
-
-
-def block_of(name: str) -> str:
-    """The repeated block a module belongs to: its path up to the first numeric index (``""`` for none)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
-
-
-def _user_styles(
-    model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int, forms: Mapping[str, LinearForm]
-) -> dict[str, str]:
-    """Resolve glob patterns to {layer name: style}; the first pattern that matches a name wins."""
-    forced: dict[str, str] = {}
-    if not user_plan:
-        return forced
-    modules = dict(model.named_modules())
-    inside_mha = {f"{n}.{c}" for n, m in modules.items() if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()}
-    for pattern, style in user_plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style; choose one of {', '.join(STYLES)}.")
-        matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
-            warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")
-        layers = [n for n in matched if n in forms or type(modules[n]) is nn.Embedding
-                  or isinstance(modules[n], nn.MultiheadAttention)]
-        stacked = [n for n in matched if n not in layers and any(p.dim() >= 3 for p in modules[n].parameters(False))]
-        for name in stacked if style in ("experts", "replicate") else ():  # experts modules (planner/experts.py)
-            forced.setdefault(name, style)
-        if style == "experts":
-            if not stacked:
-                raise ValueError(f"plan[{pattern!r}] = 'experts' matches no module holding stacked (3-D) expert weights.")
-            continue
-        if matched and not layers and not stacked:
-            mod = modules[matched[0]]
-            raise ValueError(
-                f"plan[{pattern!r}] = {style!r} matches {matched[0]!r}, a {type(mod).__name__}, and no nn.Linear,"
-                " linear-like layer, nn.Embedding or nn.MultiheadAttention; only those layers can be given a style."
-            )
-        for name in layers:  # a glob like 'blocks.*' may also match norms and containers: those are skipped
-            mod = modules[name]
-            if isinstance(mod, nn.MultiheadAttention):
-                if style not in ("heads", "replicate"):
-                    raise ValueError(f"plan gives the nn.MultiheadAttention {name!r} style {style!r}; use 'heads' or 'replicate'.")
-                forced.setdefault(name, style)
-                continue
-            if name in inside_mha:
-                if fnmatch.fnmatchcase(name.rpartition(".")[0], pattern):
-                    continue  # 'blocks.*' matched the attention too: its out_proj follows the attention
-                raise ValueError(
-                    f"plan gives {name!r} style {style!r}, but F.multi_head_attention_forward reads its weight without"
-                    f" calling it; style the nn.MultiheadAttention {name.rpartition('.')[0]!r} ('heads' or 'replicate')."
-                )
-            if isinstance(mod, nn.Embedding):
-                if style not in ("vocab", "replicate"):
-                    raise ValueError(f"plan gives the embedding {name!r} style {style!r}; use 'vocab' or 'replicate'.")
-                if style == "vocab" and mod.num_embeddings % mp:
-                    raise ValueError(
-                        f"plan forces {name!r} to 'vocab', but num_embeddings={mod.num_embeddings} is not divisible"
-                        f" by mp={mp}. Use 'replicate', or pad the vocabulary to a multiple of {mp}."
-                    )
-                forced.setdefault(name, style)
-                continue
-            if style == "heads":
-                raise ValueError(f"plan gives {name!r} style 'heads', which is for nn.MultiheadAttention only.")
-            forced.setdefault(name, style)
-            f = forms[name]
-            if style in ("column", "column_gather", "vocab") and f.out_features % mp:
-                raise ValueError(
-                    f"plan forces {name!r} to {style!r}, but its out_features={f.out_features} is not divisible by"
-                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {f.out_features}."
-                )
-            if style == "row" and f.in_features % mp:
-                raise ValueError(
-                    f"plan forces {name!r} to 'row', but its in_features={f.in_features} is not divisible by"
-                    f" mp={mp}. Use 'replicate' for it, or an mp that divides {f.in_features}."
-                )
-    return forced
-
-
-def _module_aliases(model: nn.Module) -> dict[str, list[str]]:
-    """Other names under which a module object is registered: ``{first name: [further names]}``."""
-    first: dict[int, str] = {}
-    out: dict[str, list[str]] = {}
-    for name, mod in model.named_modules(remove_duplicate=False):
-        if id(mod) in first:
-            out.setdefault(first[id(mod)], []).append(name)
-        else:
-            first[id(mod)] = name
-    return out
-
-
-def _weight_owners(model: nn.Module) -> dict[int, list[str]]:
-    """``{id(parameter): [modules holding it]}``, each module object once (under its first name)."""
-    canonical = {id(m): n for n, m in model.named_modules()}
-    owners: dict[int, list[str]] = {}
-    for mod in {id(m): m for m in model.modules()}.values():
-        for p in mod.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(canonical[id(mod)])
-    for p in model.parameters():
-        owners.setdefault(id(p), [])
-    return owners
-
-
-def _groups(modules: Mapping[str, nn.Module], key: Any) -> list[list[str]]:
-    """Module names grouped by ``key(module)`` (e.g. the weight they share), in module order."""
-    out: dict[Any, list[str]] = {}
-    for n, m in modules.items():
-        out.setdefault(key(m), []).append(n)
-    return list(out.values())
-
-
-def _owner(model: nn.Module, names: set[str]) -> str:
-    """The innermost module containing all ``names`` (e.g. the attention block of q/k/v/out)."""
-    prefix = os.path.commonprefix([n.split(".") for n in names])  # type: ignore[type-var]
-    return ".".join(prefix[:-1] if len(prefix) == min(len(n.split(".")) for n in names) else prefix)
-
-
-def _resolve_literals(model: nn.Module, flow, mp: int) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, str]]:
-    """Find the int attributes holding the fixed sizes attention code reshapes with; names of unfixable sources."""
-    adjust: dict[str, dict[str, tuple[int, int]]] = {}
-    broken: dict[str, str] = {}
-    for src, values in flow.literals.items():
-        if not values:
-            continue
-        owner_name = _owner(model, {src} | flow.partners.get(src, set()))
-        owner = model.get_submodule(owner_name) if owner_name else model
-        for v in values:
-            attrs = [a for a, x in vars(owner).items() if type(x) is int and x == v and not a.startswith("_")]
-            if not attrs or v % mp:
-                broken[src] = (
-                    f"reshapes to a fixed size {v} in '{owner_name or type(model).__name__}'"
-                    + (f" (attribute {attrs[0]} not divisible by mp={mp})" if attrs else " held by no attribute")
-                    + "; write view(B, T, -1, head_dim) to allow head-parallel attention"
-                )
-                continue
-            adjust.setdefault(owner_name, {}).update({a: (v, v // mp) for a in attrs})
-    for src, scoped in getattr(flow, "scoped", {}).items():
-        for scope, v, derived in scoped:  # a constant made in `scope` (zeros((1, self.n_heads, T, S))): its
-            found = _attr_up(model, scope, v)  # module's attribute, or the nearest enclosing one's, holds the size
-            if found is None and derived:
-                continue  # the size was read off a split tensor (q.shape[1]): per-rank at run time by itself
-            if found is None or v % mp:
-                broken[src] = (
-                    f"a constant tensor made in '{scope}' spans the split heads with size {v}"
-                    + (f", not divisible by mp={mp}" if found else ", held by no attribute")
-                )
-                continue
-            module_name, attrs = found
-            adjust.setdefault(module_name, {}).update({a: (v, v // mp) for a in attrs})
-    return adjust, broken
-
-
-def _attr_up(model: nn.Module, scope: str, value: int) -> Optional[tuple[str, list[str]]]:
-    """The innermost module on the path to ``scope`` with public int attributes equal to ``value``."""
-    parts = scope.split(".") if scope else []
-    for k in range(len(parts), -1, -1):
-        name = ".".join(parts[:k])
-        module = model.get_submodule(name) if name else model
-        attrs = [a for a, x in vars(module).items() if type(x) is int and x == value and not a.startswith("_")]
-        if attrs:
-            return name, attrs
-    return None
+    out_f, in_f = form.out_features, form.in_features
+    if out_f > in_f:
+        return None
+    weights = out_f * in_f + (out_f if form.bias is not None else 0)
+    saved = weights - weights // mp
+    tokens = 0
+    if trace is not None and calls:
+        shape = trace.shapes.get(calls[0].input, ())
+        tokens = math.prod(shape[:-1]) if shape else 0
+    grads = all(c.input_requires_grad for c in calls) if calls else True
+    moved = tokens * (in_f * grads + 4)
+    traffic = f" moving {moved:,} values per step at the traced batch" if tokens else ""
+    return (
+        f"kept whole: out_features={out_f} <= in_features={in_f}: a vocab split would save {saved:,} parameters per"
+        f" rank for {3 if grads else 2} all-reduces{traffic}; it pays only when out_features > in_features"
+        f" (plan={{{name!r}: 'vocab'}} forces it)"
+    )
 
 
 def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCall], trace: Optional[Trace]) -> Optional[str]:
@@ -503,28 +133,68 @@ def make_plan(
     linears.update(trace.linear_forms if trace is not None else {})  # Conv1D & co, found by what they computed
     linears = {n: linears[n] for n in modules if n in linears}  # module order
     embeddings = {n: m for n, m in modules.items() if type(m) is nn.Embedding}
-    forced = _user_styles(model, user_plan, mp, linears)
+    forced = user_styles(model, user_plan, mp, linears)
     plan = Plan(mp=mp, traced=trace is not None)
     if mp == 1:
         for n, f in linears.items():
             plan.layers[n] = LayerPlan(n, "replicate", f.in_features, f.out_features, note="mp=1", out_dim=f.out_dim)
         return plan
-    fixed: dict[str, str] = {}  # layers kept whole for a reason of their own
+    fixed = _unsplittable_linear_like(linears, forced)
+    owners = weight_owners(model)
+    emb_split = _embedding_tables(model, trace, mp, level, linears, embeddings, forced, owners)
+    roles = _flow_roles(plan, model, trace, mp, level, linears, embeddings, forced, owners)
+    for n, f in linears.items():
+        tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
+        plan.layers[n] = _decide_linear(n, f, mp, trace, roles, forced, fixed.get(n), tied)
+    _decide_embeddings(plan, model, trace, linears, embeddings, emb_split, roles, owners)
+    if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
+        plan_experts(plan, model, trace, mp, forced)
+    attention = decide_attention(model, trace, mp, forced, level)
+    _add_attention(plan, model, attention)
+    if trace is not None:
+        plan.notes += left_whole(model, set(plan.layers), {m[0] for m in trace.modules})
+    _share_entries(plan, roles.calls, attention)
+    return plan
+
+
+@dataclass
+class _Roles:
+    """What the flow analysis found: roles, partners, fused blocks, attention layers, reasons, calls per layer."""
+
+    roles: dict[str, str] = field(default_factory=dict)
+    partners: dict[str, set[str]] = field(default_factory=dict)
+    blocks: dict[str, int] = field(default_factory=dict)
+    attention: set[str] = field(default_factory=set)  # column/row layers of attention-like regions
+    why: dict[str, str] = field(default_factory=dict)
+    calls: dict[str, list[LinearCall]] = field(default_factory=dict)
+
+
+def _unsplittable_linear_like(linears: Mapping[str, LinearForm], forced: dict[str, str]) -> dict[str, str]:
+    """Keep whole (in ``forced``) the linear-like layers whose parameters are not named weight/bias; their notes."""
+    fixed: dict[str, str] = {}
     for n, f in linears.items():
         if (f.weight, f.bias) not in (("weight", "bias"), ("weight", None)):
             forced[n], fixed[n] = "replicate", (
                 f"linear-like, but its parameters are named {f.weight!r}/{f.bias!r}: only 'weight'/'bias' can be"
                 " split under the dense module's state_dict keys"
             )
+    return fixed
 
-    # Embeddings: split the token table (the largest, or one tied to an LM head) by vocabulary rows. Decided per
-    # weight: modules sharing one weight (T5's shared/encoder.embed_tokens/decoder.embed_tokens) are one table.
-    owners = _weight_owners(model)
+
+def _embedding_tables(
+    model: nn.Module, trace: Optional[Trace], mp: int, level: int, linears: Mapping[str, LinearForm],
+    embeddings: Mapping[str, nn.Embedding], forced: dict[str, str], owners: dict[int, list[str]],
+) -> dict[str, str]:
+    """Embeddings and ties: why each token table stays whole (``""``: split by rows); Linears tied to a whole one
+    are forced whole."""
+    # The token table (the largest, or one tied to an LM head) is split by vocabulary rows. Decided per weight:
+    # modules sharing one weight (T5's shared/encoder.embed_tokens/decoder.embed_tokens) are one table.
+    modules = dict(model.named_modules())
     direct = set(trace.params.values()) if trace is not None else set()  # weights read outside their modules
     pnames = {id(p): n for n, p in model.named_parameters()}
     largest = max((e.num_embeddings for e in embeddings.values()), default=0)
     emb_split: dict[str, str] = {}
-    for names in _groups(embeddings, lambda e: id(e.weight)):
+    for names in groups_by(embeddings, lambda e: id(e.weight)):
         e = embeddings[names[0]]
         tied_linears = [o for o in owners[id(e.weight)] if o in linears]
         styles = {forced[n] for n in names if n in forced}
@@ -555,79 +225,96 @@ def make_plan(
             if forced.get(n, "replicate") != "replicate":
                 raise ValueError(f"plan forces {n!r} to {forced[n]!r}, but its weight is tied to {tied[0]!r}.")
             forced[n] = "replicate"
+    return emb_split
 
-    calls: dict[str, list[LinearCall]] = {}
-    attn_layers: set[str] = set()  # column/row layers of attention-like regions
-    roles: dict[str, str] = {}
-    partners: dict[str, set[str]] = {}
+
+def _flow_roles(
+    plan: Plan, model: nn.Module, trace: Optional[Trace], mp: int, level: int, linears: dict[str, LinearForm],
+    embeddings: Mapping[str, nn.Embedding], forced: dict[str, str], owners: dict[int, list[str]],
+) -> _Roles:
+    """Flow roles: pair layers over the traced step (or take the user's column/row); sets ``plan.adjust``."""
+    out = _Roles()
+    if trace is None:
+        out.roles = {n: s for n, s in forced.items() if s in ("column", "row") and n in linears}
+        return out
+    for c in trace.linear_calls():
+        out.calls.setdefault(c.name, []).append(c)
+    if level >= 2:
+        out.why = {n: "no pairs (fallback after a failed verification)" for n in linears}
+        return out
+    tables = {n: e for n, e in embeddings.items() if len(owners[id(e.weight)]) == 1 and n not in forced}
+    flow = analyse(trace, linears, mp, forced, complex_ok=level == 0, embeddings=tables)
+    plan.adjust, broken = resolve_literals(model, flow, mp)
     why: dict[str, str] = {}
-    blocks: dict[str, int] = {}
-    if trace is not None:
-        for c in trace.linear_calls():
-            calls.setdefault(c.name, []).append(c)
-        if level < 2:
-            tables = {n: e for n, e in embeddings.items() if len(owners[id(e.weight)]) == 1 and n not in forced}
-            flow = analyse(trace, linears, mp, forced, complex_ok=level == 0, embeddings=tables)
-            plan.adjust, broken = _resolve_literals(model, flow, mp)
-            for src, reason in broken.items():  # demote the whole pair group of an unfixable reshape
-                for n in {src} | flow.partners.get(src, set()):
-                    flow.roles.pop(n, None)
-                why[src] = reason
-            roles, partners, blocks = flow.roles, flow.partners, flow.blocks
-            attn_layers = {n for n, attn in flow.attention.items() if attn}
-            why = {**flow.why, **why}
-        else:
-            why = {n: "no pairs (fallback after a failed verification)" for n in linears}
-    else:
-        roles = {n: s for n, s in forced.items() if s in ("column", "row") and n in linears}
+    for src, reason in broken.items():  # demote the whole pair group of an unfixable reshape
+        for n in {src} | flow.partners.get(src, set()):
+            flow.roles.pop(n, None)
+        why[src] = reason
+    out.roles, out.partners, out.blocks = flow.roles, flow.partners, flow.blocks
+    out.attention = {n for n, attn in flow.attention.items() if attn}
+    out.why = {**flow.why, **why}
+    return out
 
-    for n, f in linears.items():
-        style, note, parallel_in = roles.get(n), "", True
-        own = calls.get(n, [])
-        if style in ("column", "row"):
-            note = ("-> " if style == "column" else "<- ") + ", ".join(sorted(partners.get(n, ()))) if partners else ""
-        elif style == "vocab":
-            note = "logits reach only cross_entropy: vocab-parallel loss"
-            whole = None if forced.get(n) == "vocab" else vocab_split_pays(n, f, mp, own, trace)
-            if whole is not None:
-                style, note = "replicate", whole
-        elif forced.get(n) in ("column_gather", "replicate"):
-            tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
-            style, note = forced[n], fixed.get(n) or (f"weight tied to {tied[0]}.weight" if tied else "user plan")
-        elif forced.get(n) in ("column", "vocab"):
-            style, note = "column_gather", f"user plan said {forced[n]}; its output is not read only by row layers/loss"
-        elif forced.get(n) == "row":
-            style, parallel_in, note = "row", False, "user plan said row; input is replicated, split locally"
-        elif trace is not None and not own:
-            style, note = "replicate", "not called through forward() in the traced step"
-        elif f.out_features % mp == 0:
-            style = "column_gather"
-            note = "called more than once per step" if len(own) > 1 else why.get(n, "")
-        else:
-            style, note = "replicate", f"out_features={f.out_features} not divisible by mp={mp}"
-        requires_grad = all(c.input_requires_grad for c in own) if own else True
-        plan.layers[n] = LayerPlan(
-            n, style, f.in_features, f.out_features, parallel_in, input_requires_grad=requires_grad,
-            blocks=blocks.get(n, 1) if style == "column" else 1, note=note, out_dim=f.out_dim,
-            attention=style in ("column", "row") and n in attn_layers,
-            mode=own[0].mode if style == "vocab" and own else (True, True),
-        )
-    aliases = _module_aliases(model)
+
+def _decide_linear(
+    n: str, f: LinearForm, mp: int, trace: Optional[Trace], found: _Roles, forced: Mapping[str, str],
+    fixed: Optional[str], tied: list[str],
+) -> LayerPlan:
+    """Per-layer decision for one Linear: its flow role, else the user's style, else a self-contained default."""
+    style, note, parallel_in = found.roles.get(n), "", True
+    own = found.calls.get(n, [])
+    partners = found.partners
+    if style in ("column", "row"):
+        note = ("-> " if style == "column" else "<- ") + ", ".join(sorted(partners.get(n, ()))) if partners else ""
+    elif style == "vocab":
+        note = "logits reach only cross_entropy: vocab-parallel loss"
+        whole = None if forced.get(n) == "vocab" else vocab_split_pays(n, f, mp, own, trace)
+        if whole is not None:
+            style, note = "replicate", whole
+    elif forced.get(n) in ("column_gather", "replicate"):
+        style, note = forced[n], fixed or (f"weight tied to {tied[0]}.weight" if tied else "user plan")
+    elif forced.get(n) in ("column", "vocab"):
+        style, note = "column_gather", f"user plan said {forced[n]}; its output is not read only by row layers/loss"
+    elif forced.get(n) == "row":
+        style, parallel_in, note = "row", False, "user plan said row; input is replicated, split locally"
+    elif trace is not None and not own:
+        style, note = "replicate", "not called through forward() in the traced step"
+    elif f.out_features % mp == 0:
+        style = "column_gather"
+        note = "called more than once per step" if len(own) > 1 else found.why.get(n, "")
+    else:
+        style, note = "replicate", f"out_features={f.out_features} not divisible by mp={mp}"
+    requires_grad = all(c.input_requires_grad for c in own) if own else True
+    return LayerPlan(
+        n, style, f.in_features, f.out_features, parallel_in, input_requires_grad=requires_grad,
+        blocks=found.blocks.get(n, 1) if style == "column" else 1, note=note, out_dim=f.out_dim,
+        attention=style in ("column", "row") and n in found.attention,
+        mode=own[0].mode if style == "vocab" and own else (True, True),
+    )
+
+
+def _decide_embeddings(
+    plan: Plan, model: nn.Module, trace: Optional[Trace], linears: Mapping[str, LinearForm],
+    embeddings: Mapping[str, nn.Embedding], emb_split: Mapping[str, str], found: _Roles, owners: dict[int, list[str]],
+) -> None:
+    """Embedding decisions: a column table feeding head-parallel attention, else vocab rows if its ties allow."""
+    aliases = module_aliases(model)
     for n, e in embeddings.items():
-        if roles.get(n) == "column":  # its rows reach head-parallel attention: each rank looks up its heads
-            partner = ", ".join(sorted(partners.get(n, ())))
+        if found.roles.get(n) == "column":  # its rows reach head-parallel attention: each rank looks up its heads
+            partner = ", ".join(sorted(found.partners.get(n, ())))
             plan.layers[n] = LayerPlan(
                 n, "column", e.num_embeddings, e.embedding_dim, kind="embedding", note=f"-> {partner}",
-                attention=n in attn_layers,
+                attention=n in found.attention,
             )
             continue
         tied_heads = [o for o in owners[id(e.weight)] if o in linears]
         same = [o for o in owners[id(e.weight)] if o in embeddings and o != n] + aliases.get(n, [])
-        split = not emb_split[n] and all(plan.layers[o].style in ("column", "column_gather", "vocab") for o in tied_heads)
+        # a table tied to LM heads is split by rows only if every head is split by output features (its rows)
+        whole = [o for o in tied_heads if not plan.layers[o].parallel_style.is_column_entry]
+        split = not emb_split[n] and not whole
         note = emb_split[n] or ("tied to " + ", ".join(tied_heads) if tied_heads else "")
         if not emb_split[n] and not split:
-            bad = next(o for o in tied_heads if plan.layers[o].style not in ("column", "column_gather", "vocab"))
-            note = f"tied to {bad}, which is {plan.layers[bad].style}"
+            note = f"tied to {whole[0]}, which is {plan.layers[whole[0]].style}"
         if same:
             note = (note + "; " if note else "") + "same weight as " + ", ".join(same)
         plan.layers[n] = LayerPlan(
@@ -635,24 +322,18 @@ def make_plan(
             calls=trace.embeddings.get(n, 0) if trace is not None else 1,
         )
 
-    if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
-        plan_experts(plan, model, trace, mp, forced)
-    attention = decide_attention(model, trace, mp, forced, level)
-    _add_attention(plan, model, attention)
-    if trace is not None:
-        plan.notes += left_whole(model, set(plan.layers), {m[0] for m in trace.modules})
 
-    # Fan-out: column-style layers (and head-parallel attention) that read the same tensor share one entry.
+def _share_entries(plan: Plan, calls: Mapping[str, list[LinearCall]], attention: Mapping[str, Any]) -> None:
+    """Fan-out entries: column-style layers (and head-parallel attention) that read the same tensor share one."""
     by_input: dict[int, list[str]] = {}
     for n, lp in plan.layers.items():
-        if lp.kind == "linear" and lp.style in ("column", "column_gather", "vocab") and len(calls.get(n, [])) == 1:
+        if lp.kind == "linear" and lp.parallel_style.is_column_entry and len(calls.get(n, [])) == 1:
             by_input.setdefault(calls[n][0].input, []).append(n)
         elif lp.style == "heads" and attention[n].input is not None:
             by_input.setdefault(attention[n].input, []).append(n)  # type: ignore[arg-type]
     for entry, names in enumerate(v for v in by_input.values() if len(v) > 1):
         for n in names:
             plan.layers[n] = replace(plan.layers[n], entry=entry)
-    return plan
 
 
 def _add_attention(plan: Plan, model: nn.Module, decisions: Mapping[str, Any]) -> None:

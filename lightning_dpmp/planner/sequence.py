@@ -20,14 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightning_dpmp.planner.flow import BINARY, UNARY
+from lightning_dpmp.planner.ops import BINARY, NORMS, UNARY
 from lightning_dpmp.planner.plan import Plan
 from lightning_dpmp.planner.trace import LinearCall, Trace
 
 __all__ = ["SequencePlan", "plan_sequence_parallel"]
 
-_TOKENWISE = UNARY | BINARY | {"layer_norm", "rms_norm", "mean", "sum", "var", "amax", "norm", "softmax", "log_softmax"}
 _REDUCING = {"mean", "sum", "var", "amax", "norm", "softmax", "log_softmax"}  # token-wise only along the last dim
+_TOKENWISE = UNARY | BINARY | NORMS | _REDUCING
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_dpmp.planner.linear_like import LinearForm, candidate_params, detect
+from lightning_dpmp.planner.ops import DROPOUTS, FACTORIES
 
 __all__ = [
     "AttentionCall", "LinearCall", "ModuleCall", "NoDropout", "OpCall", "Trace", "describe_index", "is_linear",
@@ -149,9 +150,6 @@ class _Recorder(TorchFunctionMode):
             index = (("equation", args[0]),)
         self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index))
         return out
-
-
-FACTORIES = {"zeros", "ones", "empty"}  # size-only factories; their outputs are the same along every dim
 
 
 def op_name(func: Any) -> str:
@@ -374,9 +372,6 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-_DROPOUTS = {"dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
-
-
 class NoDropout(TorchFunctionMode):
     """Training mode without randomness, for the extra steps of planning and verification.
 
@@ -393,7 +388,7 @@ class NoDropout(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
-        if name in _DROPOUTS and args and isinstance(args[0], Tensor):
+        if name in DROPOUTS and args and isinstance(args[0], Tensor):
             return args[0]
         if name == "scaled_dot_product_attention":
             if len(args) > 4:
