@@ -19,9 +19,9 @@ Keys inside DCP: ``model/<state_dict key>`` and ``optim<i>/<parameter name>/<sta
 
 Fused projections (q|k|v in one weight, split block by block: each rank holds the same rows of every block) are
 not one contiguous shard of the dense tensor. Each block is stored as its own logical tensor, ``<key>#block<i>``
-(``dpmp_meta.pt`` lists the fused keys, their block counts and the dim they are split along), sharded over MP like any other split tensor. A
-layout that splits the same blocks reads its rows of each block; any other (mp=1, or the layer planned differently)
-reads the dense blocks and slices them locally.
+(``dpmp_meta.pt`` lists the fused keys, their block counts and the dim they are split along), sharded over MP like
+any other split tensor. A layout that splits the same blocks reads its slices of each block; any other (mp=1, or
+the layer planned differently) reads the dense blocks and slices them locally.
 
 Example:
     >>> save_sharded(checkpoint, "last.ckpt", module, optimizers, grid)      # collective  # doctest: +SKIP
@@ -366,8 +366,10 @@ def load_sharded_full(path: str) -> dict[str, Any]:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(targets, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=True)
-    for key, blocks in info.get("fused", {}).items():  # fused tensors: their blocks stacked back in order
-        targets[key] = torch.cat([targets.pop(_block_key(key, i)) for i in range(blocks)], dim=0)
+    fused = info.get("fused", {})
+    for key in fused:  # fused tensors: their blocks stacked back in order, along the dim they were split on
+        blocks, dim = _fused(fused, key)
+        targets[key] = torch.cat([targets.pop(_block_key(key, i)) for i in range(blocks)], dim=dim)
     state: dict[str, Any] = {k: targets[f"model/{k}"] for k in info["model_keys"]}
     state.update(info["model_extra"])
     opt_states = []

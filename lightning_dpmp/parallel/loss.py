@@ -109,6 +109,8 @@ ELEMENTWISE = frozenset({
     "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__", "__pow__", "masked_fill", "masked_fill_", "where",
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_and", "logical_or", "logical_xor", "logical_not", "__and__", "__or__", "__xor__", "__iand__", "__ior__",
+    "__invert__", "isnan", "isinf", "isfinite",
 })
 LAYOUT = frozenset({
     "view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "transpose", "swapaxes", "swapdims",

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
-    "ACTIVATIONS", "ADDS", "ATTENTION", "BATCHED", "BINARY", "CASTS", "CONCATS", "DIVS", "DROPOUTS", "EXPANDS",
+    "ACTIVATIONS", "ADDS", "ATTENTION", "BATCHED", "BINARY", "CASTS", "COMPARISONS", "CONCATS", "DIVS", "DROPOUTS", "EXPANDS",
     "FACTORIES", "FIRST_ONLY", "LOSSES", "MATH", "MATMULS", "MULS", "NORMS", "REDUCTIONS", "RESHAPES", "SIGNS",
     "SPLITS", "SQUEEZES", "TRANSPOSES", "UNARY", "VIEWS",
 ]
@@ -35,7 +35,9 @@ SIGNS = {"neg", "__neg__", "__pos__"}  # linear: a partial sum stays one
 CASTS = {"to", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "__get__"}  # values kept
 DROPOUTS = {"dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
 UNARY = (
-    ACTIVATIONS | MATH | SIGNS | CASTS | {"dropout", "dropout_", "alpha_dropout", "abs", "type", "detach"}
+    ACTIVATIONS | MATH | SIGNS | CASTS
+    | {"dropout", "dropout_", "alpha_dropout", "abs", "type", "detach", "logical_not", "__invert__", "isnan", "isinf",
+       "isfinite"}
 )  # element-wise on one tensor: a split stays where it is
 
 # --- two-input element-wise ops ---------------------------------------------------------------------------------
@@ -43,7 +45,11 @@ ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
 SUBS = {"sub", "sub_", "__sub__", "__isub__"}
 MULS = {"mul", "mul_", "__mul__", "__rmul__", "__imul__"}
 DIVS = {"div", "div_", "true_divide", "__truediv__", "__itruediv__"}
-BINARY = ADDS | SUBS | MULS | DIVS | {
+COMPARISONS = {
+    "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "logical_and", "logical_or", "logical_xor", "__and__", "__or__", "__xor__", "__iand__", "__ior__",
+}  # element-wise, bool out: a mask of a split tensor (a hook recording dropout masks) is split the same way
+BINARY = ADDS | SUBS | MULS | DIVS | COMPARISONS | {
     "__rsub__", "__rtruediv__", "pow", "__pow__", "maximum", "minimum", "masked_fill", "masked_fill_", "where",
 }
 
