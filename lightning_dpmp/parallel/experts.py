@@ -12,7 +12,7 @@ region:
 So an MoE block costs 1 all-reduce each way, however many experts it has.
 
 Example:
-    >>> undo = shard_experts(moe.experts, {"gate_up_proj": (1, 2), "down_proj": (2, 1)}, (0, 2), grid.mp_group)  # doctest: +SKIP
+    >>> undo = shard_experts(moe.experts, {"w_in": (1, 2), "w_out": (2, 1)}, (0, 2), grid.mp_group)  # doctest: +SKIP
     >>> undo.restore()            # the dense parameters and no hooks again (no communication)   # doctest: +SKIP
 """
 

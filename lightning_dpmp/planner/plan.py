@@ -78,35 +78,6 @@ def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCal
     )
 
 
-def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCall], trace: Optional[Trace]) -> Optional[str]:
-    """``None`` when splitting head ``name`` by vocabulary pays; otherwise why it stays whole (the printout note).
-
-    The rule: split only a head wider than its input, ``out_features > in_features``. Per token, the split adds
-    one all-reduce of the ``in_features`` values of the input gradient (plus 4 loss statistics), and saves
-    ``(1 - 1/mp) * out_features`` logits and ``(1 - 1/mp) * out_features * in_features`` weights per rank. A head
-    no wider than its input (a 10-class classifier on a 128-wide stream) can never save more logits than it sends,
-    and its weight is a rounding error next to the blocks: it stays whole and costs no collective at all. An LM
-    head (vocabulary >> width) saves the most memory of any layer. ``plan={name: "vocab"}`` forces the split.
-    """
-    out_f, in_f = form.out_features, form.in_features
-    if out_f > in_f:
-        return None
-    weights = out_f * in_f + (out_f if form.bias is not None else 0)
-    saved = weights - weights // mp
-    tokens = 0
-    if trace is not None and calls:
-        shape = trace.shapes.get(calls[0].input, ())
-        tokens = math.prod(shape[:-1]) if shape else 0
-    grads = all(c.input_requires_grad for c in calls) if calls else True
-    moved = tokens * (in_f * grads + 4)
-    traffic = f" moving {moved:,} values per step at the traced batch" if tokens else ""
-    return (
-        f"kept whole: out_features={out_f} <= in_features={in_f}: a vocab split would save {saved:,} parameters per"
-        f" rank for {3 if grads else 2} all-reduces{traffic}; it pays only when out_features > in_features"
-        f" (plan={{{name!r}: 'vocab'}} forces it)"
-    )
-
-
 def make_plan(
     model: nn.Module,
     mp: int,
