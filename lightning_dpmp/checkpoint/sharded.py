@@ -102,9 +102,9 @@ class _SafeReader(FileSystemReader):
             raise pickle.UnpicklingError("the checkpoint's .metadata is not DCP metadata")
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 

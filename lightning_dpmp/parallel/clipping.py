@@ -42,6 +42,7 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, split: set[int], 
     # Same formula as torch.nn.utils.clip_grad_norm_, so single-process and sharded runs clip alike.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
+        assert p.grad is not None  # filtered above
         p.grad.detach().mul_(coef.to(p.grad.dtype))
     return total
 

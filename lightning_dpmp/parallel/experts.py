@@ -72,17 +72,17 @@ class _Enter:
         self.keys, self.group = keys, group
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs = list(args), dict(kwargs)
-        slots = []
+        positional, kwargs = list(args), dict(kwargs)
+        slots: list[tuple[Any, Key]] = []
         for k in self.keys:
-            box, key = (args, k) if isinstance(k, int) else (kwargs, k)
-            present = key < len(box) if isinstance(k, int) else key in box
-            if present and isinstance(box[key], Tensor) and box[key].requires_grad:
-                slots.append((box, key))
+            present = k < len(positional) if isinstance(k, int) else k in kwargs
+            box: Any = positional if isinstance(k, int) else kwargs
+            if present and isinstance(box[k], Tensor) and box[k].requires_grad:
+                slots.append((box, k))
         entered = copy_many_to_group(tuple(box[key] for box, key in slots), self.group)
         for (box, key), t in zip(slots, entered):
             box[key] = t
-        return tuple(args), kwargs
+        return tuple(positional), kwargs
 
 
 class _Reduce:

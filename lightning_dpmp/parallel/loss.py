@@ -171,7 +171,9 @@ class VocabShardedLogits(torch.Tensor):
         """The gathered full logits: a collective over the MP group, which every rank of it must call."""
         return gather_from_group(self.as_subclass(Tensor), self._dpmp_group, -1)
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # no gather: printing a shard must not be a collective
+    # No gather: printing a shard must not be a collective. (mypy reads Tensor.__repr__'s keyword from torch's
+    # stubs differently from its source; the signature is the source's.)
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         local = tuple(self.as_subclass(Tensor).shape)
         return (f"VocabShardedLogits(local {local} of {tuple(_logical(local, self._dpmp_vocab))}, layer "
                 f"{self._dpmp_name or '?'!r}, mp={group_size(self._dpmp_group)})")
@@ -214,7 +216,7 @@ def _dispatch(func: Any, name: str, args: tuple, kwargs: dict, meta: VocabSharde
         return _cross_entropy(args, kwargs, meta)
     if mine and name in KEEP:
         return _wrap_like(func(*tree_map(_plain, args), **tree_map(_plain, kwargs)), meta)
-    if mine and name == "__getitem__" and _keeps_last_dim(args[1], self.dim()):
+    if mine and name == "__getitem__" and _keeps_last_dim(args[1], args[0].dim()):
         return _wrap_like(func(_plain(self), tree_map(_plain, args[1])), meta)  # e.g. the shift logits[:, :-1]
     if name in ELEMENTWISE or name in LAYOUT:
         done = _local_op(func, name, args, kwargs, meta)

@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 from torch import Tensor, nn
 
@@ -72,6 +72,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
             originals[lp.name] = style.build(dense, lp, ctx)
             continue
         layer = style.build(dense, lp, ctx)
+        assert isinstance(layer, nn.Module), lp.name  # only in-place styles return an ExpertsShards
         if not style.swaps_weight:  # a whole attention module: no single weight to tie, one name
             originals[lp.name] = dense
             set_submodule(model, lp.name, layer)
@@ -79,7 +80,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = N
             continue
         if id(dense.weight) in shards:
             layer.weight = shards[id(dense.weight)]
-        shards[id(dense.weight)] = layer.weight
+        shards[id(dense.weight)] = cast(nn.Parameter, layer.weight)
         for name in aliases.get(id(dense), [lp.name]):  # the same module object registered under several names
             originals[name] = dense
             set_submodule(model, name, layer)

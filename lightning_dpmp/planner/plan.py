@@ -301,7 +301,7 @@ def _share_entries(plan: Plan, calls: Mapping[str, list[LinearCall]], attention:
         if lp.kind == "linear" and lp.parallel_style.is_column_entry and len(calls.get(n, [])) == 1:
             by_input.setdefault(calls[n][0].input, []).append(n)
         elif lp.style == "heads" and attention[n].input is not None:
-            by_input.setdefault(attention[n].input, []).append(n)  # type: ignore[arg-type]
+            by_input.setdefault(attention[n].input, []).append(n)
     for entry, names in enumerate(v for v in by_input.values() if len(v) > 1):
         for n in names:
             plan.layers[n] = replace(plan.layers[n], entry=entry)
@@ -312,6 +312,7 @@ def _add_attention(plan: Plan, model: nn.Module, decisions: Mapping[str, Any]) -
     extra: dict[str, LayerPlan] = {}
     for name, d in decisions.items():
         mha = model.get_submodule(name)
+        assert isinstance(mha, nn.MultiheadAttention), name
         e = mha.embed_dim
         heads = d.style == "heads"
         extra[name] = LayerPlan(

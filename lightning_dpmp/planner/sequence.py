@@ -97,15 +97,15 @@ def plan_sequence_parallel(trace: Trace, plan: Plan, mp: int, param_names: Optio
             if not dims or any(d % nd != nd - 1 for d in dims):
                 return fail(f"'{ev.name}' reduces over more than the feature dim of a sequence-split tensor")
         nd = len(shapes[ins[0][1]])
-        for i, n in enumerate(ev.inputs):
-            if n is None or n in split:
+        for operand in ev.inputs:
+            if operand is None or operand in split:
                 continue
-            shape = shapes[n]
+            shape = shapes[operand]
             aligned = nd - 2 - (nd - len(shape))
             if aligned >= 0 and shape[aligned] != 1:
                 return fail(f"'{ev.name}' mixes a sequence-split tensor with a full one of shape {shape}")
-            if n in trace.params:
-                partial.add(trace.params[n])
+            if operand in trace.params:
+                partial.add(trace.params[operand])
         for n in ev.outputs:
             split[n] = -2
     for n in trace.escapes:

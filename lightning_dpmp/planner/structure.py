@@ -52,7 +52,7 @@ def groups_by(modules: Mapping[str, nn.Module], key: Any) -> list[list[str]]:
 
 def _owner(model: nn.Module, names: set[str]) -> str:
     """The innermost module containing all ``names`` (e.g. the attention block of q/k/v/out)."""
-    prefix = os.path.commonprefix([n.split(".") for n in names])  # type: ignore[type-var]
+    prefix = os.path.commonprefix([n.split(".") for n in names])
     return ".".join(prefix[:-1] if len(prefix) == min(len(n.split(".")) for n in names) else prefix)
 
 

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar, Union
 
 from torch import nn
 
@@ -51,6 +51,15 @@ if TYPE_CHECKING:
     from lightning_dpmp.planner.layout import LayerPlan
 
 __all__ = ["STYLES", "BuildContext", "CommContext", "Comm", "Style", "style_of"]
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _expect(module: nn.Module, cls: type[_M]) -> _M:
+    """``module`` as a ``cls``: a plan that names a style for the wrong kind of module fails here, by name."""
+    if not isinstance(module, cls):
+        raise TypeError(f"this style builds from an {cls.__name__}, got a {type(module).__name__}")
+    return module
 
 STYLES = ("column", "row", "column_gather", "vocab", "experts", "heads", "replicate")  # the names a user plan may use
 
@@ -244,7 +253,7 @@ class VocabEmbedding(Style):
         return out
 
     def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
-        layer = VocabParallelEmbedding.from_dense(dense, ctx.group, sequence_dim=ctx.sequence_out)
+        layer = VocabParallelEmbedding.from_dense(_expect(dense, nn.Embedding), ctx.group, sequence_dim=ctx.sequence_out)
         layer.rng = ctx.rng if ctx.sequence is not None else None
         return layer
 
@@ -258,7 +267,7 @@ class ColumnEmbedding(ReplicateEmbedding):
         return (lp.in_features, lp.out_features // mp)
 
     def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
-        return ColumnParallelEmbedding.from_dense(dense, ctx.group)
+        return ColumnParallelEmbedding.from_dense(_expect(dense, nn.Embedding), ctx.group)
 
 
 class Heads(_Entry):
@@ -268,7 +277,7 @@ class Heads(_Entry):
     name, kind, swaps_weight, builds_children = "heads", "attention", False, True
 
     def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
-        return HeadParallelMultiheadAttention.from_dense(dense, ctx.group, shared_input=ctx.entry(lp), rng=ctx.rng)
+        return HeadParallelMultiheadAttention.from_dense(_expect(dense, nn.MultiheadAttention), ctx.group, shared_input=ctx.entry(lp), rng=ctx.rng)
 
 
 class Experts(Style):

@@ -208,7 +208,7 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
             node, requires_grad = pending[module].pop()
             trace.events.append(LinearCall(names[module], node, recorder.node(output), requires_grad, _mode(module)))
 
-    embeddings = {m: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    embeddings: dict[nn.Module, str] = {m: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
 
     emb_inputs: dict[nn.Module, list[Optional[int]]] = {}
 
@@ -333,7 +333,7 @@ def _hook_linear_like(model: nn.Module, recorder: _Recorder, trace: Trace, skip:
 
 def _hook_attention(model: nn.Module, recorder: _Recorder, trace: Trace) -> list:
     """Record each ``nn.MultiheadAttention`` call (its ops stay in the trace: one ``multi_head_attention_forward``)."""
-    mhas = {m: n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    mhas: dict[nn.Module, str] = {m: n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         q, k, v = (list(args) + [kwargs.get(a) for a in ("query", "key", "value")[len(args):]])[:3]
