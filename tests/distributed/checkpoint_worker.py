@@ -4,7 +4,7 @@ Usage (from the repo root):
     python tests/distributed/checkpoint_worker.py resume OUT_DIR     # 4 processes: save at (2,2), resume at 3 layouts
     python tests/distributed/checkpoint_worker.py mismatch OUT_DIR   # 2 processes: a different model must be refused
     python tests/distributed/checkpoint_worker.py spawn OUT_DIR      # spawn launcher + sharded saves
-    python tests/distributed/checkpoint_worker.py fused OUT_DIR DP MP [MODEL]  # fused blocks: save at (DP, MP) or resume
+    python tests/distributed/checkpoint_worker.py fused OUT_DIR DP MP [MODEL,...]  # fused blocks: save or resume
 
 ``fused``: FusedLM (one qkv projection split block by block). With ``DP MP`` = ``1 2`` it trains 10 steps and saves
 ``fused_s.ckpt`` (sharded) and ``fused_c.ckpt`` (consolidated) in ``on_train_end``; with any other layout it
@@ -159,7 +159,8 @@ def fused(out: str, dp: int, mp: int, name: str = "fused") -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    if sys.argv[1] == "fused":
-        fused(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
+    if sys.argv[1] == "fused":  # MODEL may be a comma-separated list: several models in one launch
+        for model_name in (sys.argv[5] if len(sys.argv) > 5 else "fused").split(","):
+            fused(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), model_name)
     else:
         {"resume": resume, "mismatch": mismatch, "spawn": spawn}[sys.argv[1]](sys.argv[2])

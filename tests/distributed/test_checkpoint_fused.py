@@ -56,14 +56,19 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def run(request, tmp_path_factory):
-    name = request.param
-    out = tmp_path_factory.mktemp(f"fused_ckpt_{name}")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """All four models in one launch per layout (a launch costs seconds; the fits inside it do not)."""
+    out = tmp_path_factory.mktemp("fused_ckpt")
     for dp, mp in [W.FUSED_SAVE_LAYOUT] + LAYOUTS:
-        proc = run_script([WORKER, "fused", str(out), str(dp), str(mp), name], timeout=600)
+        proc = run_script([WORKER, "fused", str(out), str(dp), str(mp), ",".join(sorted(MODELS))], timeout=900)
         assert proc.returncode == 0, proc.stderr[-6000:]
-    return name, out
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def run(request, runs):
+    return request.param, runs
 
 
 @pytest.fixture(scope="module")
