@@ -4,7 +4,7 @@ Usage (from the repo root):
     python tests/distributed/checkpoint_worker.py resume OUT_DIR     # 4 processes: save at (2,2), resume at 3 layouts
     python tests/distributed/checkpoint_worker.py mismatch OUT_DIR   # 2 processes: a different model must be refused
     python tests/distributed/checkpoint_worker.py spawn OUT_DIR      # spawn launcher + sharded saves
-    python tests/distributed/checkpoint_worker.py fused OUT_DIR DP MP [MODEL]  # fused blocks: save at (DP, MP) or resume
+    python tests/distributed/checkpoint_worker.py fused OUT_DIR DP MP [MODEL]  # FusedLM: save at (DP, MP) or resume
 
 ``fused``: FusedLM (one qkv projection split block by block). With ``DP MP`` = ``1 2`` it trains 10 steps and saves
 ``fused_s.ckpt`` (sharded) and ``fused_c.ckpt`` (consolidated) in ``on_train_end``; with any other layout it
@@ -144,7 +144,9 @@ def fused(out: str, dp: int, mp: int, name: str = "fused") -> None:
     model, data = build(name)
     batches = DataLoader(data, batch_size=GLOBAL_BATCH // dp)
     if (dp, mp) == FUSED_SAVE_LAYOUT:
-        save = SaveAtTrainEnd([(True, os.path.join(out, f"{name}_s.ckpt")), (False, os.path.join(out, f"{name}_c.ckpt"))])
+        save = SaveAtTrainEnd(
+            [(True, os.path.join(out, f"{name}_s.ckpt")), (False, os.path.join(out, f"{name}_c.ckpt"))]
+        )
         make_trainer(dp, mp, STEPS, callbacks=[save]).fit(model, batches)
         return
     for tag in ("c", "s"):
