@@ -132,7 +132,9 @@ def main() -> None:
     results: dict[str, Any] = {}
 
     def trainer(steps: int, callbacks: list, tag: str = "") -> L.Trainer:
-        strategy = InstrumentedStrategy(dp=args.dp, mp=args.mp, verify_plan=False, consolidate_on_teardown=False, timeout_s=1800)
+        strategy = InstrumentedStrategy(
+            dp=args.dp, mp=args.mp, verify_plan=False, consolidate_on_teardown=False, timeout_s=1800
+        )
         strategy.results, strategy.tag = results, tag
         return L.Trainer(accelerator="cpu", devices=args.dp * args.mp, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -146,7 +148,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in m.parameters())
     trainer(1, [SaveBoth(folder, results)]).fit(m, DataLoader(data, batch_size=2))
     for name in ("consolidated", "sharded"):
-        trainer(1, [], tag=name).fit(model(), DataLoader(data, batch_size=2), ckpt_path=os.path.join(folder, f"{name}.ckpt"))
+        ckpt_path = os.path.join(folder, f"{name}.ckpt")
+        trainer(1, [], tag=name).fit(model(), DataLoader(data, batch_size=2), ckpt_path=ckpt_path)
     rank = dist.get_rank()
     results["rank"] = rank
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -155,17 +158,22 @@ def main() -> None:
         full = n_params * 4 * 3 / MB  # float32 weights + AdamW exp_avg + exp_avg_sq
         print(f"\ncheckpoint benchmark: {n_params / 1e6:.1f}M parameters, dp={args.dp} x mp={args.mp}, full state"
               f" {full:.0f} MB (weights + 2 AdamW moments, float32); CPU/gloo, {torch.get_num_threads()} thread/rank")
-        print(f"{'rank':>4} {'own share MB':>12} | {'operation':<18} {'seconds':>8} {'peak +anon MB':>14} {'peak +rss MB':>13}")
+        print(f"{'rank':>4} {'own share MB':>12} | {'operation':<18} {'seconds':>8} {'peak +anon MB':>14}"
+              f" {'peak +rss MB':>13}")
         for r in gathered:
             for op in ("save_consolidated", "save_sharded", "load_consolidated", "load_sharded"):
                 x = r[op]
-                print(f"{r['rank']:>4} {r['own_share_mb']:>12.0f} | {op:<18} {x['seconds']:>8.2f} {x['anon_mb']:>14.0f} {x['rss_mb']:>13.0f}")
-        sizes = {n: sum(os.path.getsize(os.path.join(dp_, f)) for dp_, _, fs in os.walk(os.path.join(folder, f"{n}.ckpt"))
-                        for f in fs) if os.path.isdir(os.path.join(folder, f"{n}.ckpt"))
+                print(f"{r['rank']:>4} {r['own_share_mb']:>12.0f} | {op:<18} {x['seconds']:>8.2f}"
+                      f" {x['anon_mb']:>14.0f} {x['rss_mb']:>13.0f}")
+        sizes = {n: sum(os.path.getsize(os.path.join(dp_, f))
+                        for dp_, _, fs in os.walk(os.path.join(folder, f"{n}.ckpt")) for f in fs)
+                 if os.path.isdir(os.path.join(folder, f"{n}.ckpt"))
                  else os.path.getsize(os.path.join(folder, f"{n}.ckpt")) for n in ("consolidated", "sharded")}
         print("on disk: " + ", ".join(f"{n} {s / MB:.0f} MB" for n, s in sizes.items()))
         with open(os.path.join(folder, "results.json"), "w") as f:
-            json.dump({"n_params": n_params, "dp": args.dp, "mp": args.mp, "full_mb": full, "ranks": gathered, "disk": sizes}, f, indent=1)
+            summary = {"n_params": n_params, "dp": args.dp, "mp": args.mp, "full_mb": full, "ranks": gathered,
+                       "disk": sizes}
+            json.dump(summary, f, indent=1)
         if args.out is None:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -58,7 +58,8 @@ def calibrate_compute(bench: dict[str, Any]) -> tuple[float, float]:
 
     t = _median_time(step, 5)
     shape = GPTShape(layers=a["layers"], hidden=a["hidden"], heads=a["heads"], vocab=a["vocab"], seq=a["seq"], batch=b)
-    flops = b * a["seq"] * (6 * (a["layers"] * shape.block_params + a["vocab"] * a["hidden"]) + 12 * a["layers"] * a["seq"] * a["hidden"])
+    dense_flops = 6 * (a["layers"] * shape.block_params + a["vocab"] * a["hidden"])
+    flops = b * a["seq"] * (dense_flops + 12 * a["layers"] * a["seq"] * a["hidden"])
     opt = torch.optim.AdamW(net.parameters())
     n = sum(p.numel() for p in net.parameters())
     t_opt = _median_time(opt.step, 5)
@@ -80,7 +81,7 @@ def _allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
         for size in (2**14, 2**20):  # floats: 64 KiB and 4 MiB
             t = torch.ones(size)
             ts = []
-            for i in range(12):
+            for _i in range(12):
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.all_reduce(t, group=g)
@@ -132,9 +133,12 @@ def main() -> None:
                      batch=a["global_batch"], act_bytes=4, grad_bytes=4, bytes_per_param=16)
     lines = [
         f"Calibration: {flops1 / 1e9:.2f} GFLOP/s per process alone (x {share:g} shared: {hw.flops / 1e9:.2f}), "
-        f"AdamW {mem_bw / 1e9:.2f} GB/s, gloo all-reduce {bw / 1e9:.2f} GB/s + {lat * 1e6:.0f} us per hop ({world} processes)",
+        f"AdamW {mem_bw / 1e9:.2f} GB/s, gloo all-reduce {bw / 1e9:.2f} GB/s + {lat * 1e6:.0f} us per hop"
+        f" ({world} processes)",
         "",
-        "| layout | measured step s | predicted step s | error | error after one common scale | predicted compute / MP / DP / optim s | measured MP MB | predicted MP MB | measured DP MB | predicted DP MB |",
+        "| layout | measured step s | predicted step s | error | error after one common scale"
+        " | predicted compute / MP / DP / optim s | measured MP MB | predicted MP MB | measured DP MB"
+        " | predicted DP MB |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     import re
@@ -157,8 +161,9 @@ def main() -> None:
         rel = pr.step_s * scale / r["step_s"] - 1
         errors.append((abs(err), abs(rel)))
         lines.append(
-            f"| {name} | {r['step_s']:.3f} | {pr.step_s:.3f} | {100 * err:+.0f}% | {100 * rel:+.0f}% | {pr.compute_s:.3f} / {pr.mp_comm_s:.3f} / "
-            f"{pr.dp_exposed_s:.3f} / {pr.optimizer_s:.3f} | {r['mp_mb_per_step']:.2f} | {pr.mp_bytes / 2**20:.2f} | "
+            f"| {name} | {r['step_s']:.3f} | {pr.step_s:.3f} | {100 * err:+.0f}% | {100 * rel:+.0f}% | "
+            f"{pr.compute_s:.3f} / {pr.mp_comm_s:.3f} / {pr.dp_exposed_s:.3f} / {pr.optimizer_s:.3f} | "
+            f"{r['mp_mb_per_step']:.2f} | {pr.mp_bytes / 2**20:.2f} | "
             f"{r['dp_mb_per_step']:.2f} | {pr.dp_bytes / 2**20:.2f} |"
         )
     if errors:
@@ -170,9 +175,10 @@ def main() -> None:
             s = GPTShape(**MODELS[model])
             h = Hardware.preset("dgx-a100", devices)
             best, table = recommend(s, h)
-            lines += [f"**{model}** ({s.params / 1e9:.2f}B, seq {s.seq}, {s.batch} x {s.seq} tokens per step, micro-batch "
-                      f"{s.micro_batch}, bf16) on **{devices} A100-80GB** (8 per node, NVLink 230 GB/s, IB 22 GB/s per GPU): "
-                      f"recommended dp={best.dp if best else '-'} x mp={best.mp if best else '-'}", "",
+            lines += [f"**{model}** ({s.params / 1e9:.2f}B, seq {s.seq}, {s.batch} x {s.seq} tokens per step, "
+                      f"micro-batch {s.micro_batch}, bf16) on **{devices} A100-80GB** (8 per node, NVLink 230 GB/s, "
+                      f"IB 22 GB/s per GPU): recommended dp={best.dp if best else '-'} x mp={best.mp if best else '-'}",
+                      "",
                       format_table(table, best), ""]
     text = "\n".join(lines)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -52,10 +52,12 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 n_embd=args.hidden, dropout=0.0, bias=True, tie_embeddings=True)
 
 
-_SPLIT = re.compile(r"(blocks\.\d+\.(attn\.(q|k|v|out)_proj|mlp\.fc[12])\.weight|blocks\.\d+\.(attn\.[qkv]_proj|mlp\.fc1)\.bias|wte\.weight)$")
+_SPLIT = re.compile(r"(blocks\.\d+\.(attn\.(q|k|v|out)_proj|mlp\.fc[12])\.weight"
+                    r"|blocks\.\d+\.(attn\.[qkv]_proj|mlp\.fc1)\.bias|wte\.weight)$")
 
 
-_SPLIT_LLAMA = re.compile(r"(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight|embed_tokens\.weight|lm_head\.weight)$")
+_SPLIT_LLAMA = re.compile(r"(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"
+                          r"|embed_tokens\.weight|lm_head\.weight)$")
 
 
 def expected_param_numel(net: Any, mp: int) -> tuple[int, int, int]:
@@ -165,7 +167,8 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
                 states = sum(_nbytes(v) for st in opt.state.values() for v in st.values()
                              if isinstance(v, torch.Tensor) and v.dim() > 0)
                 local_numel = sum(_local(p).numel() for p in pl_module.parameters())
-                self.memory = {"param_bytes": params, "grad_bytes": grads, "optim_bytes": states, "param_numel": local_numel}
+                self.memory = {"param_bytes": params, "grad_bytes": grads, "optim_bytes": states,
+                               "param_numel": local_numel}
                 self._write(trainer)
                 self.counter = None
 
@@ -197,9 +200,9 @@ def _net(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq, tie_word_embeddings=False,
     )
     return LlamaForCausalLM(cfg)
 
@@ -404,8 +407,9 @@ def _run_one(config: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("rank*.json"):
         f.unlink()
+    forwarded = ("model", "kv_heads", "layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", config, "--out", str(out),
-           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("model", "kv_heads", "layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps")]]
+           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in forwarded]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -440,12 +444,18 @@ def summarise(config: str, runs: list[dict[str, Any]], args: argparse.Namespace)
         "mp_mb_per_step": mp_b / 2**20,
         "dp_mb_per_step": dp_b / 2**20,
         "comm_calls": calls,
-        "per_round_cpu_s": [statistics.median([t for x in r["ranks"] for t in x["step_cpu"][args.warmup:]]) for r in runs],
-        "per_round_step_s": [statistics.median(next(x for x in r["ranks"] if x["rank"] == 0)["step_times"][args.warmup:]) for r in runs],
+        "per_round_cpu_s": [
+            statistics.median([t for x in r["ranks"] for t in x["step_cpu"][args.warmup:]]) for r in runs
+        ],
+        "per_round_step_s": [
+            statistics.median(next(x for x in r["ranks"] if x["rank"] == 0)["step_times"][args.warmup:]) for r in runs
+        ],
     }
 
 
-def _ratio(rows: dict[str, dict[str, Any]], a: str, b: str, key: str = "per_round_step_s") -> Optional[tuple[float, list[float]]]:
+def _ratio(
+    rows: dict[str, dict[str, Any]], a: str, b: str, key: str = "per_round_step_s"
+) -> Optional[tuple[float, list[float]]]:
     """Throughput a/b (= time b / time a): per round (interleaved pairs), and its median."""
     if a not in rows or b not in rows:
         return None
@@ -459,19 +469,22 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
     net = _net(args)
     title = "GPT" if args.model == "gpt" else f"transformers Llama ({args.kv_heads} kv heads, SwiGLU {4 * args.hidden})"
     lines = [
-        f"{title}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, sequence {args.seq}, "
+        f"{title}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, "
+        f"sequence {args.seq}, "
         f"global batch {args.global_batch} sequences ({args.global_batch * args.seq} tokens), "
         f"{sum(p.numel() for p in net.parameters()):,} parameters; float32, AdamW, {args.world} CPU processes (gloo); "
         f"median of steps {args.warmup + 1}..{args.steps} over {args.rounds} interleaved round(s)",
         "",
-        "| layout | step s | CPU s/step/rank | tokens/s | param MB/rank | grad MB | optim MB | peak RSS MB | MP MB/step | DP MB/step | MP collectives/step |",
+        "| layout | step s | CPU s/step/rank | tokens/s | param MB/rank | grad MB | optim MB | peak RSS MB"
+        " | MP MB/step | DP MB/step | MP collectives/step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c, r in rows.items():
         mp_calls = ", ".join(f"{k[3:]} {v}" for k, v in sorted(r["comm_calls"].items()) if k.startswith("mp/"))
         lines.append(
-            f"| {c} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['param_mb']:.2f} | {r['grad_mb']:.2f} | "
-            f"{r['optim_mb']:.2f} | {r['peak_rss_mb']:.0f} | {r['mp_mb_per_step']:.2f} | {r['dp_mb_per_step']:.2f} | {mp_calls or '-'} |"
+            f"| {c} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['param_mb']:.2f} | "
+            f"{r['grad_mb']:.2f} | {r['optim_mb']:.2f} | {r['peak_rss_mb']:.0f} | {r['mp_mb_per_step']:.2f} | "
+            f"{r['dp_mb_per_step']:.2f} | {mp_calls or '-'} |"
         )
     lines.append("")
     targets = (("dpmp_2x2", "mps_2x2", 2.0 if args.model == "hf_llama" else 1.5), ("dpmp_4x1", "ddp_4", 0.98),
@@ -483,7 +496,8 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
         if r is not None:
             verdict = "" if target is None else (f" (target >= {target}: {'holds' if r[0] >= target else 'MISSED'})")
             c = _ratio(rows, a, b, "per_round_cpu_s")
-            lines.append(f"- throughput {a} / {b}: {r[0]:.3f} (per round: {', '.join(f'{x:.3f}' for x in r[1])}){verdict}; "
+            per_round = ", ".join(f"{x:.3f}" for x in r[1])
+            lines.append(f"- throughput {a} / {b}: {r[0]:.3f} (per round: {per_round}){verdict}; "
                          f"CPU time per step, {b} / {a}: {c[0]:.3f}")
     for c, r in rows.items():
         m = re.fullmatch(r"dpmp_(\d+)x(\d+).*", c)
@@ -494,7 +508,8 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
     text = "\n".join(lines)
     (out / "results.md").write_text(text + "\n")
     with open(out / "results.csv", "w") as f:
-        keys = ["config", "step_s", "cpu_s", "tokens_per_s", "param_mb", "grad_mb", "optim_mb", "peak_rss_mb", "mp_mb_per_step", "dp_mb_per_step"]
+        keys = ["config", "step_s", "cpu_s", "tokens_per_s", "param_mb", "grad_mb", "optim_mb", "peak_rss_mb",
+                "mp_mb_per_step", "dp_mb_per_step"]
         f.write(",".join(keys) + "\n")
         for r in rows.values():
             f.write(",".join(str(r[k]) for k in keys) + "\n")
@@ -516,7 +531,8 @@ def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].bar(names, [rows[n]["tokens_per_s"] for n in names], color="tab:blue")
     axes[0].set_title("throughput (tokens/s, higher is better)")
-    axes[1].bar(names, [rows[n]["param_mb"] + rows[n]["grad_mb"] + rows[n]["optim_mb"] for n in names], color="tab:green")
+    state_mb = [rows[n]["param_mb"] + rows[n]["grad_mb"] + rows[n]["optim_mb"] for n in names]
+    axes[1].bar(names, state_mb, color="tab:green")
     axes[1].set_title("param + grad + optimizer MB per rank")
     x = range(len(names))
     axes[2].bar([i - 0.2 for i in x], [rows[n]["mp_mb_per_step"] for n in names], width=0.4, label="MP")
@@ -565,7 +581,8 @@ def main() -> None:
             runs[c].append(rec)
             r0 = next(x for x in rec["ranks"] if x["rank"] == 0)
             steady = r0["step_times"][args.warmup:]
-            print(f"round {rnd} {c:22s} median step {statistics.median(steady):.3f}s  (run {rec['wall_s']:.0f}s)", flush=True)
+            print(f"round {rnd} {c:22s} median step {statistics.median(steady):.3f}s  (run {rec['wall_s']:.0f}s)",
+                  flush=True)
     rows = {c: summarise(c, runs[c], args) for c in configs}
     print(report(rows, args, out))
     (out / "runs.json").write_text(json.dumps(runs))

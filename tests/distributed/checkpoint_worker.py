@@ -144,7 +144,9 @@ def fused(out: str, dp: int, mp: int, name: str = "fused") -> None:
     model, data = build(name)
     batches = DataLoader(data, batch_size=GLOBAL_BATCH // dp)
     if (dp, mp) == FUSED_SAVE_LAYOUT:
-        save = SaveAtTrainEnd([(True, os.path.join(out, f"{name}_s.ckpt")), (False, os.path.join(out, f"{name}_c.ckpt"))])
+        save = SaveAtTrainEnd(
+            [(True, os.path.join(out, f"{name}_s.ckpt")), (False, os.path.join(out, f"{name}_c.ckpt"))]
+        )
         make_trainer(dp, mp, STEPS, callbacks=[save]).fit(model, batches)
         return
     for tag in ("c", "s"):

@@ -60,7 +60,9 @@ def check(group, mp: int, bias: bool) -> dict:
         )
     out["pair_counts_torch"] = {str(k): v for k, v in torch_count.get_comm_counts().items()}
     out["pair_counts_ours"] = {f"{g}/{op}": n for (g, op), n in ours.counts.items()}
-    out["to_dense_equal"] = bool(torch.equal(col.to_dense().weight, fc1.weight) and torch.equal(row.to_dense().weight, fc2.weight))
+    out["to_dense_equal"] = bool(
+        torch.equal(col.to_dense().weight, fc1.weight) and torch.equal(row.to_dense().weight, fc2.weight)
+    )
 
     # column with gathered output: a self-contained layer
     gcol = ColumnParallelLinear.from_dense(fc1, group, gather_output=True)
@@ -116,11 +118,15 @@ def check(group, mp: int, bias: bool) -> dict:
     for reduction in ("mean", "sum", "none"):
         for smoothing in (0.0, 0.1):
             full = logits.clone().requires_grad_(True)
-            ref = F.cross_entropy(full.view(-1, 8 * mp), target.view(-1), reduction=reduction, label_smoothing=smoothing)
+            ref = F.cross_entropy(
+                full.view(-1, 8 * mp), target.view(-1), reduction=reduction, label_smoothing=smoothing
+            )
             (ref.sum() * 1.7).backward()
             local = logits.chunk(mp, dim=-1)[rank].clone().requires_grad_(True)
             with CommCounter({"mp": group}) as cc:
-                ours = vocab_parallel_cross_entropy(local, target, group, reduction=reduction, label_smoothing=smoothing)
+                ours = vocab_parallel_cross_entropy(
+                    local, target, group, reduction=reduction, label_smoothing=smoothing
+                )
                 (ours.sum() * 1.7).backward()
             counts.add(tuple(sorted((f"{g}/{op}", n) for (g, op), n in cc.counts.items())))
             errs.append(_err(ours.reshape(-1), ref.reshape(-1)))

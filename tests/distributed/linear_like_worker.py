@@ -71,7 +71,9 @@ def check_conv1d(group, blocks: int) -> dict:
     }
     holder = nn.Sequential(col, row)
     state = consolidated_state_dict(holder, group)
-    out["state_equal"] = all(torch.equal(state[f"{i}.{k}"], v) for i, m in enumerate((fc1, fc2)) for k, v in m.state_dict().items())
+    out["state_equal"] = all(
+        torch.equal(state[f"{i}.{k}"], v) for i, m in enumerate((fc1, fc2)) for k, v in m.state_dict().items()
+    )
     consolidate(holder)
     out["to_dense_class"] = [type(m).__name__ for m in holder]
     out["to_dense_equal"] = all(torch.equal(holder[i].state_dict()[k], v)

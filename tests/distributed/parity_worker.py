@@ -82,7 +82,8 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     if variant == "sp_nosync":  # the bug sequence parallelism invites: never summing the partial gradients
         probe.drop_sequence_sync = True
     trainer = L.Trainer(
-        accelerator=os.environ.get("DPMP_TEST_ACCELERATOR", "cpu"), devices=dp * mp, strategy=strategy, precision=precision, max_steps=STEPS,
+        accelerator=os.environ.get("DPMP_TEST_ACCELERATOR", "cpu"), devices=dp * mp, strategy=strategy,
+        precision=precision, max_steps=STEPS,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )
@@ -97,7 +98,6 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         "counts": probe.counts,
         "analytic": plan.comm_per_step(),
         "per_block": plan.per_block(),
-        "plan_text": strategy.plan.text,
         "styles": {n: lp.style for n, lp in plan.layers.items()},
         "notes": {n: lp.note for n, lp in plan.layers.items()},
         "verified": strategy.plan.verified,
@@ -105,7 +105,9 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         "dense_after_fit": not shard_dims(model),
         "frozen_after_fit": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
         "local_params": probe.local_params,
-        "sampler": trainer.train_dataloader.sampler.num_replicas if hasattr(trainer.train_dataloader, "sampler") else None,
+        "sampler": (
+            trainer.train_dataloader.sampler.num_replicas if hasattr(trainer.train_dataloader, "sampler") else None
+        ),
     }
 
 
@@ -113,7 +115,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dp, mp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     names = sys.argv[4].split(",") if len(sys.argv) > 4 else ["resmlp"]
-    results = {f"{n}_{p.split('-')[0]}": run(dp, mp, p, out, n) for n in names for p in os.environ.get("PRECISIONS", "64-true,32-true").split(",")}
+    precisions = os.environ.get("PRECISIONS", "64-true,32-true").split(",")
+    results = {f"{n}_{p.split('-')[0]}": run(dp, mp, p, out, n) for n in names for p in precisions}
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)

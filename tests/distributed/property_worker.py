@@ -82,7 +82,8 @@ class RandomMLP(nn.Module):
             elif kind == "residual":
                 block.ln, block.fc1, block.fc2 = nn.LayerNorm(width), nn.Linear(width, hidden), nn.Linear(hidden, width)
             else:
-                block.gate, block.up, block.down = nn.Linear(width, hidden), nn.Linear(width, hidden), nn.Linear(hidden, width)
+                block.gate, block.up = nn.Linear(width, hidden), nn.Linear(width, hidden)
+                block.down = nn.Linear(hidden, width)
             block.act = act
             self.blocks.append(block)
             self.kinds.append(kind)
@@ -139,7 +140,9 @@ def serve(rank: int, world: int, init_file: str, inbox: Any, outbox: Any) -> Non
     from lightning_dpmp.parallel.grid import build_grid
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     grids = {mp: build_grid(world // mp, mp) for mp in (1, 2, 4)}  # same order on every rank
     outbox.put((rank, "ready"))
     while True:

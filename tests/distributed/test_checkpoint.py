@@ -78,7 +78,8 @@ def test_resume_at_any_layout_matches_single_process_interrupted_run(run, refere
         for tag in ("c", "s"):
             final = torch.load(run / f"final_{dp}{mp}_{tag}.pt", weights_only=True)
             diff = _max_diff(final, ref)
-            print(f"resume from {'consolidated' if tag == 'c' else 'sharded'} (2,2) -> ({dp},{mp}): max |w - w_ref| = {diff:.2e}")
+            kind = "consolidated" if tag == "c" else "sharded"
+            print(f"resume from {kind} (2,2) -> ({dp},{mp}): max |w - w_ref| = {diff:.2e}")
             assert diff <= TOL, (dp, mp, tag, diff)
             assert report[f"{dp}{mp}{tag}"] == {"global_step": 20, "lr": pytest.approx(ref_lr, rel=1e-12)}
     # On one device, without this package: the consolidated file, and the converted sharded folder.

@@ -39,7 +39,7 @@ def initial():
     return {k: v.double() for k, v in model.state_dict().items()}, frozen
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda l: f"dp{l[0]}_mp{l[1]}")
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: f"dp{layout[0]}_mp{layout[1]}")
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"frozen_dp{dp}_mp{mp}")

@@ -16,7 +16,9 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("layers") / "layers.json"
     proc = run_script(["tests/distributed/layers_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [(rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()]
+    return [
+        (rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()
+    ]
 
 
 def test_every_case_ran(results):

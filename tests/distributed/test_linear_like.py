@@ -19,7 +19,9 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("linear_like") / "linear_like.json"
     proc = run_script(["tests/distributed/linear_like_worker.py", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [(rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()]
+    return [
+        (rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()
+    ]
 
 
 def test_every_case_ran(results):

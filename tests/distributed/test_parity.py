@@ -26,7 +26,7 @@ def reference(tmp_path_factory):
     return {p.split("-")[0]: reference_run("resmlp", p, tmp / f"{p}.ckpt") for p in ("64-true", "32-true")}
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda l: f"dp{l[0]}_mp{l[1]}")
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: f"dp{layout[0]}_mp{layout[1]}")
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"parity_dp{dp}_mp{mp}")
@@ -65,7 +65,8 @@ def test_replicas_bitwise_equal_and_model_dense_after_fit(run):
     dp, mp, _, ranks, _ = run
     for rank, res in enumerate(ranks):
         for tag, r in res.items():
-            assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}, (rank, tag)
+            bitwise = {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}
+            assert r["consistent"] == bitwise, (rank, tag)
             assert r["dense_after_fit"], "teardown should hand back the dense model"
             assert r["sampler"] == dp, "the DistributedSampler must shard over DP only"
 
@@ -73,8 +74,8 @@ def test_replicas_bitwise_equal_and_model_dense_after_fit(run):
 @pytest.mark.slow
 def test_plan_and_exact_collective_counts(run):
     dp, mp, _, ranks, stderr = run
-    for rank, res in enumerate(ranks):
-        for bits, r in res.items():
+    for _rank, res in enumerate(ranks):
+        for _bits, r in res.items():
             if mp == 1:
                 assert set(r["styles"].values()) == {"replicate"}
                 assert not any(k.startswith("mp/") for k in r["counts"]), r["counts"]
@@ -84,9 +85,12 @@ def test_plan_and_exact_collective_counts(run):
                 "blocks.1.fc1": "column", "blocks.1.fc2": "row", "head": "replicate",
             }
             assert r["verified"] is True
-            assert r["analytic"] == {"forward": {"all_reduce": 2, "all_gather": 1}, "backward": {"all_reduce": 2, "all_gather": 0}}
+            assert r["analytic"] == {
+                "forward": {"all_reduce": 2, "all_gather": 1}, "backward": {"all_reduce": 2, "all_gather": 0}
+            }
             # 2 blocks x (1 forward + 1 backward) + 1 for the global clipping norm; inp's gather forward only
             # (its input is data: no input gradient to reduce).
-            assert {k: v for k, v in r["counts"].items() if k.startswith("mp/")} == {"mp/all_reduce": 5, "mp/all_gather": 1}
+            mp_counts = {k: v for k, v in r["counts"].items() if k.startswith("mp/")}
+            assert mp_counts == {"mp/all_reduce": 5, "mp/all_gather": 1}
     if mp > 1:
         assert "DPMPStrategy plan for mp=" in stderr and "verified against the dense step" in stderr

@@ -120,7 +120,9 @@ mlp_cases = st.fixed_dictionaries(
         "d_out": widths,
         "batch": st.integers(1, 5),
         "blocks": st.lists(
-            st.tuples(st.sampled_from(["linear", "residual", "gated"]), widths, st.sampled_from(["relu", "gelu", "tanh"])),
+            st.tuples(
+                st.sampled_from(["linear", "residual", "gated"]), widths, st.sampled_from(["relu", "gelu", "tanh"])
+            ),
             min_size=1,
             max_size=3,
         ),

@@ -76,7 +76,8 @@ def test_fallback_note_names_the_layer_and_the_kind_of_region(run):
         r = res["headscaled_64"]
         text = r["plan_text"]
         assert r["verified"] is True, text
-        assert r["styles"] == {"fc1": "column_gather", "fc2": "column_gather", "head": "replicate"}, text  # 12 -> 4: whole
+        # 12 -> 4: whole
+        assert r["styles"] == {"fc1": "column_gather", "fc2": "column_gather", "head": "replicate"}, text
         assert "verification failed at level 0 (relative error" in text and "largest at fc" in text, text
         assert ("fell back to pairs through reshapes or attention self-contained: fc1 column -> column_gather"
                 " (paired region (reshapes/transposes) disabled after a failed verification)") in text, text

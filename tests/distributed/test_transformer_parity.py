@@ -24,11 +24,14 @@ N_LAYERS = 2
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lm_reference")
     base = sorted({m.split("+")[0] for m in MODELS})  # sequence parallelism must not change the result
-    refs = {f"{m}_{p.split('-')[0]}": reference_run(m, p, tmp / f"{m}_{p}.ckpt") for m in base for p in ("64-true", "32-true")}
+    refs = {
+        f"{m}_{p.split('-')[0]}": reference_run(m, p, tmp / f"{m}_{p}.ckpt")
+        for m in base for p in ("64-true", "32-true")
+    }
     return {f"{m}_{b}": refs[f"{m.split('+')[0]}_{b}"] for m in MODELS + ("gpt+sp_nosync",) for b in ("64", "32")}
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda l: f"dp{l[0]}_mp{l[1]}")
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: f"dp{layout[0]}_mp{layout[1]}")
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"lm_dp{dp}_mp{mp}")
@@ -81,9 +84,15 @@ def test_plan_and_collectives_per_block(run, model):
                 # per block 2 all-gathers + 2 reduce-scatters each way; plus the embedding's reduce-scatter, the
                 # position table's scatter, the LM head's entry, the loss's 2 all-reduces, the clipping norm and
                 # the one flat all-reduce of the sequence-partial gradients (norms, row biases)
-                assert r["analytic"]["forward"] == {"all_reduce": 2, "all_gather": 2 * N_LAYERS + 1, "reduce_scatter": 2 * N_LAYERS + 1}
-                assert r["analytic"]["backward"] == {"all_reduce": 0, "all_gather": 2 * N_LAYERS + 2, "reduce_scatter": 2 * N_LAYERS + 1}
-                assert counts == {"mp/all_reduce": 4, "mp/all_gather": 4 * N_LAYERS + 3, "mp/reduce_scatter": 4 * N_LAYERS + 2}, counts
+                assert r["analytic"]["forward"] == {
+                    "all_reduce": 2, "all_gather": 2 * N_LAYERS + 1, "reduce_scatter": 2 * N_LAYERS + 1
+                }
+                assert r["analytic"]["backward"] == {
+                    "all_reduce": 0, "all_gather": 2 * N_LAYERS + 2, "reduce_scatter": 2 * N_LAYERS + 1
+                }
+                assert counts == {
+                    "mp/all_reduce": 4, "mp/all_gather": 4 * N_LAYERS + 3, "mp/reduce_scatter": 4 * N_LAYERS + 2
+                }, counts
                 continue
             if model == "fused":
                 assert styles["net.blocks.0.qkv"] == "column" and styles["net.blocks.0.proj"] == "row"
@@ -96,7 +105,8 @@ def test_plan_and_collectives_per_block(run, model):
                 # 2 kv heads cannot be split 4 ways: attention stays whole-head-safe (self-contained layers)
                 assert styles["net.layers.0.wk"] == "column_gather" and styles["net.layers.0.gate"] == "column"
                 continue
-            attn = ("wq", "wk", "wv", "wo") if model == "llama" else ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj")
+            attn = (("wq", "wk", "wv", "wo") if model == "llama"
+                    else ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"))
             block = "net.layers.0." if model == "llama" else "net.blocks.0."
             assert [styles[block + a] for a in attn] == ["column", "column", "column", "row"]
             # Per block 2 all-reduces forward (attention out, MLP out) and 2 backward (one shared entry each);

@@ -41,7 +41,7 @@ def reference(tmp_path_factory):
     return {m: reference_run(m, "64-true", tmp / f"{m}.ckpt") for m in MODELS}
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda l: f"dp{l[0]}_mp{l[1]}")
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: f"dp{layout[0]}_mp{layout[1]}")
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"real_dp{dp}_mp{mp}")
@@ -85,14 +85,17 @@ def test_megatron_layout_and_collectives(run, reference, model):
         styles, notes = r["styles"], r["notes"]
         blocks = r["per_block"]  # the plan's blocks: module paths up to their first numeric index
         assert len(blocks) == spec.n_blocks, sorted(blocks)
-        for name, b in blocks.items():
+        for _name, b in blocks.items():
             layout = {n: styles[n] for n in b["layers"]}
             # split: column/row pairs, experts, and "heads": an nn.MultiheadAttention as one entry
             # (F.multi_head_attention_forward reads its in_proj and out_proj.weight without calling a Linear, so
             # the attention module is the layer that is split; its out_proj is listed as "row"). Whole: only the
             # routers of experts (Megatron's layout).
-            ok = {n: s in ("column", "row", "experts", "heads") or (s == "replicate" and notes[n].startswith("router of "))
-                  for n, s in layout.items()}
+            ok = {
+                n: s in ("column", "row", "experts", "heads")
+                or (s == "replicate" and notes[n].startswith("router of "))
+                for n, s in layout.items()
+            }
             assert layout and all(ok.values()), (model, layout)
         # parameters held: exactly 1/mp of every split one, all of every replicated one
         expected = sum(dense[n] // mp if split else dense[n] for n, (_, split) in r["local_params"].items())

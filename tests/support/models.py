@@ -136,7 +136,8 @@ def make_dataset(n: int = 160, d_in: int = 12, n_out: int = 3, seed: int = 1234)
 
 def reference_loader(ds: TensorDataset, global_batch: int, seed: int) -> DataLoader:
     """The single-process loader drawing the permutation Lightning's DistributedSampler draws in multi-process runs."""
-    return DataLoader(ds, batch_size=global_batch, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=seed))
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    return DataLoader(ds, batch_size=global_batch, sampler=sampler)
 
 
 class LMModule(L.LightningModule):
@@ -232,7 +233,9 @@ class FusedLM(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(LlamaBlock(dim, n_heads, n_kv_heads, 2 * dim) for _ in range(n_layers))
@@ -300,7 +303,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     if name in ("gpt", "gpt_untied", "gpt_frozen"):
         from examples.models.gpt import GPT
 
-        net = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, tie_embeddings=name == "gpt")
+        net = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0,
+                  tie_embeddings=name == "gpt")
         return LMModule(freeze_attention(net) if name == "gpt_frozen" else net), make_lm_dataset()
     if name == "llama":
         return LMModule(TinyLlama()), make_lm_dataset()
@@ -310,7 +314,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return Seq2SeqLM(_tiny_t5()), make_lm_dataset()
     if name == "headscaled":
         ds = make_dataset(n_out=4)
-        return HeadScaled(), TensorDataset(ds.tensors[0].view(-1, 1, 12).repeat(1, 4, 1) * torch.arange(1.0, 5.0).view(1, 4, 1), ds.tensors[1])
+        x = ds.tensors[0].view(-1, 1, 12).repeat(1, 4, 1) * torch.arange(1.0, 5.0).view(1, 4, 1)
+        return HeadScaled(), TensorDataset(x, ds.tensors[1])
     if name.startswith("chain"):  # chain2 .. chain5
         return ChainMLP(int(name[len("chain"):] or 4)), make_dataset(n_out=4)
     if name == "fused":

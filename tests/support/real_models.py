@@ -2,7 +2,8 @@
 random init, no downloads) and from torch's own layers, each wrapped the way users train them.
 
 Every entry of :data:`REAL_MODELS` is ``name -> RealModel``: a builder returning ``(LightningModule, dataset)``,
-the number of repeated blocks, and what each block must cost. Add a model by adding an entry; ``tests/models/test_real_models.py`` picks it up.
+the number of repeated blocks, and what each block must cost. Add a model by adding an entry;
+``tests/models/test_real_models.py`` picks it up.
 """
 
 from __future__ import annotations
