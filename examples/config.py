@@ -82,6 +82,7 @@ class TrainConfig:
     summary_warmup_steps: int = 3
     cpu_threads: Optional[int] = None
     test: bool = False
+    stage: str = "test"  # examples/eval.py only
     debug: Any = None
     hparams_search: Any = None
 
