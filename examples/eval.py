@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+os.environ["DPMP_ENTRY_SCRIPT"] = str(Path(__file__).resolve())  # for sweep workers: see entry_script()
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -21,6 +21,7 @@ from examples.training import (
     _destroy_process_group,
     _env_rank,
     _release_children,
+    entry_script,
     instantiate_loggers,
     instantiate_strategy,
     job_logging,
@@ -63,7 +64,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     failed = True
     result: dict[str, Any] = {"status": "failed", "ckpt_path": str(ckpt_path), "stage": stage,
                               "dp": cfg.strategy.dp, "mp": cfg.strategy.mp}  # fmt: skip
-    with launch_environment(), job_logging():
+    with launch_environment(), job_logging(), entry_script():
         try:
             if cfg.get("seed") is not None:
                 pl.seed_everything(int(cfg.seed), workers=True)

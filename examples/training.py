@@ -42,6 +42,7 @@ __all__ = [
     "external_rank_overrides",
     "no_gpu_message",
     "job_logging",
+    "entry_script",
     "quiet_nonzero_ranks",
 ]
 
@@ -152,6 +153,28 @@ def quiet_nonzero_ranks() -> None:
     if _env_rank() != 0:
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+@contextlib.contextmanager
+def entry_script() -> Iterator[None]:
+    """Makes ``__main__`` look like the entry script (train.py / eval.py) while the ranks are launched.
+
+    Lightning's launcher starts the other ranks by re-running ``__main__``. In a worker of a parallel sweep launcher
+    (hydra-joblib-launcher's loky processes) ``__main__`` is the worker's own module, so the children would run
+    ``python -m loky...``. The entry scripts export ``DPMP_ENTRY_SCRIPT`` (inherited by the workers) for this.
+    """
+    import __main__
+
+    script = os.environ.get("DPMP_ENTRY_SCRIPT")
+    if not script or os.path.abspath(getattr(__main__, "__file__", "") or "") == script:
+        yield
+        return
+    saved = sys.argv[0], getattr(__main__, "__spec__", None)
+    sys.argv[0], __main__.__spec__ = script, None
+    try:
+        yield
+    finally:
+        sys.argv[0], __main__.__spec__ = saved
 
 
 @contextlib.contextmanager
@@ -290,7 +313,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     trainer: Optional[pl.Trainer] = None
     failed = False
-    with launch_environment(), job_logging():
+    with launch_environment(), job_logging(), entry_script():
         try:
             if cfg.get("print_config") and rank0:
                 log.info("Config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
