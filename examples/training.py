@@ -337,7 +337,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 torch.set_num_threads(summary["threads"])
                 os.environ["OMP_NUM_THREADS"] = str(summary["threads"])
             log.info(
-                f"rank {_env_rank()} (pid {os.getpid()}): dp={dp} x mp={mp}, {trainer.num_devices} processes per node,"
+                f"rank {trainer.global_rank} (pid {os.getpid()}): dp={dp} x mp={mp}, {trainer.num_devices} processes per node,"
                 f" {torch.get_num_threads()} torch threads"
             )
 
