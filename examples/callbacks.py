@@ -57,7 +57,9 @@ class RunStats(Callback):
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         self._sync(trainer)
         self._t0 = time.perf_counter()
 

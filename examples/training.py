@@ -328,7 +328,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             stats = RunStats(dp=dp, warmup_steps=int(cfg.get("summary_warmup_steps", 3)))
             callbacks = [*instantiate_callbacks(cfg.get("callbacks")), stats]
             loggers = instantiate_loggers(cfg.get("logger"))
-            trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+            trainer = hydra.utils.instantiate(
+                cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False
+            )
             if trainer.accelerator.__class__.__name__ == "CPUAccelerator":
                 # CPU processes share the cores: oversubscribed OpenMP threads spin and slow every rank down. Export
                 # OMP_NUM_THREADS too: Lightning's launcher otherwise resets the count when the variable is unset, and
@@ -337,8 +339,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 torch.set_num_threads(summary["threads"])
                 os.environ["OMP_NUM_THREADS"] = str(summary["threads"])
             log.info(
-                f"rank {trainer.global_rank} (pid {os.getpid()}): dp={dp} x mp={mp}, {trainer.num_devices} processes per node,"
-                f" {torch.get_num_threads()} torch threads"
+                f"rank {trainer.global_rank} (pid {os.getpid()}): dp={dp} x mp={mp},"
+                f" {trainer.num_devices} processes per node, {torch.get_num_threads()} torch threads"
             )
 
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
@@ -363,7 +365,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             _destroy_process_group()
             if any(codes):
                 summary["status"] = "failed"
-                summary["error"] = f"{summary.get('error') or 'a child process failed'} (exit codes of local ranks 1..: {codes})"
+                why = summary.get("error") or "a child process failed"
+                summary["error"] = f"{why} (exit codes of local ranks 1..: {codes})"
             summary["wall_s"] = time.perf_counter() - started
             global_rank = trainer.global_rank if trainer is not None else (0 if rank0 else -1)
             if global_rank == 0:

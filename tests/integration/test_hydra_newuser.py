@@ -224,7 +224,8 @@ def test_popen_run_with_test_then_eval_under_another_layout(tmp_path):
 
     # Another layout: dp=1 x mp=1 (dense). A larger dp would pad the test set to a multiple of dp (Lightning's
     # DistributedSampler repeats samples), which moves the mean loss by ~1e-4 here.
-    proc, _ = _run(tmp_path, EVAL, *TINY, "strategy.dp=1", "strategy.mp=1", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+    ckpt = run / "checkpoints" / "last.ckpt"
+    proc, _ = _run(tmp_path, EVAL, *TINY, "strategy.dp=1", "strategy.mp=1", f"ckpt_path={ckpt}",
                    f"hydra.run.dir={tmp_path / 'eval'}")  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
