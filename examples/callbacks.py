@@ -28,7 +28,10 @@ class RunStats(Callback):
 
     Throughput counts the *global* batch (``dp`` x the local batch; MP ranks share a batch) over the time spent inside
     training steps (forward, backward, optimizer), leaving out the first ``warmup_steps`` steps (fewer in a very short
-    run: at least one step is always timed); data loading and validation are excluded. Figures that differ per rank (memory, parameters) are reduced to the max over all ranks.
+    run: at least one step is always timed); data loading and validation are excluded. Figures that differ per rank
+    (memory, parameters) are reduced to the max over all ranks. ``first_loss`` is the first training step's loss,
+    ``final_loss`` the mean over the last ``min(10, steps // 2)`` steps (the last step alone in a 1-step run); both
+    are averaged over the DP replicas.
 
     Args:
         dp: data-parallel size (the number of distinct batches per step).
@@ -54,7 +57,9 @@ class RunStats(Callback):
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         self._sync(trainer)
         self._t0 = time.perf_counter()
 
@@ -75,8 +80,10 @@ class RunStats(Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         device = trainer.strategy.root_device
         params = sum(p.numel() for p in pl_module.parameters())
-        n = min(10, len(self._losses))
-        first = sum(self._losses[:n]) / max(1, n)
+        # first_loss is the first step's loss; final_loss the mean of the last steps, at most 10 and at most half of
+        # the run, so the two never share a step unless the run has one (a shared 10-step window made them equal).
+        n = min(10, max(1, len(self._losses) // 2)) if self._losses else 0
+        first = self._losses[0] if n else 0.0
         last = sum(self._losses[-n:]) / max(1, n)
         local = torch.tensor([params, _peak_memory_mb(device), first, last], dtype=torch.float64, device=device)
         maxed = trainer.strategy.reduce(local.clone(), reduce_op="max")

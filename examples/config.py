@@ -1,19 +1,26 @@
 """Typed schemas for the Hydra configs in ``conf/`` and the OmegaConf resolvers they use.
 
 Importing this module registers the schemas in Hydra's ConfigStore. The YAML files extend them
-(``defaults: [<name>_schema, _self_]``), so a wrongly typed override such as ``strategy.dp=two`` fails while Hydra
-composes the config, with Hydra's own message, before any process starts.
+(``defaults: [/<name>_schema@_here_, _self_]``), so a wrongly typed override such as ``strategy.dp=two`` fails while
+Hydra composes the config, with Hydra's own message, before any process starts. The schemas are stored outside any
+config group, so ``--help`` does not offer them as choices (``strategy: dpmp``, not ``strategy: dpmp, dpmp_schema``).
+
+Resolvers: ``dpmp_devices`` (``trainer.devices`` from the layout) and ``dpmp_launch_time`` (the run folder's time
+stamp, the same in every process of one launch; see :func:`launch_time`).
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-__all__ = ["GPTNetConfig", "GPTModelConfig", "StrategyConfig", "TrainConfig", "register_configs"]
+__all__ = ["GPTNetConfig", "GPTModelConfig", "StrategyConfig", "TrainConfig", "launch_time", "register_configs"]
 
 
 @dataclass
@@ -74,24 +81,84 @@ class TrainConfig:
     print_config: bool = True
     summary_warmup_steps: int = 3
     cpu_threads: Optional[int] = None
+    test: bool = False
+    stage: str = "test"  # examples/eval.py only
+    debug: Any = None
+    hparams_search: Any = None
 
 
-def _devices(dp: int, mp: int, num_nodes: int = 1) -> int:
-    """``trainer.devices`` derived from the layout: processes per node = dp * mp / num_nodes."""
-    world = int(dp) * int(mp)
-    if world < 1 or int(num_nodes) < 1 or world % int(num_nodes):
+def _devices(dp: Any, mp: Any, num_nodes: Any = 1) -> int:
+    """``trainer.devices`` derived from the layout: processes per node = dp * mp / num_nodes.
+
+    A non-positive ``dp``/``mp`` gets the strategy's own message (``check_parallel_size``), not a bare arithmetic
+    error, whichever of the two resolves first.
+    """
+    from lightning_dpmp.parallel.grid import check_parallel_size  # torch only; the strategy uses the same check
+
+    check_parallel_size("dp", dp)
+    check_parallel_size("mp", mp)
+    world = dp * mp
+    if not isinstance(num_nodes, int) or num_nodes < 1 or world % num_nodes:
         raise ValueError(f"dp * mp = {world} processes cannot be split evenly over num_nodes = {num_nodes}")
-    return world // int(num_nodes)
+    return world // num_nodes
+
+
+_LAUNCH_TIME: Optional[float] = None
+
+
+def _process_start_time(pid: int) -> Optional[float]:
+    """Start time (seconds since the epoch) of process ``pid``, from /proc; None where there is no /proc."""
+    try:
+        ticks = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def launch_time() -> float:
+    """The time stamp of this launch, the same in every process that one command started.
+
+    Hydra's ``${now:}`` is read by each process on its own, so ``torchrun --nproc_per_node=4 train.py`` used to make
+    up to four run folders a second apart. The first of these that applies wins:
+
+    1. ``DPMP_LAUNCH_TIME`` (seconds since the epoch), for any launcher: ``export DPMP_LAUNCH_TIME=$(date +%s)``;
+    2. ``SLURM_JOB_START_TIME`` under SLURM (all tasks of the job agree);
+    3. under torchrun (``TORCHELASTIC_RUN_ID`` is set), the start time of the torchrun agent, the parent of every
+       local rank (so restarted workers write into the same folder too);
+    4. otherwise now, read once per process.
+    """
+    global _LAUNCH_TIME
+    if _LAUNCH_TIME is None:
+        stamp: Optional[float] = None
+        for key in ("DPMP_LAUNCH_TIME", "SLURM_JOB_START_TIME"):
+            if os.environ.get(key, "").strip():
+                try:
+                    stamp = float(os.environ[key])
+                    break
+                except ValueError:
+                    pass
+        if stamp is None and "TORCHELASTIC_RUN_ID" in os.environ:
+            stamp = _process_start_time(os.getppid())
+        _LAUNCH_TIME = stamp if stamp is not None else time.time()
+    return _LAUNCH_TIME
+
+
+def _launch_time_resolver(fmt: str) -> str:
+    return datetime.datetime.fromtimestamp(launch_time()).strftime(fmt)
 
 
 def register_configs() -> None:
-    """Registers the schemas (idempotent) and the ``dpmp_devices`` / ``mul`` resolvers."""
+    """Registers the schemas (idempotent) and the ``dpmp_devices`` / ``dpmp_launch_time`` / ``mul`` resolvers."""
     cs = ConfigStore.instance()
+    # No group: a group's stored configs are listed as its choices in --help.
     cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="strategy", name="dpmp_schema", node=StrategyConfig)
-    cs.store(group="model", name="gpt_schema", node=GPTModelConfig)
+    cs.store(name="dpmp_strategy_schema", node=StrategyConfig)
+    cs.store(name="gpt_model_schema", node=GPTModelConfig)
     if not OmegaConf.has_resolver("dpmp_devices"):
         OmegaConf.register_new_resolver("dpmp_devices", _devices)
+    if not OmegaConf.has_resolver("dpmp_launch_time"):
+        OmegaConf.register_new_resolver("dpmp_launch_time", _launch_time_resolver, use_cache=True)
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda *xs: __import__("math").prod(xs))
 

@@ -151,3 +151,7 @@ class TextDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split again (there is no third split): what ``test=true`` and examples/eval.py report."""
+        return self.val_dataloader()

@@ -169,6 +169,7 @@ class GPTLitModule(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.net(idx)
@@ -186,6 +187,10 @@ class GPTLitModule(pl.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.val_loss.update(self._loss(batch))
         self.log("val/loss", self.val_loss, prog_bar=True, on_step=False, on_epoch=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.test_loss.update(self._loss(batch))
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> Any:
         total = self.trainer.estimated_stepping_batches if self.trainer is not None else 1

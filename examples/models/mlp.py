@@ -89,6 +89,8 @@ class MLPLitModule(pl.LightningModule):
         self.scheduler_factory = scheduler
         self.val_loss = MeanMetric()
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_loss = MeanMetric()
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -106,6 +108,14 @@ class MLPLitModule(pl.LightningModule):
         self.val_acc.update(logits, y)
         self.log("val/loss", self.val_loss, prog_bar=True, on_step=False, on_epoch=True)
         self.log("val/acc", self.val_acc, prog_bar=True, on_step=False, on_epoch=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.test_loss.update(F.cross_entropy(logits, y))
+        self.test_acc.update(logits, y)
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
+        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> Any:
         total = self.trainer.estimated_stepping_batches if self.trainer is not None else 1

@@ -36,6 +36,11 @@ COMMANDS: dict[str, tuple[str, list[str]]] = {
     "torchrun --standalone --nproc_per_node=4 examples/train.py strategy.dp=2 strategy.mp=2": ("run", FEW_STEPS + SMALL_TEXT),
     "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HOST:29500 examples/train.py trainer=gpu trainer.num_nodes=2 strategy.dp=2 strategy.mp=8": ("compose", []),
     "python examples/train.py -m hydra/launcher=submitit_slurm trainer=gpu trainer.num_nodes=2 strategy.dp=4 strategy.mp=4 hydra.launcher.partition=<partition>": ("compose", []),
+    "python examples/train.py test=true": ("elsewhere", ["tests/integration/test_hydra_newuser.py::test_popen_run_with_test_then_eval_under_another_layout"]),
+    "python examples/eval.py ckpt_path=outputs/train/<date>/<time>/checkpoints/last.ckpt": ("elsewhere", ["tests/integration/test_hydra_newuser.py::test_popen_run_with_test_then_eval_under_another_layout"]),
+    "python examples/train.py debug=default": ("run", SMALL_TEXT),
+    "python examples/train.py debug=overfit": ("run", SMALL_TEXT + ["trainer.max_steps=4"]),
+    "python examples/train.py debug=profiler": ("run", SMALL_TEXT + ["trainer.max_steps=3", "trainer.val_check_interval=3"]),
     "python -m lightning_dpmp.convert checkpoints/last.ckpt last-consolidated.ckpt": ("elsewhere", ["tests/distributed/test_checkpoint.py (sharded -> consolidated conversion)"]),
     "python -m lightning_dpmp.costmodel --model gpt-7b --hardware dgx-a100 --devices 64": ("run", []),
 }
