@@ -215,7 +215,8 @@ def warn_if_data_smaller_than_dp(loaders: Any, use_distributed_sampler: bool, dp
             msg = (
                 f"DPMPStrategy(dp={dp}): the training dataset ({type(dataset).__name__}) has {n} sample(s), fewer than"
                 f" dp={dp}. The DistributedSampler gives every replica one sample by repeating {dp - n} of them, so"
-                f" those count twice in each averaged gradient. Use dp <= {n} (and a larger mp), or more data."
+                f" repeated samples count more than once in each averaged gradient. Use dp <= {n} (and a larger mp),"
+                " or more data."
             )
             warnings.warn(msg, DataSizeWarning, stacklevel=2)
             return msg

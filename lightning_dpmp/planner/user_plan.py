@@ -71,7 +71,10 @@ def check_plan_on_model(model: nn.Module, user_plan: Optional[Mapping[str, str]]
     names = [n for n, _ in model.named_modules() if n]
     for pattern in user_plan:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            hint = _did_you_mean(pattern, names) or (f"; its modules include {', '.join(names[:6])}" if names else "")
+            # A glob is compared with globs: 'blocks.0.fc1' also offered as 'blocks.*.fc1'.
+            globs = {".".join("*" if part.isdigit() else part for part in n.split(".")) for n in names}
+            offered = names + sorted(globs) if "*" in pattern else names
+            hint = _did_you_mean(pattern, offered) or (f"; its modules include {', '.join(names[:6])}" if names else "")
             raise ValueError(
                 f"plan pattern {pattern!r} matches no module of {type(model).__name__}{hint}. Patterns are globs on"
                 " the names of model.named_modules() (e.g. 'blocks.*.mlp.fc1'); a plan that does not apply is refused"
