@@ -27,6 +27,7 @@ import contextlib
 import difflib
 import inspect
 import os
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
@@ -118,17 +119,20 @@ def _same(value: Any, default: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------- before launch
 @contextlib.contextmanager
-def only_rank_zero_reports(global_rank: int) -> Iterator[None]:
+def only_rank_zero_reports(global_rank: int, grace_s: float = 10.0) -> Iterator[None]:
     """On rank 0 an input error propagates; on the other ranks it becomes a quiet ``SystemExit(1)``.
 
     Use it only around checks that fail the same way on every rank (they read the same arguments and model), so
-    that rank 0 is sure to report what the others leave unsaid.
+    that rank 0 is sure to report what the others leave unsaid. The other ranks wait up to ``grace_s`` first:
+    exiting at once, a rank would be torchrun's "root cause" and rank 0 could be SIGTERMed before its message is
+    out (seen). Rank 0's exit ends them sooner (torchrun's agent, or the popen children's parent-death signal).
     """
     try:
         yield
     except _INPUT_ERRORS:
         if global_rank == 0:
             raise
+        time.sleep(grace_s)
         raise SystemExit(1) from None
 
 

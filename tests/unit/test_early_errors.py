@@ -199,11 +199,11 @@ def test_only_rank_zero_reports_others_exit_quietly():
         with only_rank_zero_reports(0):
             raise ValueError("bad")
     with pytest.raises(SystemExit) as exit_:
-        with only_rank_zero_reports(3):
+        with only_rank_zero_reports(3, grace_s=0.0):
             raise ValueError("bad")
     assert exit_.value.code == 1 and exit_.value.__cause__ is None and exit_.value.__suppress_context__
     with pytest.raises(RuntimeError):  # not an input error: every rank reports it
-        with only_rank_zero_reports(3):
+        with only_rank_zero_reports(3, grace_s=0.0):
             raise RuntimeError("collective failed")
 
 
