@@ -40,6 +40,7 @@ def test_print_config_loads_back_and_trains(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(proc.stdout)
     assert "class_path: lightning_dpmp.DPMPStrategy" in proc.stdout and "process_group: null" in proc.stdout
-    proc = run_script([WORKER, "fit", "--config", str(config)], timeout=300)
+    # default_root_dir: LightningCLI writes its config.yaml there (else into the repo root).
+    proc = run_script([WORKER, "fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path}"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "TRAINED global_step=2 grid=1x2" in proc.stdout
