@@ -43,6 +43,7 @@ from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_dpmp.integration.validate import check_before_launch
 
 __all__ = ["DPMPScriptLauncher", "hydra_child_command", "launch_environment"]
 
@@ -88,6 +89,8 @@ class DPMPScriptLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if trainer is not None:  # the model and ckpt_path are known: check them before any child starts
+            check_before_launch(trainer, function, args, kwargs)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             self._observer = _ChildObserver(self.procs, main_pid=os.getpid(), grace_period_s=self.grace_period_s)

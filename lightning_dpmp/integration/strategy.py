@@ -33,7 +33,7 @@ from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.checkpoint.consolidated import (
     consolidate_optimizer,
 )
-from lightning_dpmp.integration import hooks
+from lightning_dpmp.integration import hooks, validate
 from lightning_dpmp.integration.failfast import (
     check_backend,
     check_sync_batchnorm,
@@ -126,8 +126,9 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         if zero and save_distributed_checkpoint:
             raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
         self._zero = zero
-        if "process_group" in ddp_kwargs:
-            raise ValueError("DPMPStrategy builds the DP process group itself; do not pass `process_group`.")
+        validate.check_init_args(plan, sequence_parallel, verify_plan, consolidate_on_teardown,
+                                 save_distributed_checkpoint, process_group_backend, start_method)
+        ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -213,6 +214,7 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         if trainer is not None and self.is_global_zero:
             use_sampler = trainer._accelerator_connector.use_distributed_sampler
             warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
+            validate.warn_if_data_smaller_than_dp(trainer.train_dataloader, use_sampler, self.dp)
         super().on_train_start()
 
     @override
@@ -299,6 +301,7 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     def _parallelize(self, trainer: "pl.Trainer", meta: bool) -> None:
         lm = self.lightning_module
         assert lm is not None
+        validate.check_plan_at_setup(lm, self._user_plan, self.mp, self.global_rank)  # a configure_model model
         self._broadcast_dense(lm)
         batch, notes = first_batch(trainer, self)
         run = step_runner(trainer, self, batch, meta) if batch is not None else None
@@ -314,6 +317,8 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         names = set(sp.partial_params) if sp is not None else set()
         self._sequence_partial = [p for n, p in lm.named_parameters() if n in names]
         self._split_params = {id(p) for n, p in lm.named_parameters() if n in shard_dims(lm)}
+        if self.is_global_zero:
+            validate.warn_if_mp_idle(len(self._split_params), self.dp, self.mp)
         rank_zero_info(f"{self._plan_result.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
 
     def _broadcast_dense(self, module: torch.nn.Module) -> None:

@@ -43,6 +43,7 @@ from lightning_dpmp.checkpoint.consolidated import (
     shard_state_dict,
     write_on_rank_zero,
 )
+from lightning_dpmp.checkpoint.integrity import load_checked
 from lightning_dpmp.parallel.layers import shard_blocks, shard_dims
 from lightning_dpmp.integration.zero import is_zero, zero_state_dict
 
@@ -132,7 +133,7 @@ class CheckpointMixin(DDPStrategy):
             return load_sharded(found, lm, self.optimizers, self.grid, lm.strict_loading, self.root_device.type)
         if "://" in found or not os.path.exists(found):
             return self.checkpoint_io.load_checkpoint(found, weights_only=True)
-        return load_file(found)
+        return load_checked(found, load_file)  # a truncated file: named, and said to be incomplete
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -1,23 +1,92 @@
 """Resolve a user plan (``{glob: style}`` on module names) to one style per layer, with clear errors.
 
+* :func:`check_styles`: the plan's types and style names, with a did-you-mean (no model needed: construction time).
+* :func:`check_plan_on_model`: the globs against the model's structure, before any process starts: a glob that
+  matches nothing, or only modules that cannot be styled, and forced splits that ``mp`` does not divide.
+* :func:`user_styles`: the full resolution, at plan time, once the traced step has found linear-like layers.
+
 Example:
     >>> user_styles(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2, {})  # doctest: +SKIP
     {'1': 'row'}
+    >>> check_styles({"blocks.*.fc1": "colum"})
+    Traceback (most recent call last):
+    ...
+    ValueError: plan['blocks.*.fc1'] = 'colum' is not a style (did you mean 'column'?); choose one of column, row, column_gather, vocab, experts, heads, replicate.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import warnings
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
-from lightning_dpmp.planner.linear_like import LinearForm
+from lightning_dpmp.planner.linear_like import LinearForm, candidate_params, form_of_linear
 from lightning_dpmp.planner.styles import STYLES
+from lightning_dpmp.planner.trace import is_linear
 
-__all__ = ["user_styles"]
+__all__ = ["check_plan_on_model", "check_styles", "user_styles"]
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_styles(user_plan: Any) -> None:
+    """Refuse a plan that is not a ``{str glob: str style}`` mapping, or names a style that does not exist."""
+    if user_plan is None:
+        return
+    if not isinstance(user_plan, Mapping):
+        raise TypeError(
+            f"`plan` must be a mapping of module-name glob -> style, e.g. {{'blocks.*.fc1': 'column'}}, got"
+            f" {type(user_plan).__name__} {user_plan!r}."
+        )
+    for pattern, style in user_plan.items():
+        if not isinstance(pattern, str) or not isinstance(style, str):
+            raise TypeError(
+                f"`plan` entries must be str glob -> str style, got {pattern!r} ({type(pattern).__name__}) ->"
+                f" {style!r} ({type(style).__name__})."
+            )
+        if style not in STYLES:
+            raise ValueError(
+                f"plan[{pattern!r}] = {style!r} is not a style{_did_you_mean(style, list(STYLES))}; choose one of"
+                f" {', '.join(STYLES)}."
+            )
+
+
+def check_plan_on_model(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int) -> None:
+    """What the model's structure alone can refute in ``user_plan``, before anything is traced or launched.
+
+    Raises for a glob that matches no module (with the closest module name), and for every error
+    :func:`user_styles` finds when each leaf *shaped* like a linear-like layer is taken to be one of any width: such
+    a leaf (GPT-2's ``Conv1D``) is only recognised by tracing, so no certain error is raised about it here.
+    """
+    check_styles(user_plan)
+    if not user_plan:
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern in user_plan:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            # A glob is compared with globs: 'blocks.0.fc1' also offered as 'blocks.*.fc1'.
+            globs = {".".join("*" if part.isdigit() else part for part in n.split(".")) for n in names}
+            offered = names + sorted(globs) if "*" in pattern else names
+            hint = _did_you_mean(pattern, offered) or (f"; its modules include {', '.join(names[:6])}" if names else "")
+            raise ValueError(
+                f"plan pattern {pattern!r} matches no module of {type(model).__name__}{hint}. Patterns are globs on"
+                " the names of model.named_modules() (e.g. 'blocks.*.mlp.fc1'); a plan that does not apply is refused"
+                " rather than ignored."
+            )
+    forms: dict[str, LinearForm] = {}
+    for n, m in model.named_modules():
+        if is_linear(m):
+            forms[n] = form_of_linear(m)
+        elif candidate_params(m) is not None:  # possibly linear-like: a width every mp divides, so nothing fails
+            forms[n] = LinearForm(mp, mp)
+    user_styles(model, user_plan, mp, forms)
 
 
 def user_styles(
@@ -29,9 +98,8 @@ def user_styles(
         return forced
     modules = dict(model.named_modules())
     inside_mha = {f"{n}.{c}" for n, m in modules.items() if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()}
+    check_styles(user_plan)
     for pattern, style in user_plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}] = {style!r} is not a style; choose one of {', '.join(STYLES)}.")
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")

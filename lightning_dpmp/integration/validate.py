@@ -1,0 +1,237 @@
+"""Check what the user gave as early as it is known, and say it once: at construction, before launch, at setup.
+
+A bad argument found after the processes started costs a trace of the model and prints one traceback per rank
+(48 s and 4 tracebacks for a misspelt style name; 8 under Hydra). So each check runs at the first point where
+its information exists:
+
+* construction (:func:`check_init_args`, :func:`ddp_kwargs_from_user`): the types and values of every plain
+  constructor argument, and style names with a did-you-mean. No model, no processes.
+* before launch (:func:`check_before_launch`, called by the launcher with ``fit``'s arguments): the plan's globs and
+  forced splits against the model's structure, and ``ckpt_path`` (exists, not truncated). Only the launching
+  process runs it with the popen launcher; under torchrun every rank does, and only rank 0 reports.
+* setup (:func:`check_plan_at_setup`): the same plan checks for a model built in ``configure_model``; rank 0 raises,
+  the other ranks exit quietly with code 1 (:func:`only_rank_zero_reports`).
+* after planning and at train start, warnings on rank 0: mp > 1 that splits nothing (:func:`warn_if_mp_idle`), a
+  dataset smaller than dp (:func:`warn_if_data_smaller_than_dp`).
+
+Example:
+    >>> check_init_args(plan={"fc1": "colum"})
+    Traceback (most recent call last):
+    ...
+    ValueError: plan['fc1'] = 'colum' is not a style (did you mean 'column'?); choose one of column, row, column_gather, vocab, experts, heads, replicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, Optional
+
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import IterableDataset
+
+from lightning_dpmp.checkpoint.integrity import check_checkpoint_file
+from lightning_dpmp.planner.user_plan import check_plan_on_model, check_styles
+
+__all__ = [
+    "DataSizeWarning",
+    "IdleModelParallelWarning",
+    "check_before_launch",
+    "check_ckpt_path",
+    "check_init_args",
+    "check_plan_at_setup",
+    "ddp_kwargs_from_user",
+    "only_rank_zero_reports",
+    "warn_if_data_smaller_than_dp",
+    "warn_if_mp_idle",
+]
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_FLAGS = ("sequence_parallel", "verify_plan", "consolidate_on_teardown", "save_distributed_checkpoint")
+# ckpt_path values Lightning resolves itself (checkpoint connector), not file names.
+_SPECIAL_CKPT = ("last", "best", "hpc", "registry")
+# Errors that describe the user's input: the ones a non-zero rank leaves to rank 0 to report.
+_INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError)
+
+
+class IdleModelParallelWarning(UserWarning):
+    """``mp > 1``, but the plan splits no parameter: every MP rank computes the whole model."""
+
+
+class DataSizeWarning(UserWarning):
+    """The training dataset is smaller than ``dp``: the DistributedSampler repeats samples to give each replica one."""
+
+
+# ---------------------------------------------------------------------------------------------- construction
+def check_init_args(
+    plan: Any = None,
+    sequence_parallel: Any = False,
+    verify_plan: Any = True,
+    consolidate_on_teardown: Any = True,
+    save_distributed_checkpoint: Any = False,
+    process_group_backend: Any = None,
+    start_method: Any = "popen",
+) -> None:
+    """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (``dp``, ``mp``,
+    ``timeout_s``, ``zero`` and ``check_consistency_every_n_steps`` are checked where they are used)."""
+    check_styles(plan)
+    values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+    if process_group_backend is not None and not isinstance(process_group_backend, str):
+        raise TypeError(
+            f"`process_group_backend` must be a backend name ('gloo', 'nccl') or None, got {process_group_backend!r}."
+        )
+    if start_method not in _START_METHODS:
+        close = difflib.get_close_matches(str(start_method), _START_METHODS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"`start_method` must be one of {', '.join(_START_METHODS)}, got {start_method!r}{hint}.")
+
+
+def ddp_kwargs_from_user(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``**ddp_kwargs`` to keep: those that differ from ``DistributedDataParallel``'s own defaults.
+
+    LightningCLI (jsonargparse) fills every parameter of the signature behind ``**kwargs``, ``process_group=None``
+    included; a default changes nothing, so it is dropped. A real ``process_group`` or ``device_mesh`` is refused:
+    the strategy builds the DP group itself.
+    """
+    for key in ("process_group", "device_mesh"):
+        if ddp_kwargs.get(key) is not None:
+            raise ValueError(f"DPMPStrategy builds the DP process group itself; do not pass `{key}`.")
+    defaults = {
+        n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return {k: v for k, v in ddp_kwargs.items() if not (k in defaults and _same(v, defaults[k]))}
+
+
+def _same(value: Any, default: Any) -> bool:
+    if value is None or default is None or isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return type(value) is type(default) and isinstance(value, (int, float, str)) and value == default
+
+
+# ---------------------------------------------------------------------------------------------- before launch
+@contextlib.contextmanager
+def only_rank_zero_reports(global_rank: int, grace_s: float = 10.0) -> Iterator[None]:
+    """On rank 0 an input error propagates; on the other ranks it becomes a quiet ``SystemExit(1)``.
+
+    Use it only around checks that fail the same way on every rank (they read the same arguments and model), so
+    that rank 0 is sure to report what the others leave unsaid. The other ranks wait up to ``grace_s`` first:
+    exiting at once, a rank would be torchrun's "root cause" and rank 0 could be SIGTERMed before its message is
+    out (seen). Rank 0's exit ends them sooner (torchrun's agent, or the popen children's parent-death signal).
+    """
+    try:
+        yield
+    except _INPUT_ERRORS:
+        if global_rank == 0:
+            raise
+        time.sleep(grace_s)
+        raise SystemExit(1) from None
+
+
+def check_ckpt_path(ckpt_path: Any) -> None:
+    """A local ``ckpt_path`` must exist and, if it is a file, be a complete ``torch.save`` archive."""
+    if ckpt_path is None:
+        return
+    path = os.fspath(ckpt_path)
+    if not isinstance(path, str) or "://" in path or path in _SPECIAL_CKPT or path.startswith("registry:"):
+        return
+    from lightning_dpmp.checkpoint.consolidated import recover_path
+
+    found = recover_path(path)
+    if not os.path.exists(found):
+        folder = os.path.dirname(os.path.abspath(path))
+        near = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        close = difflib.get_close_matches(os.path.basename(path), near, n=1)
+        hint = f" Did you mean {os.path.join(os.path.dirname(path), close[0])!r}?" if close else ""
+        where = "" if os.path.isdir(folder) else f" (the folder {folder!r} does not exist either)"
+        raise FileNotFoundError(f"ckpt_path={path!r} does not exist{where}.{hint}")
+    if os.path.isfile(found):
+        check_checkpoint_file(found)
+
+
+def _call_arguments(function: Callable, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        return dict(inspect.signature(function).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return {}
+
+
+def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: Mapping[str, Any]) -> None:
+    """The checks that need the model or ``ckpt_path``: run by the launcher before any child process starts.
+
+    ``function`` is the Trainer's ``_fit_impl`` (or ``_validate_impl`` ...) and ``args``/``kwargs`` are the
+    arguments it will get; they are read by name, so their order does not matter.
+    """
+    strategy = trainer.strategy
+    call = _call_arguments(function, args, kwargs)
+    with only_rank_zero_reports(strategy.global_rank):
+        check_ckpt_path(call.get("ckpt_path"))
+        model = call.get("model")
+        if model is not None and not _builds_in_configure_model(model):
+            check_plan_on_model(model, getattr(strategy, "_user_plan", None), strategy.mp)
+
+
+def _builds_in_configure_model(model: Any) -> bool:
+    """Whether layers may still appear in ``configure_model`` (then the structure is only known at setup)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return is_overridden("configure_model", model) or is_overridden("configure_sharded_model", model)
+
+
+# ---------------------------------------------------------------------------------------------- setup and training
+def check_plan_at_setup(model: Any, user_plan: Optional[Mapping[str, str]], mp: int, global_rank: int) -> None:
+    """The plan checks of :func:`check_before_launch`, on the model as ``configure_model`` left it (every rank)."""
+    with only_rank_zero_reports(global_rank):
+        check_plan_on_model(model, user_plan, mp)
+
+
+def warn_if_mp_idle(n_split_params: int, dp: int, mp: int) -> Optional[str]:
+    """Warn (and return the message) when ``mp > 1`` but the plan split no parameter. Call it on rank 0 only."""
+    if mp <= 1 or n_split_params:
+        return None
+    msg = (
+        f"DPMPStrategy(dp={dp}, mp={mp}): the plan splits no parameter of this model, so each of the mp={mp} ranks of"
+        f" an MP group computes the whole model on the same batch. Use mp=1 and dp={dp * mp} on the same devices (each"
+        " rank then trains on its own batches), or see the plan printout for why each layer stays whole."
+    )
+    warnings.warn(msg, IdleModelParallelWarning, stacklevel=2)
+    return msg
+
+
+def warn_if_data_smaller_than_dp(loaders: Any, use_distributed_sampler: bool, dp: int) -> Optional[str]:
+    """Warn (and return the message) when a training dataset has fewer samples than ``dp``. Call it on rank 0 only."""
+    if dp <= 1 or not use_distributed_sampler:
+        return None
+    for loader in _loaders(loaders):
+        dataset = getattr(loader, "dataset", None)
+        if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            continue
+        n = len(dataset)
+        if n < dp:
+            msg = (
+                f"DPMPStrategy(dp={dp}): the training dataset ({type(dataset).__name__}) has {n} sample(s), fewer than"
+                f" dp={dp}. The DistributedSampler gives every replica one sample by repeating {dp - n} of them, so"
+                f" repeated samples count more than once in each averaged gradient. Use dp <= {n} (and a larger mp),"
+                " or more data."
+            )
+            warnings.warn(msg, DataSizeWarning, stacklevel=2)
+            return msg
+    return None
+
+
+def _loaders(obj: Any) -> list[Any]:
+    if isinstance(obj, Mapping):
+        return [x for v in obj.values() for x in _loaders(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _loaders(v)]
+    if hasattr(obj, "flattened"):  # Lightning's CombinedLoader
+        return _loaders(list(obj.flattened))
+    return [] if obj is None else [obj]
