@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.layers import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
 
 __all__ = [
     "CheckpointMismatchError",

@@ -60,7 +60,7 @@ from lightning_dpmp.checkpoint.consolidated import (
 )
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.layers import shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
 
 __all__ = ["LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"]
 

@@ -43,7 +43,7 @@ from lightning_dpmp.checkpoint.consolidated import (
     shard_state_dict,
     write_on_rank_zero,
 )
-from lightning_dpmp.parallel.layers import shard_blocks, shard_dims
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 from lightning_dpmp.integration.zero import is_zero, zero_state_dict
 
 __all__ = ["CheckpointMixin"]

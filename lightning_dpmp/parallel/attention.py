@@ -32,7 +32,9 @@ from torch import Tensor, nn
 from typing_extensions import Self
 
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group
-from lightning_dpmp.parallel.layers import RowParallelLinear, SharedInputCopy, _ParallelLinear, dense_template, divide
+from lightning_dpmp.parallel.entry import SharedInputCopy
+from lightning_dpmp.parallel.layers import RowParallelLinear
+from lightning_dpmp.parallel.sharding import _ParallelLinear, dense_template, divide
 
 __all__ = ["HeadParallelMultiheadAttention", "unsupported_reason"]
 
