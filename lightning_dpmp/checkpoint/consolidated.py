@@ -13,7 +13,10 @@ writes); no other rank ever holds more than its own shards. Loading maps the fil
 reads only the slices it keeps.
 
 Example:
-    >>> state = gather_state_dict(module.state_dict(), shard_dims(module), grid.mp_group)  # doctest: +SKIP
+    >>> module = nn.Linear(2, 2)
+    >>> state = gather_state_dict(module.state_dict(), shard_dims(module), grid.mp_group)
+    >>> sorted(state)
+    ['bias', 'weight']
 """
 
 from __future__ import annotations

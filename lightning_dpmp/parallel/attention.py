@@ -16,8 +16,9 @@ like the dense module. The computation mirrors ``F.multi_head_attention_forward`
 count, so a float64 run matches the dense module to rounding.
 
 Example:
-    >>> attn = HeadParallelMultiheadAttention.from_dense(nn.MultiheadAttention(32, 4), grid.mp_group)  # doctest: +SKIP
-    >>> attn.to_dense()   # the nn.MultiheadAttention again, gathered (collective)  # doctest: +SKIP
+    >>> attn = HeadParallelMultiheadAttention.from_dense(nn.MultiheadAttention(32, 4), grid.mp_group)
+    >>> attn.to_dense()   # the nn.MultiheadAttention again, gathered (collective)
+    MultiheadAttention(...)
 """
 
 from __future__ import annotations

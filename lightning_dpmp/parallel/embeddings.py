@@ -28,7 +28,7 @@ class VocabParallelEmbedding(_ParallelLinear):
     (backward: identity; each rank's weight gradient touches only its own rows).
 
     Example:
-        >>> emb = VocabParallelEmbedding.from_dense(nn.Embedding(256, 64), grid.mp_group)  # weight (256 // mp, 64)  # doctest: +SKIP
+        >>> emb = VocabParallelEmbedding.from_dense(nn.Embedding(256, 64), grid.mp_group)  # weight (256 // mp, 64)
     """
 
     _shard_dims = {"weight": 0}
@@ -96,7 +96,7 @@ class ColumnParallelEmbedding(VocabParallelEmbedding):
     communication at all, forward or backward (the ids carry no gradient).
 
     Example:
-        >>> bias = ColumnParallelEmbedding.from_dense(nn.Embedding(32, 8), grid.mp_group)  # weight (32, 8 // mp)  # doctest: +SKIP
+        >>> bias = ColumnParallelEmbedding.from_dense(nn.Embedding(32, 8), grid.mp_group)  # weight (32, 8 // mp)
     """
 
     _shard_dims = {"weight": 1}

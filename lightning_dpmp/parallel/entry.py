@@ -22,8 +22,10 @@ class SharedInputCopy:
     each; sharing the entry makes autograd sum their gradients first, so the group pays one all-reduce.
 
     Example:
-        >>> entry = SharedInputCopy(grid.mp_group)                         # doctest: +SKIP
-        >>> q = ColumnParallelLinear.from_dense(q, grid.mp_group, shared_input=entry)  # doctest: +SKIP
+        >>> from lightning_dpmp.parallel.layers import ColumnParallelLinear
+        >>> entry = SharedInputCopy(grid.mp_group)
+        >>> q = ColumnParallelLinear.from_dense(torch.nn.Linear(8, 8), grid.mp_group, shared_input=entry)
+        >>> k = ColumnParallelLinear.from_dense(torch.nn.Linear(8, 8), grid.mp_group, shared_input=entry)
     """
 
     def __init__(self, group: Any, sequence_dim: Any = None) -> None:

@@ -21,8 +21,8 @@ embeddings in :mod:`lightning_dpmp.parallel.embeddings`.
 
 Example:
     >>> dense = nn.Linear(16, 64)
-    >>> fc1 = ColumnParallelLinear.from_dense(dense, grid.mp_group)   # doctest: +SKIP
-    >>> fc1.to_dense().weight.equal(dense.weight)                     # doctest: +SKIP
+    >>> fc1 = ColumnParallelLinear.from_dense(dense, grid.mp_group)
+    >>> fc1.to_dense().weight.equal(dense.weight)
     True
 """
 
@@ -60,7 +60,7 @@ class ColumnParallelLinear(_ParallelLinear):
         name: the module name, for error messages of the sharded logits.
 
     Example:
-        >>> fc = ColumnParallelLinear(16, 64, group=grid.mp_group)  # weight: (64 // mp, 16)  # doctest: +SKIP
+        >>> fc = ColumnParallelLinear(16, 64, group=grid.mp_group)  # weight: (64 // mp, 16)
     """
 
     _shard_dims = {"weight": 0, "bias": 0}
@@ -134,7 +134,7 @@ class RowParallelLinear(_ParallelLinear):
             replicated input is split here (backward: all-gather).
 
     Example:
-        >>> fc = RowParallelLinear(64, 16, group=grid.mp_group)  # weight: (16, 64 // mp)  # doctest: +SKIP
+        >>> fc = RowParallelLinear(64, 16, group=grid.mp_group)  # weight: (16, 64 // mp)
     """
 
     _shard_dims = {"weight": 1, "bias": None}

@@ -13,9 +13,13 @@ are in :mod:`lightning_dpmp.planner.flow_values` (element-wise, reductions, loss
 :mod:`lightning_dpmp.planner.flow_layout` (reshapes, transposes, indexing, concatenation, splits).
 
 Example:
-    >>> flow = analyse(trace, linears, mp=2, forced={})          # doctest: +SKIP
-    >>> flow.roles                                                # doctest: +SKIP
-    {'blocks.0.attn.q_proj': 'column', ..., 'blocks.0.attn.out_proj': 'row', 'lm_head': 'vocab'}
+    >>> import torch
+    >>> from lightning_dpmp.planner.trace import trace_step
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    >>> trace = trace_step(model, lambda: model(torch.randn(2, 4)).sum())
+    >>> flow = analyse(trace, {"0": model[0], "2": model[2]}, mp=2, forced={})
+    >>> flow.roles                   # a GPT: {'blocks.0.attn.q_proj': 'column', ..., 'lm_head': 'vocab'}
+    {'0': 'column', '2': 'row'}
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Resolve a user plan (``{glob: style}`` on module names) to one style per layer, with clear errors.
 
 Example:
-    >>> user_styles(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2, {})  # doctest: +SKIP
+    >>> forms = {"0": LinearForm(4, 8), "1": LinearForm(8, 4)}           # the linear-like layers, by name
+    >>> user_styles(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2, forms)
     {'1': 'row'}
 """
 
