@@ -119,7 +119,8 @@ def main() -> None:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the ranks share")
     p.add_argument("--out", default="benchmarks/results/costmodel.md")
     args = p.parse_args()
-    from lightning_dpmp.tools.costmodel import MODELS, GPTShape, Hardware, format_table, predict, recommend
+    from lightning_dpmp.tools.costmodel import GPTShape, Hardware, predict, recommend
+    from lightning_dpmp.tools.costmodel_cli import MODELS, format_table
 
     bench = json.loads(Path(args.results).read_text())
     a, rows = bench["args"], bench["rows"]

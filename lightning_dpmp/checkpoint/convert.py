@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from lightning_dpmp.checkpoint.consolidated import atomic_save
+from lightning_dpmp.checkpoint.files import atomic_save
 from lightning_dpmp.checkpoint.sharded import load_sharded_full
 
 __all__ = ["convert", "main"]

@@ -49,18 +49,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_dpmp.checkpoint.consolidated import (
     CheckpointMismatchError,
-    atomic_save,
     check_state_matches,
     dense_shapes,
-    fsync_dir,
     optimizer_param_blocks,
     optimizer_param_dims,
     optimizer_param_names,
-    replace_path,
 )
+from lightning_dpmp.checkpoint.files import atomic_save, fsync_dir, replace_path
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.layers import shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
 
 __all__ = ["LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"]
 

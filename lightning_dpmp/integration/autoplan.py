@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.layers import shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
 from lightning_dpmp.planner.parallelize import parallelize, restore
 from lightning_dpmp.planner.plan import Plan, make_plan
 from lightning_dpmp.planner.sequence import plan_sequence_parallel

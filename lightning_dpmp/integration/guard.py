@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_dpmp.parallel.layers import shard_dims
+from lightning_dpmp.parallel.sharding import shard_dims
 
 __all__ = ["ConsistencyGuard", "ReplicaDivergenceError", "batch_checksum", "first_divergence", "tensor_checksum"]
 

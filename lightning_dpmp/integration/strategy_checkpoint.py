@@ -27,24 +27,25 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpmp.checkpoint.consolidated import (
-    atomic_save,
     check_state_matches,
     consolidate_optimizer_state,
     dense_shapes,
     gather_state_dict,
-    layout_info,
-    load_file,
-    make_weights_only_safe,
     optimizer_param_blocks,
     optimizer_param_dims,
-    recover_path,
-    restore_rng_from,
     shard_optimizer_state,
     shard_state_dict,
+)
+from lightning_dpmp.checkpoint.files import (
+    atomic_save,
+    load_file,
+    make_weights_only_safe,
+    recover_path,
     write_on_rank_zero,
 )
 from lightning_dpmp.checkpoint.integrity import load_checked
-from lightning_dpmp.parallel.layers import shard_blocks, shard_dims
+from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 from lightning_dpmp.integration.zero import is_zero, zero_state_dict
 
 __all__ = ["CheckpointMixin"]

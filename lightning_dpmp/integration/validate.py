@@ -143,7 +143,7 @@ def check_ckpt_path(ckpt_path: Any) -> None:
     path = os.fspath(ckpt_path)
     if not isinstance(path, str) or "://" in path or path in _SPECIAL_CKPT or path.startswith("registry:"):
         return
-    from lightning_dpmp.checkpoint.consolidated import recover_path
+    from lightning_dpmp.checkpoint.files import recover_path
 
     found = recover_path(path)
     if not os.path.exists(found):

@@ -16,8 +16,9 @@ like the dense module. The computation mirrors ``F.multi_head_attention_forward`
 count, so a float64 run matches the dense module to rounding.
 
 Example:
-    >>> attn = HeadParallelMultiheadAttention.from_dense(nn.MultiheadAttention(32, 4), grid.mp_group)  # doctest: +SKIP
-    >>> attn.to_dense()   # the nn.MultiheadAttention again, gathered (collective)  # doctest: +SKIP
+    >>> attn = HeadParallelMultiheadAttention.from_dense(nn.MultiheadAttention(32, 4), grid.mp_group)
+    >>> attn.to_dense()   # the nn.MultiheadAttention again, gathered (collective)
+    MultiheadAttention(...)
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from torch import Tensor, nn
 from typing_extensions import Self
 
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group
-from lightning_dpmp.parallel.layers import RowParallelLinear, SharedInputCopy, _ParallelLinear, dense_template, divide
+from lightning_dpmp.parallel.entry import SharedInputCopy
+from lightning_dpmp.parallel.layers import RowParallelLinear
+from lightning_dpmp.parallel.sharding import _ParallelLinear, dense_template, divide
 
 __all__ = ["HeadParallelMultiheadAttention", "unsupported_reason"]
 

@@ -5,8 +5,9 @@ reduces, the other copies, and what one gathers, the other splits. All of them a
 one member, so ``mp=1`` costs nothing. ``dim`` names a tensor dimension (the last, feature, one by default).
 
 Example:
-    >>> y = copy_to_group(x, grid.mp_group)        # forward: identity, backward: all-reduce  # doctest: +SKIP
-    >>> z = reduce_from_group(partial, grid.mp_group)  # forward: all-reduce, backward: identity  # doctest: +SKIP
+    >>> x = partial = torch.ones(2, 4)
+    >>> y = copy_to_group(x, grid.mp_group)        # forward: identity, backward: all-reduce
+    >>> z = reduce_from_group(partial, grid.mp_group)  # forward: all-reduce, backward: identity
 """
 
 from __future__ import annotations

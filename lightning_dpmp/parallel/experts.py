@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import all_reduce_sum, group_rank, group_size, reduce_from_group
-from lightning_dpmp.parallel.layers import SHARDS_ATTR, gather_tensor, shard_tensor
+from lightning_dpmp.parallel.sharding import SHARDS_ATTR, gather_tensor, shard_tensor
 
 __all__ = ["ExpertsShards", "consolidate_experts", "copy_many_to_group", "shard_experts"]
 

@@ -8,8 +8,10 @@ inside such a region (entered by column layers, left by row layers), as Megatron
 It uses plain ``torch.Generator`` state, so it works on CPU and CUDA alike.
 
 Example:
-    >>> tracker = RNGTracker(seed=1234, mp_rank=grid.mp_rank, device=torch.device("cpu"))  # doctest: +SKIP
-    >>> tracker.enter(); y = F.dropout(h, 0.1); tracker.exit()                                # doctest: +SKIP
+    >>> import torch.nn.functional as F
+    >>> h = torch.ones(4, 8)
+    >>> tracker = RNGTracker(seed=1234, mp_rank=grid.mp_rank, device=torch.device("cpu"))
+    >>> tracker.enter(); y = F.dropout(h, 0.1); tracker.exit()
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Planning a layout from one traced step, like torch's ``distributed.tensor.parallel``: torch only.
 
-What lives here: the step recorder (``trace``), shardedness propagation over the record (``flow``), the per-layer
-plan and its printout (``plan``), sequence-parallel analysis (``sequence``), applying a plan to a module and
-consolidating it back (``parallelize``), and materialising meta-device models shard by shard (``materialize``).
+What lives here: the step recorder (``trace``), shardedness propagation over the record (``flow``; its rules in
+``flow_values`` and ``flow_layout``), the per-layer plan and its printout (``plan``), sequence-parallel analysis
+(``sequence``), applying a plan to a module and consolidating it back (``parallelize``), and materialising
+meta-device models shard by shard (``materialize``).
 
 May import: torch and :mod:`lightning_dpmp.parallel`. Never Lightning or torchmetrics.
 """

@@ -7,7 +7,12 @@ replicated output (:class:`~lightning_dpmp.parallel.attention.HeadParallelMultih
 region analysis, only the facts of its calls in the traced step (:class:`~lightning_dpmp.planner.trace.AttentionCall`).
 
 Example:
-    >>> decide_attention(model, trace, mp=2, forced={}, level=0)   # doctest: +SKIP
+    >>> import torch
+    >>> from lightning_dpmp.planner.trace import trace_step
+    >>> layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    >>> model = nn.ModuleDict({"enc": nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)})
+    >>> trace = trace_step(model, lambda: model["enc"](torch.randn(2, 6, 16)).sum())
+    >>> decide_attention(model, trace, mp=2, forced={}, level=0)
     {'enc.layers.0.self_attn': AttentionDecision(style='heads', note='2 of 4 heads per rank; ...', ...)}
 """
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dpmp.parallel.layers import _ParallelLinear
+from lightning_dpmp.parallel.sharding import _ParallelLinear
 
 __all__ = ["is_meta", "materialize"]
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
 from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts
-from lightning_dpmp.parallel.layers import _ParallelLinear, gather_tensor, shard_blocks, shard_dims
+from lightning_dpmp.parallel.sharding import _ParallelLinear, gather_tensor, shard_blocks, shard_dims
 from lightning_dpmp.planner.plan import Plan
 from lightning_dpmp.planner.styles import BuildContext
 

@@ -23,8 +23,17 @@ Styles (the values a user plan may name):
 layer stores its weight, and it is split in that layout.
 
 Example:
-    >>> plan = make_plan(model, mp=2, trace=trace_step(model, run))    # doctest: +SKIP
-    >>> print(plan.describe(model))                                    # doctest: +SKIP
+    >>> import torch
+    >>> from lightning_dpmp.planner.trace import trace_step
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    >>> run = lambda: model(torch.randn(2, 4)).sum()                   # one step, e.g. lm.training_step(batch, 0)
+    >>> plan = make_plan(model, mp=2, trace=trace_step(model, run))
+    >>> print(plan.describe(model))
+    DPMPStrategy plan for mp=2 (traced one step):
+      layer  style   full    local   note
+      0      column  (8, 4)  (4, 4)  -> 2
+      2      row     (4, 8)  (4, 4)  <- 0
+      parameters per rank: 40 of 76 (52.6%); MP collectives per step: forward 1 all-reduce + 0 all-gather, ...
 """
 
 from __future__ import annotations

@@ -38,14 +38,9 @@ from torch import nn
 
 from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
 from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
-from lightning_dpmp.parallel.layers import (
-    GATHERED,
-    ColumnParallelEmbedding,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SharedInputCopy,
-    VocabParallelEmbedding,
-)
+from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
+from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
+from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from lightning_dpmp.planner.layout import LayerPlan

@@ -9,9 +9,10 @@ weight, and ``Trace.attention`` lists the ``nn.MultiheadAttention`` calls. The p
 (:mod:`lightning_dpmp.planner.plan`) turns the record into a layout.
 
 Example:
-    >>> trace = trace_step(model, lambda: model.training_step(batch, 0))   # doctest: +SKIP
-    >>> [c.name for c in trace.linear_calls()]                             # doctest: +SKIP
-    ['inp', 'blocks.0.fc1', 'blocks.0.fc2', 'head']
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    >>> trace = trace_step(model, lambda: model(torch.randn(2, 4)).sum())   # e.g. lambda: lm.training_step(batch, 0)
+    >>> [c.name for c in trace.linear_calls()]
+    ['0', '2']
 """
 
 from __future__ import annotations

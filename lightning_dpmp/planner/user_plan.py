@@ -6,7 +6,8 @@
 * :func:`user_styles`: the full resolution, at plan time, once the traced step has found linear-like layers.
 
 Example:
-    >>> user_styles(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2, {})  # doctest: +SKIP
+    >>> forms = {"0": LinearForm(4, 8), "1": LinearForm(8, 4)}           # the linear-like layers, by name
+    >>> user_styles(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2, forms)
     {'1': 'row'}
     >>> check_styles({"blocks.*.fc1": "colum"})
     Traceback (most recent call last):

@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
-from lightning_dpmp.parallel.layers import shard_dims  # noqa: E402
+from lightning_dpmp.parallel.sharding import shard_dims  # noqa: E402
 from tests.support.models import ResMLP, make_dataset  # noqa: E402
 
 GLOBAL_BATCH, STEPS, CLIP, SEED = 8, 10, 0.5, 0

@@ -27,7 +27,8 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
 from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention  # noqa: E402
 from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
-from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear, gather_tensor  # noqa: E402
+from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from lightning_dpmp.parallel.sharding import gather_tensor  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidate, consolidated_state_dict  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
-from lightning_dpmp.parallel.layers import shard_dims  # noqa: E402
+from lightning_dpmp.parallel.sharding import shard_dims  # noqa: E402
 from tests.support.models import build  # noqa: E402
 
 GLOBAL_BATCH, STEPS, CLIP, SEED = 8, 20, 0.5, 0

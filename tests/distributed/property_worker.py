@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_dims
+from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_dpmp.parallel.sharding import shard_dims
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from lightning_dpmp.checkpoint.consolidated import load_file
+from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.checkpoint.sharded import load_sharded_full
 from tests.conftest import ROOT
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import CommAccounting, DPMPStrategy  # noqa: E402
-from lightning_dpmp.parallel.layers import shard_dims  # noqa: E402
+from lightning_dpmp.parallel.sharding import shard_dims  # noqa: E402
 from tests.support.models import ResMLP, make_dataset  # noqa: E402
 
 

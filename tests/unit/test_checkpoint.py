@@ -13,17 +13,15 @@ import pytest
 import torch
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.checkpoint.consolidated import (
-    CheckpointMismatchError,
+from lightning_dpmp.checkpoint.consolidated import CheckpointMismatchError, check_state_matches
+from lightning_dpmp.checkpoint.files import (
     atomic_save,
-    check_state_matches,
-    collect_rng_states,
     load_file,
     make_weights_only_safe,
     recover_path,
     replace_path,
-    restore_rng_states,
 )
+from lightning_dpmp.checkpoint.rng_states import collect_rng_states, restore_rng_states
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.checkpoint.sharded import _SafeReader
 from tests.support.models import ResMLP
@@ -85,7 +83,7 @@ def test_a_crash_between_the_two_renames_is_recoverable(tmp_path):
             raise OSError("simulated crash")
         real(src, dst)
 
-    with mock.patch("lightning_dpmp.checkpoint.consolidated.os.replace", crash_on_second), pytest.raises(OSError):
+    with mock.patch("lightning_dpmp.checkpoint.files.os.replace", crash_on_second), pytest.raises(OSError):
         replace_path(new, path)
     found = recover_path(path)
     assert found != path and os.path.isdir(os.path.join(found, "old_marker"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dpmp.tools.costmodel import MODELS, GPTShape, Hardware, main, predict, recommend, valid_layouts
+from lightning_dpmp.tools.costmodel import GPTShape, Hardware, predict, recommend, valid_layouts
+from lightning_dpmp.tools.costmodel_cli import MODELS, main
 
 SMALL = GPTShape(layers=4, hidden=256, heads=8, vocab=256, seq=128, batch=8, act_bytes=4, grad_bytes=4)
 CPU = Hardware(devices=4, devices_per_node=4, memory_gb=24, flops=5e9, mem_bw=5e9, intra_bw=1e9, inter_bw=1e9)

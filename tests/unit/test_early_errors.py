@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.checkpoint.consolidated import load_file
+from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.checkpoint.integrity import IncompleteCheckpointError, checkpoint_problem, load_checked
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.integration.validate import (

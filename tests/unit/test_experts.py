@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dpmp.parallel.layers import shard_tensor
+from lightning_dpmp.parallel.sharding import shard_tensor
 from lightning_dpmp.planner.experts import analyse_experts
 from lightning_dpmp.planner.plan import make_plan
 from lightning_dpmp.planner.trace import trace_step

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
+from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_dpmp.planner.materialize import materialize
 
 

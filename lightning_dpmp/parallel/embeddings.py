@@ -1,0 +1,120 @@
+"""Tensor-parallel drop-in replacements for ``nn.Embedding``, against an explicit process group.
+
+* :class:`VocabParallelEmbedding` holds vocabulary rows ``E[r*V/mp:(r+1)*V/mp]``: local lookup of the ids in
+  range, one all-reduce (or a reduce-scatter over the sequence with sequence parallelism).
+* :class:`ColumnParallelEmbedding` holds columns ``E[:, r*D/mp:(r+1)*D/mp]`` (a per-head relative position bias):
+  no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from typing_extensions import Self
+
+from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence
+from lightning_dpmp.parallel.sharding import _ParallelLinear, divide
+
+__all__ = ["ColumnParallelEmbedding", "VocabParallelEmbedding"]
+
+
+class VocabParallelEmbedding(_ParallelLinear):
+    """``nn.Embedding`` split by vocabulary rows: rank ``r`` holds ids ``[r*V/mp, (r+1)*V/mp)``.
+
+    Forward: ids outside the local range look up row 0 and are zeroed, then one all-reduce sums the shards' rows
+    (backward: identity; each rank's weight gradient touches only its own rows).
+
+    Example:
+        >>> emb = VocabParallelEmbedding.from_dense(nn.Embedding(256, 64), grid.mp_group)  # weight (256 // mp, 64)
+    """
+
+    _shard_dims = {"weight": 0}
+    bias = None
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None, padding_idx: Optional[int] = None,
+                 sequence_dim: Optional[int] = None, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, group)  # (in, out) slots hold (V, dim) for the printout
+        self.sequence_dim = sequence_dim
+        self.rng: Optional[Any] = None
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = divide(num_embeddings, self.mp, "num_embeddings")
+        self.start = self.mp_rank * local
+        self.padding_idx = padding_idx
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Embedding's default: N(0, 1), with the padding row (if this rank holds it) zeroed."""
+        with torch.no_grad():
+            self.weight.normal_()
+            pad = None if self.padding_idx is None else self.padding_idx - self.start
+            if pad is not None and 0 <= pad < self.weight.shape[0]:
+                self.weight[pad].zero_()
+
+    @classmethod
+    def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> Self:  # type: ignore[override]
+        if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
+            raise ValueError("VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq).")
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, padding_idx=emb.padding_idx,
+                    sequence_dim=sequence_dim, device=emb.weight.device, dtype=emb.weight.dtype)
+        layer._init_from(emb)
+        layer.train(emb.training)
+        return layer
+
+    def _dense_module(self) -> nn.Module:
+        p = self.weight
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=p.device, dtype=p.dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.start < self.weight.shape[0]:
+            pad = self.padding_idx - self.start  # nn.Embedding gives the padding row no gradient
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=pad)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_dim is not None:  # sequence parallel: sum the shards and keep this rank's tokens
+            if self.rng is not None:
+                self.rng.enter()  # from here on each rank holds different tokens: per-rank dropout masks
+            return reduce_scatter_to_sequence(rows, self.group, self.sequence_dim)
+        return reduce_from_group(rows, self.group)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, mp={self.mp}"
+
+
+class ColumnParallelEmbedding(VocabParallelEmbedding):
+    """``nn.Embedding`` split by ``embedding_dim``: rank ``r`` holds columns ``E[:, r*D/mp:(r+1)*D/mp]``.
+
+    For tables whose output is consumed split along its last dim, e.g. a relative position bias
+    ``(buckets, heads)`` that reaches head-parallel attention (T5): each rank looks up its own heads. No
+    communication at all, forward or backward (the ids carry no gradient).
+
+    Example:
+        >>> bias = ColumnParallelEmbedding.from_dense(nn.Embedding(32, 8), grid.mp_group)  # weight (32, 8 // mp)
+    """
+
+    _shard_dims = {"weight": 1}
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None, padding_idx: Optional[int] = None,
+                 sequence_dim: Optional[int] = None, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        _ParallelLinear.__init__(self, num_embeddings, embedding_dim, group)
+        if sequence_dim is not None:
+            raise ValueError("ColumnParallelEmbedding does not take a sequence dim (its output is feature-split).")
+        self.sequence_dim, self.rng = None, None
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.start = 0
+        self.padding_idx = padding_idx
+        local = divide(embedding_dim, self.mp, "embedding_dim")
+        self.weight = nn.Parameter(torch.empty(num_embeddings, local, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight, padding_idx=self.padding_idx)

@@ -1,0 +1,225 @@
+"""How parameters are split across the MP group: slicing dense tensors into shards and back (plain and
+fused-block layouts), the shared base of the split layers (sizes, ``from_dense``/``to_dense``, init), and which
+parameters of a module are split (:func:`shard_dims`, :func:`shard_blocks`), as checkpoints and the guard read it.
+
+Example:
+    >>> import torch
+    >>> w = torch.arange(8.0).reshape(4, 2)
+    >>> shard_tensor(w, 0, mp=2, rank=1).tolist()
+    [[4.0, 5.0], [6.0, 7.0]]
+    >>> interleave_blocks([shard_tensor(w, 0, 2, r, blocks=2) for r in range(2)], 0, blocks=2).equal(w)
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from typing_extensions import Self
+
+from lightning_dpmp.parallel.comm import gather_from_group, group_rank, group_size
+
+__all__ = [
+    "SHARDS_ATTR",
+    "dense_template",
+    "divide",
+    "gather_tensor",
+    "interleave_blocks",
+    "shard_blocks",
+    "shard_dims",
+    "shard_tensor",
+]
+
+
+def divide(total: int, parts: int, what: str = "dimension") -> int:
+    """``total // parts``, or a ``ValueError`` naming both numbers when it does not divide evenly."""
+    if total % parts:
+        raise ValueError(f"{what} of size {total} cannot be split evenly across mp={parts} ranks.")
+    return total // parts
+
+
+class _ParallelLinear(nn.Module):
+    """Shared state of the two layouts: sizes, the group and this rank's place in it."""
+
+    # Dimension along which each parameter is split; None means replicated across the MP group.
+    _shard_dims: dict[str, Optional[int]] = {}
+
+    def __init__(self, in_features: int, out_features: int, group: Any) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group = group
+        self.mp = group_size(group)
+        self.mp_rank = group_rank(group)
+
+    # Fused projections (q|k|v in one weight) are split block by block, so that each rank holds the same heads
+    # of every block: weight rows viewed as (blocks, rows/blocks) are chunked along the second axis.
+    blocks: int = 1
+
+    out_dim: int = 0  # dim of the stored weight holding the output features: 0 (out, in) or 1 (in, out)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Module, group: Any, out_dim: int = 0, **kwargs: Any) -> Self:
+        """Slice an initialised ``nn.Linear`` (or a linear-like module with ``weight``/``bias`` stored
+        ``out_dim``-major, e.g. ``Conv1D`` with ``out_dim=1``) so that training starts from exactly its weights."""
+        w = linear.weight
+        out_f, in_f = (w.shape[0], w.shape[1]) if out_dim == 0 else (w.shape[1], w.shape[0])
+        layer = cls(  # type: ignore[call-arg]
+            in_f, out_f, getattr(linear, "bias", None) is not None, group=group, out_dim=out_dim,
+            device=w.device, dtype=w.dtype, **kwargs,
+        )
+        layer._init_from(linear)
+        layer.train(linear.training)
+        if type(linear) is not nn.Linear:  # Conv1D, NonDynamicallyQuantizableLinear...: to_dense gives it back
+            layer.__dict__["_template"] = dense_template(linear)
+        for name in ("weight", "bias"):  # frozen (fine-tuned) parameters stay frozen
+            if getattr(layer, name, None) is not None:
+                getattr(layer, name).requires_grad_(getattr(linear, name).requires_grad)
+        return layer
+
+    def _init_from(self, dense: nn.Module) -> None:
+        """Copy this rank's slices of ``dense``'s parameters, and their ``requires_grad`` (frozen stays frozen)."""
+        with torch.no_grad():
+            for name, dim in self._shard_dims.items():
+                full = getattr(dense, name)
+                if full is None:
+                    continue
+                local = full if dim is None else shard_tensor(full, dim, self.mp, self.mp_rank, self.blocks)
+                getattr(self, name).copy_(local)
+                getattr(self, name).requires_grad_(full.requires_grad)
+
+    def _dense_module(self) -> nn.Module:
+        p = self.weight
+        template = self.__dict__.get("_template")
+        if template is None:
+            return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
+        dense = copy.deepcopy(template)
+        shape = (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
+        dense.weight = nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype), requires_grad=p.requires_grad)
+        if self.bias is not None:
+            dense.bias = nn.Parameter(torch.empty(self.out_features, device=p.device, dtype=p.dtype),
+                                      requires_grad=self.bias.requires_grad)
+        return dense
+
+    def _matmul(self, x: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """``x @ W.T + b`` for the ``(out, in)`` layout, ``x @ W + b`` for ``(in, out)``."""
+        return F.linear(x, self.weight if self.out_dim == 0 else self.weight.t(), bias)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default distribution with the *dense* fan-in (a shard's own fan-in would differ for rows).
+
+        ``from_dense`` is the exact path (the very values of an initialised dense layer); this one serves fresh
+        layers and models materialised from the meta device.
+        """
+        bound = 1 / self.in_features**0.5  # kaiming_uniform(a=sqrt(5)) on the dense weight has this bound
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+    def to_dense(self) -> nn.Module:
+        """Gather the shards into the dense module (collective: every rank of the group must call it)."""
+        dense = self._dense_module()
+        with torch.no_grad():
+            for name, dim in self._shard_dims.items():
+                local = getattr(self, name, None)
+                if local is not None:
+                    full = local if dim is None else gather_tensor(local.detach(), dim, self.group, self.blocks)
+                    getattr(dense, name).copy_(full)
+                    getattr(dense, name).requires_grad_(local.requires_grad)
+        dense.train(self.training)
+        return dense
+
+    def extra_repr(self) -> str:
+        layout = ", weight=(in, out)" if self.out_dim == 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, mp={self.mp}{layout}"
+
+
+def dense_template(dense: nn.Module) -> nn.Module:
+    """A deep copy of ``dense`` whose parameters are meta tensors: its class and attributes, no memory.
+
+    ``to_dense`` copies it and sets full-size parameters, so a consolidated model holds the original classes.
+    """
+    memo = {id(p): nn.Parameter(torch.empty(p.shape, device="meta", dtype=p.dtype), requires_grad=p.requires_grad)
+            for p in dense.parameters()}
+    return copy.deepcopy(dense, memo)
+
+
+def shard_tensor(full: Tensor, dim: int, mp: int, rank: int, blocks: int = 1) -> Tensor:
+    """This rank's slice of ``full`` along ``dim``; with ``blocks > 1``, the same slice of each of the blocks."""
+    if blocks == 1:
+        return full.chunk(mp, dim=dim)[rank]
+    return torch.cat([b.chunk(mp, dim=dim)[rank] for b in full.chunk(blocks, dim=dim)], dim=dim)
+
+
+def gather_tensor(local: Tensor, dim: int, group: Any, blocks: int = 1) -> Tensor:
+    """Inverse of :func:`shard_tensor` (collective over ``group``)."""
+    if group_size(group) == 1:
+        return local
+    if blocks == 1:
+        return gather_from_group(local, group, dim)
+    return torch.cat([gather_from_group(b.contiguous(), group, dim) for b in local.chunk(blocks, dim=dim)], dim=dim)
+
+
+# A module that keeps its own class but holds some parameters split in place (experts, :mod:`.experts`) carries
+# ``{parameter name: (dim, blocks)}`` under this attribute.
+SHARDS_ATTR = "_dpmp_param_shards"
+
+
+def shard_dims(module: nn.Module) -> dict[str, int]:
+    """Fully qualified names of the split parameters of ``module`` and the dimension each is split along.
+
+    Parameters not listed are replicated across the MP group. A module registered under several names (an
+    embedding shared as ``encoder.embed_tokens`` and ``decoder.embed_tokens``) is listed under each.
+
+    Example:
+        >>> shard_dims(parallel_model)   # doctest: +SKIP
+        {'blocks.0.fc1.weight': 0, 'blocks.0.fc1.bias': 0, 'blocks.0.fc2.weight': 1}
+    """
+    out: dict[str, int] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):  # every alias is a state_dict key
+        if isinstance(mod, _ParallelLinear) and mod.mp > 1:
+            for name, dim in mod._shard_dims.items():
+                if dim is not None and getattr(mod, name, None) is not None:
+                    out[f"{prefix}.{name}" if prefix else name] = dim
+        for name, (dim, _) in mod.__dict__.get(SHARDS_ATTR, {}).items():
+            out[f"{prefix}.{name}" if prefix else name] = dim
+    return _with_aliases(module, out)
+
+
+def _with_aliases(module: nn.Module, by_name: dict[str, int]) -> dict[str, int]:
+    """``by_name`` extended to every other name a listed parameter is registered under (a bias held by both a
+    layer and its parent), so that state_dict keys and deduplicated parameter names all find their entry."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    by_id = {id(params[n]): v for n, v in by_name.items() if n in params}
+    return {**by_name, **{n: by_id[id(p)] for n, p in params.items() if id(p) in by_id}}
+
+
+def shard_blocks(module: nn.Module) -> dict[str, int]:
+    """Split parameters of fused layers (q|k|v in one weight) and their block count; others have one block.
+
+    A fused parameter's shards do not concatenate to the dense tensor: use :func:`shard_tensor` and
+    :func:`gather_tensor` (or :func:`interleave_blocks`) with this count.
+    """
+    out: dict[str, int] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        if isinstance(mod, _ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
+            for name, dim in mod._shard_dims.items():  # only column-style layers are fused: every split is by blocks
+                if dim is not None and getattr(mod, name, None) is not None:
+                    out[f"{prefix}.{name}" if prefix else name] = mod.blocks
+        for name, (_, blocks) in mod.__dict__.get(SHARDS_ATTR, {}).items():
+            if blocks > 1:
+                out[f"{prefix}.{name}" if prefix else name] = blocks
+    return _with_aliases(module, out)
+
+
+def interleave_blocks(parts: list[Tensor], dim: int, blocks: int) -> Tensor:
+    """The dense tensor from per-rank shards ``parts`` (rank order) of a ``blocks``-fused parameter."""
+    if blocks == 1:
+        return torch.cat(parts, dim=dim)
+    chunks = [p.chunk(blocks, dim=dim) for p in parts]
+    return torch.cat([c[b] for b in range(blocks) for c in chunks], dim=dim)

@@ -1,0 +1,225 @@
+"""Flow rules for layout ops: where the split dim of a column region lands through indexing, ``cat``/``stack``,
+``unsqueeze``/``squeeze``, ``expand``/``repeat``, ``narrow``, reshapes, transposes, ``chunk``/``split`` and
+``repeat_interleave``, with the pure dim arithmetic they need (``x[index]``, a reshape's dim groups).
+
+:class:`LayoutRules` is mixed into the analysis of :mod:`lightning_dpmp.planner.flow`, which owns the regions and
+the op table (``flow.OPS``); each rule returns per-output ``(dim, raw)`` or a string saying why the region breaks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+from lightning_dpmp.planner.trace import OpCall, Trace
+
+if TYPE_CHECKING:  # the analysis state lives with the driver; the rules only read and update it
+    from lightning_dpmp.planner.flow import _Region, _Shard
+
+__all__ = ["LayoutRules"]
+
+
+class LayoutRules:
+    """Rules for ops that move the split dim of one tensor, and for concatenations."""
+
+    # Provided by the analysis that mixes this in (lightning_dpmp.planner.flow._Analysis).
+    trace: Trace
+    mp: int
+    regions: list[_Region]
+    find: Callable[[int], int]
+    need_blocks: Callable[[_Shard, int], bool]
+    _shape: Callable[[Optional[int]], tuple]
+
+    def _getitem(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        """Indexing and slicing keep the split when the split dim is taken whole (``x[..., :d // 2]`` on the
+        head dim of rotary embeddings, ``logits[:, :-1]``); an index into the split dim breaks it."""
+        new = _index_target(ev.index, sh.dim, shape)
+        if isinstance(new, str):
+            return f"{new} by '{ev.name}'"
+        out_shape = self._shape(ev.outputs[0])
+        if new >= len(out_shape) or out_shape[new] != shape[sh.dim]:
+            return f"indexed by '{ev.name}' in a way that moves the split dim"
+        return [(new, sh.raw)]
+
+    def _concat(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+        """``cat``/``stack`` along another dim (rotary halves, a KV cache growing along the sequence): every
+        non-empty operand must be split on the same dim; empty ones (a fresh cache) carry nothing."""
+        split = dict(ins)
+        operands = [(p, n) for p, n in enumerate(ev.inputs) if n is not None]
+        ints = [v for v in ev.values if v is not None]
+        out_nd = len(self._shape(ev.outputs[0]))
+        axis = (ints[-1] if ints else 0) % out_nd
+        dims, raws = set(), set()
+        for p, n in operands:
+            shape = self._shape(n)
+            if math.prod(shape) == 0:
+                continue
+            if p not in split:
+                return f"concatenated by '{ev.name}' with a replicated tensor"
+            dims.add(split[p].dim)
+            raws.add(split[p].raw)
+        if len(dims) != 1:
+            return f"concatenated by '{ev.name}' with differently split operands"
+        dim = dims.pop()
+        if ev.name == "stack":
+            dim += axis <= dim
+        elif axis == dim:
+            return f"concatenated by '{ev.name}' along the split dim"
+        raw = raws.pop() if len(raws) == 1 else None
+        if raw is None and any(not self.need_blocks(s, 1) for s in split.values()):
+            return f"concatenated by '{ev.name}' mixing fused layouts"
+        return [(dim, raw)]
+
+    def _unsqueeze(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ints = [v for v in ev.values[1:] if v is not None]
+        axis = (ints[0] if ints else 0) % (len(shape) + 1)
+        return [(sh.dim + (axis <= sh.dim), sh.raw)]
+
+    def _squeeze(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        out_shape = self._shape(ev.outputs[0])
+        removed = len(shape) - len(out_shape)
+        ints = [v % len(shape) for v in ev.values[1:] if v is not None]
+        gone = [d for d in (ints or range(len(shape))) if shape[d] == 1]
+        if len(gone) != removed:
+            return f"squeezed by '{ev.name}' in a way the trace cannot follow"
+        return [(sh.dim - sum(d < sh.dim for d in gone), sh.raw)]
+
+    def _expand(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        """``expand``/``broadcast_to``/``repeat``: new or size-1 dims grow; the split dim must keep its size
+        (the repeat-kv pattern ``k[:, :, None].expand(B, Hkv, n_rep, T, d)``)."""
+        out_shape = self._shape(ev.outputs[0])
+        new = sh.dim + len(out_shape) - len(shape)
+        if out_shape[new] != shape[sh.dim]:
+            return f"repeated by '{ev.name}' along the split dim"
+        return [(new, sh.raw)]
+
+    def _narrow(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ints = [v for v in ev.values[1:] if v is not None]
+        if not ints or ints[0] % len(shape) == sh.dim:
+            return f"narrowed by '{ev.name}' along the split dim"
+        return [(sh.dim, sh.raw)]
+
+    def _reshape(self, ev: OpCall, sh: _Shard, a: tuple) -> Union[str, list]:
+        b = self._shape(ev.outputs[0])
+        groups = _dim_groups(a, b)
+        grp = next((g for g in groups if sh.dim in g[0]), None)
+        if grp is None:
+            return f"reshaped by '{ev.name}' across the split dim"
+        ins, outs = grp
+        if any(a[i] != 1 for i in ins if i < sh.dim):
+            return f"reshaped by '{ev.name}' merging the split dim into an outer one"
+        outs = [j for j in outs if b[j] != 1] or outs
+        raw, new = sh.raw, outs[0]
+        if len(outs) >= 3 and raw is not None and b[outs[1]] % self.mp == 0 and self.need_blocks(sh, b[outs[0]]):
+            new, raw = outs[1], None  # fused (B, T, 3, H, d): the split is on H inside each of the 3 blocks
+        elif not self.need_blocks(sh, 1):
+            return f"reshaped by '{ev.name}' in a way that does not match its fused blocks"
+        else:
+            raw = None if len(outs) > 1 or len(ins) > 1 else raw
+        if b[new] % self.mp:
+            return f"reshaped to {b[new]} heads/groups at dim {new}, not divisible by mp={self.mp}"
+        if ev.name in ("view", "reshape"):
+            literal = [v for v in ev.values[1:]]
+            region = self.regions[self.find(sh.region)]
+            if len(literal) == len(b) and literal[new] not in (None, -1) and not region.derived(int(literal[new])):
+                region.literals.add(int(literal[new]))
+        return [(new, raw)]
+
+    def _transpose(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ndim = len(shape)
+        ints = [v for v in ev.values[1:] if v is not None]
+        if ev.name == "permute":
+            order = [d % ndim for d in ints]
+            return [(order.index(sh.dim), sh.raw if order.index(sh.dim) == sh.dim else None)]
+        a, b = ([ndim - 2, ndim - 1] if ev.name in ("t", "T", "mT") else [d % ndim for d in ints[:2]])
+        new = b if sh.dim == a else a if sh.dim == b else sh.dim
+        if new != sh.dim and not self.need_blocks(sh, 1):
+            return f"transposed by '{ev.name}' before its fused blocks were separated"
+        return [(new, sh.raw if new == sh.dim else None)]
+
+    def _split(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ints = [v for v in ev.values[1:] if v is not None]
+        if ev.name == "unbind":
+            dim = (ints[0] if ints else 0) % len(shape)
+            if dim == sh.dim:
+                return "unbound by 'unbind' along the split dim"
+            return [(sh.dim - (dim < sh.dim), None)] * len(ev.outputs)
+        dim = (ints[-1] if len(ints) >= 2 else 0) % len(shape)
+        if dim != sh.dim:
+            return [(sh.dim, sh.raw)] * len(ev.outputs)
+        if ev.name == "split" and len(ints) == 2:  # split(size, dim): a fixed size becomes per-rank
+            self.regions[self.find(sh.region)].literals.add(int(ints[0]))
+        pieces = len(ev.outputs)
+        sizes = {self.trace.shapes[n][dim] for n in ev.outputs}
+        if len(sizes) != 1 or not self.need_blocks(sh, pieces) or sizes.pop() % self.mp:
+            return f"split by '{ev.name}' into unequal or indivisible parts along the split dim"
+        return [(sh.dim, None)] * pieces
+
+    def _repeat_interleave(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+        ints = [v for v in ev.values[1:] if v is not None]
+        if len(ints) < 2 and len(shape) > 1:
+            return f"flattened by '{ev.name}'"
+        return [(sh.dim, None)]
+
+
+def _index_target(index: tuple, dim: int, shape: tuple) -> Union[int, str]:
+    """Where input dim ``dim`` lands in ``x[index]``, or why it does not survive (indexed into, or moved by
+    advanced indexing in a way that interleaves it)."""
+    consumed = sum(it[1] if it[0] == "tensor" and it[2] else 1 for it in index if it[0] not in ("none", "ellipsis"))
+    full = ("slice", None, None, None)
+    items: list[tuple] = []
+    for it in index:
+        items.extend([full] * (len(shape) - consumed) if it[0] == "ellipsis" else [it])
+    if not any(it[0] == "ellipsis" for it in index):
+        items.extend([full] * (len(shape) - consumed))
+    adv = [k for k, it in enumerate(items) if it[0] == "tensor"]
+    adv_nd = max((it[1] if not it[2] else 1 for it in items if it[0] == "tensor"), default=0)
+    adjacent = not adv or adv == list(range(adv[0], adv[-1] + 1))
+    in_d = out_d = 0
+    target: Optional[int] = None
+    placed = False
+    if adv and not adjacent:
+        out_d, placed = adv_nd, True  # non-adjacent advanced indices put their result first
+    for it in items:
+        kind = it[0]
+        if kind == "none":
+            out_d += 1
+            continue
+        width = it[1] if kind == "tensor" and it[2] else 1
+        if in_d <= dim < in_d + width:
+            if kind != "slice":
+                return "indexed along the split dim"
+            start, stop, step = it[1], it[2], it[3]
+            if (start or 0) != 0 or (step or 1) != 1 or (stop is not None and stop < shape[dim]):
+                return "sliced along the split dim"
+            target = out_d
+        if kind == "tensor":
+            if not placed:
+                out_d, placed = out_d + adv_nd, True
+        elif kind != "int":
+            out_d += 1
+        in_d += width
+    return target if target is not None else "indexed in a way the trace cannot follow"
+
+
+def _dim_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of dims of ``a`` and ``b`` whose sizes multiply to the same number (a reshape's structure)."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj = [i] if i < len(a) else [], [j] if j < len(b) else []
+        pa = a[i] if i < len(a) else 1
+        pb = b[j] if j < len(b) else 1
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa *= a[i]
+                gi.append(i)
+                i += 1
+            elif j < len(b):
+                pb *= b[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
