@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_dpmp import compat
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.layers import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
 
@@ -397,7 +398,7 @@ def write_on_rank_zero(write: Callable[[], None], timeout: timedelta) -> None:
     dist.broadcast_object_list(token, src=0)
     key = f"dpmp/checkpoint_written/{token[0]}"
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = compat.default_store()
     except Exception:  # a private API: without it, fall back to Lightning's barrier after the save
         store = None
     if dist.get_rank() == 0:

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_map
+from lightning_dpmp.compat import tree_leaves, tree_map
+from lightning_dpmp import compat
 
 from lightning_dpmp.parallel.comm import all_reduce_sum, gather_from_group, group_rank, group_size
 
@@ -184,7 +185,7 @@ class VocabShardedLogits(torch.Tensor):
         kwargs = kwargs or {}
         meta = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, VocabShardedLogits))
         name = getattr(func, "__name__", "")
-        with torch._C.DisableTorchFunctionSubclass():
+        with compat.disable_torch_function_subclass():
             if name == "__get__":  # a property: func is the getter of the getset_descriptor named here
                 prop = getattr(getattr(func, "__self__", None), "__name__", "")
                 if prop == "shape":
