@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dpmp import compat
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.layers import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
 

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_dpmp import compat
+import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import (
     CheckpointMismatchError,
     atomic_save,

@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_dpmp import compat
+import lightning_dpmp.compat as compat
 from lightning_dpmp.integration.autoplan import isolated
 from lightning_dpmp.planner.trace import NoDropout
 

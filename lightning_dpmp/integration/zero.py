@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from lightning_dpmp import compat
+import lightning_dpmp.compat as compat
 __all__ = ["is_zero", "optimizer_state_bytes", "shard_over_dp", "zero_state_dict"]
 
 

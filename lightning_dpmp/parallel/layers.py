@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Self
 
-from lightning_dpmp import compat
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.comm import (
     copy_to_group,
     gather_from_group,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from lightning_dpmp.compat import tree_leaves, tree_map
-from lightning_dpmp import compat
+import lightning_dpmp.compat as compat
 
 from lightning_dpmp.parallel.comm import all_reduce_sum, gather_from_group, group_rank, group_size
 
