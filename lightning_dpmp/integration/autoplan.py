@@ -316,7 +316,8 @@ def plan_module(
     ``run`` executes one step on a fixed batch and returns its output (``None`` when no batch was available:
     the plan then comes from ``user_plan`` and defaults alone). Collective over the world.
     """
-    trace, loss_ref, grads_ref = None, None, {}
+    trace, loss_ref = None, None
+    grads_ref: dict[str, Any] = {}
     notes = list(notes or [])
     if run is not None:
         try:

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable, Union
 
 from torch import nn
@@ -36,12 +37,12 @@ def install(plugin: Any, split_params: set[int], group: Any) -> None:
     plugin.clip_grad_by_norm = clip_grad_by_norm
 
 
-def then_sum_sequence_partial(closure: Callable[[], Any], params: list[nn.Parameter], group: Any) -> Callable[[], Any]:
+def then_sum_sequence_partial(closure: Callable[[], Any], params: Sequence[nn.Parameter], group: Any) -> Callable[[], Any]:
     """``closure`` (the step's forward and backward), then the MP sum of ``params``' partial gradients."""
 
     def run() -> Any:
         result = closure()
-        sync_sequence_partial_grads(params, group)
+        sync_sequence_partial_grads(list(params), group)
         return result
 
     return run

@@ -50,7 +50,7 @@ def first_batch(trainer: Any, strategy: Any) -> tuple[Optional[Any], list[str]]:
                 batch = move_data_to_device(next(iter(loader)), "cpu")
         except Exception as exc:
             notes.append(f"no batch to trace ({type(exc).__name__}: {exc}); plan from defaults and user plan only")
-    box = [batch, notes]
+    box: list[Any] = [batch, notes]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0], box[1]

@@ -17,7 +17,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.planner.materialize import is_meta, materialize
 from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.parallel.rng import RNGTracker
-from lightning_dpmp.integration.layout import Layout, resolve_layout
+from lightning_dpmp.integration.layout import Layout, resolve_aliases, resolve_layout
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.integration.zero import is_zero, shard_over_dp, unshard, zero_state_dict
@@ -123,18 +123,7 @@ class DPMPStrategy(DDPStrategy):
         plan: Optional[Mapping[str, str]] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        if plan is not None:
-            if plan_overrides is not None:
-                raise ValueError("Give `plan_overrides` only: `plan` is its deprecated alias.")
-            warnings.warn("DPMPStrategy(plan=...) is deprecated; use plan_overrides=...", DeprecationWarning, stacklevel=2)
-            plan_overrides = plan
-        if timeout is not None and timeout_s is not None:
-            raise ValueError(f"Give either `timeout` ({timeout!r}) or `timeout_s` ({timeout_s!r}), not both.")
-        if timeout is not None:
-            if not isinstance(timeout, timedelta):
-                raise ValueError(f"`timeout` must be a datetime.timedelta, got {timeout!r}.")
-            timeout_s = timeout.total_seconds()
-        timeout_s = 600.0 if timeout_s is None else timeout_s
+        plan_overrides, timeout_s = resolve_aliases(plan_overrides, plan, timeout_s, timeout)
         check_parallel_size("dp", dp, allow_auto=True)
         check_parallel_size("mp", mp, allow_auto=True)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
@@ -304,7 +293,7 @@ class DPMPStrategy(DDPStrategy):
         # DDPStrategy.setup does the lifecycle; the split happens in model_to_device, the DP-only wrap in configure_ddp.
         self._failed = False
         check_sync_batchnorm(compat.layer_sync(self), self.mp)
-        self._undo_sync_skip = None
+        self._undo_sync_skip: Optional[Callable[[], None]] = None
         super().setup(trainer)
         if self._undo_sync_skip is not None:
             self._undo_sync_skip()
@@ -446,8 +435,9 @@ class DPMPStrategy(DDPStrategy):
             zero_states = [self.broadcast(self.optimizer_state(o)) if is_zero(o) else None for o in self.optimizers]
             moved = consolidate(lm)
             for i, optimizer in enumerate(self.optimizers):
-                if zero_states[i] is not None:
-                    self.optimizers[i] = unshard(optimizer, moved, zero_states[i])
+                zero_state = zero_states[i]
+                if zero_state is not None:
+                    self.optimizers[i] = unshard(optimizer, moved, zero_state)
                 else:
                     consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, self.grid.mp_group)
         hooks.remove(self.precision_plugin)
