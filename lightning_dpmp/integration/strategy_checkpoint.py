@@ -82,7 +82,7 @@ class StrategyCheckpointer:
 
     def optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (the optimizer's local state dict) consolidated to dense shapes where :meth:`_gathers`."""
-        if self.strategy.mp == 1 or not self._gathers():
+        if not self._gathers() or self.strategy.mp == 1:
             return state
         inner = compat.unwrap_optimizer(optimizer)
         lm = self.strategy.lightning_module

@@ -1,0 +1,82 @@
+"""Splitting the model at setup: one batch traced, the plan made and applied, the meta model materialised.
+
+:func:`split_model` is what ``DPMPStrategy.model_to_device`` runs between Lightning's move to the device and the
+DDP wrap; it returns what the strategy keeps for training (:class:`Split`).
+
+Example:
+    >>> split = split_model(strategy, trainer, meta=False, plan_overrides=None, verify=True, sequence_parallel=False)  # doctest: +SKIP
+    >>> print(split.applied_plan.text)                                                                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_dpmp.integration.autoplan import PlanResult, plan_module
+from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.parallel.layers import shard_dims
+from lightning_dpmp.parallel.rng import RNGTracker
+from lightning_dpmp.planner.materialize import materialize
+
+__all__ = ["Split", "broadcast_dense", "split_model"]
+
+
+@dataclass
+class Split:
+    """The result of :func:`split_model`."""
+
+    applied_plan: PlanResult
+    rng: Optional[RNGTracker]  # per-MP-rank dropout streams of the split regions; None with mp=1
+    sequence_partial: list[nn.Parameter]  # gradients to sum over MP once per step (sequence parallelism)
+    split_params: set[int]  # ids of the parameters that are MP shards (for the global-norm clip)
+
+
+def broadcast_dense(module: nn.Module) -> None:
+    """Make every rank start from rank 0's dense weights, so MP shards are slices of one model (unseeded runs)."""
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t.device.type != "meta":
+                dist.broadcast(t.data, src=0)
+
+
+def split_model(
+    strategy: Any,
+    trainer: Any,
+    meta: bool,
+    plan_overrides: Optional[Mapping[str, str]],
+    verify: bool,
+    sequence_parallel: bool,
+) -> Split:
+    """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world)."""
+    lm = strategy.lightning_module
+    assert lm is not None
+    grid, device = strategy.grid, strategy.root_device
+    broadcast_dense(lm)
+    batch, notes = first_batch(trainer, strategy)
+    run = step_runner(trainer, strategy, batch, meta) if batch is not None else None
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    rng = RNGTracker(seed, grid.mp_rank, device) if strategy.mp > 1 else None
+    applied = plan_module(
+        lm, grid, run, dict(plan_overrides) if plan_overrides else None, verify and not meta, device, notes, rng,
+        sequence_parallel, str(trainer.precision),
+    )
+    if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
+        materialize(lm, device, seed, grid.mp_rank)
+    sp = applied.plan.sequence
+    names = set(sp.partial_params) if sp is not None else set()
+    dims = shard_dims(lm)
+    rank_zero_info(f"{applied.text}\n  grid: dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank)")
+    return Split(
+        applied_plan=applied,
+        rng=rng,
+        sequence_partial=[p for n, p in lm.named_parameters() if n in names],
+        split_params={id(p) for n, p in lm.named_parameters() if n in dims},
+    )
