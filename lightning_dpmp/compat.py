@@ -4,8 +4,8 @@ Each function names what it relies on and the version it was checked against (li
 torchmetrics 1.9); ``tests/unit/test_compat.py`` has one test per touch that fails with a clear message when an
 upgrade changes it. Where a public API does the same job it is used instead, and said so.
 
-Lightning and torchmetrics are imported lazily, inside the functions, so that ``parallel/`` and ``planner/``
-(torch only) can import this module without importing Lightning.
+Lightning and torchmetrics are imported lazily, inside the functions (``SubprocessScriptLauncher`` through the
+module's ``__getattr__``), so that ``parallel/`` and ``planner/`` (torch only) can import this module.
 
 Example:
     >>> from lightning_dpmp import compat
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TorchDispatchMode",
-    "SubprocessScriptLauncher",
     "apply_batch_transfer_handler",
     "check_can_spawn_children",
     "collect_rng_states",

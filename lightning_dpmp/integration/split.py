@@ -1,7 +1,9 @@
-"""Splitting the model at setup: one batch traced, the plan made and applied, the meta model materialised.
+"""Splitting the model at setup (one batch traced, the plan made and applied, a meta model materialised) and
+gathering it back at teardown.
 
 :func:`split_model` is what ``DPMPStrategy.model_to_device`` runs between Lightning's move to the device and the
-DDP wrap; it returns what the strategy keeps for training (:class:`Split`).
+DDP wrap; it returns what the strategy keeps for training (:class:`Split`). :func:`unsplit_model` makes the module
+(and its optimizers' state) dense again.
 
 Example:
     >>> split = split_model(strategy, trainer, meta=False, plan_overrides=None, verify=True, sequence_parallel=False)  # doctest: +SKIP
@@ -20,13 +22,17 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+import lightning_dpmp.compat as compat
+from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.integration.zero import is_zero, unshard
 from lightning_dpmp.parallel.layers import shard_dims
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.planner.materialize import materialize
+from lightning_dpmp.planner.parallelize import consolidate
 
-__all__ = ["Split", "broadcast_dense", "split_model"]
+__all__ = ["Split", "broadcast_dense", "split_model", "unsplit_model"]
 
 
 @dataclass
@@ -80,3 +86,20 @@ def split_model(
         sequence_partial=[p for n, p in lm.named_parameters() if n in names],
         split_params={id(p) for n, p in lm.named_parameters() if n in dims},
     )
+
+
+def unsplit_model(strategy: Any) -> None:
+    """Gather ``strategy.lightning_module``'s layers back to dense, and its optimizers' state with them (collective).
+
+    ZeRO optimizers cannot be re-pointed at dense parameters: their consolidated state goes into a plain optimizer
+    of the wrapped class instead.
+    """
+    lm = strategy.lightning_module
+    zero_states = [strategy.broadcast(strategy.optimizer_state(o)) if is_zero(o) else None for o in strategy.optimizers]
+    moved = consolidate(lm)
+    for i, optimizer in enumerate(strategy.optimizers):
+        zero_state = zero_states[i]
+        if zero_state is not None:
+            strategy.optimizers[i] = unshard(optimizer, moved, zero_state)
+        else:
+            consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, strategy.grid.mp_group)

@@ -1,21 +1,20 @@
 """DPMPStrategy: Lightning's lifecycle for data x tensor-model parallel training; the work is delegated.
 
+* ``set_world_ranks`` resolves the (dp, mp) :class:`~lightning_dpmp.integration.layout.Layout` once; ``dp``/``mp`` read it.
 * ``setup_environment`` initialises torch.distributed and builds the :class:`~lightning_dpmp.parallel.grid.Grid`.
-* ``setup`` plans and parallelises the model (:mod:`lightning_dpmp.integration.autoplan`), wraps it in
-  ``DistributedDataParallel(process_group=<dp group>)`` so that gradients are averaged over DP only, and routes
-  norm clipping through the global norm (:mod:`lightning_dpmp.parallel.clipping`).
-* Checkpoints are consolidated (:mod:`lightning_dpmp.checkpoint.consolidated`): dense tensors under the dense names.
+* ``setup`` is ``DDPStrategy.setup``; the model is planned and split in ``model_to_device``
+  (:mod:`lightning_dpmp.integration.split`), wrapped in ``DistributedDataParallel(process_group=<dp group>)`` in
+  ``configure_ddp`` so that gradients are averaged over DP only; norm clipping goes through the global norm and the
+  sequence-parallel gradient sum runs in ``optimizer_step`` (:mod:`lightning_dpmp.integration.hooks`).
+* Checkpoints are the job of ``self.checkpointer`` (:class:`~lightning_dpmp.integration.strategy_checkpoint.StrategyCheckpointer`).
 * ``teardown`` gathers the layers back, so the module you passed to ``fit`` is dense again afterwards.
 """
-
 from __future__ import annotations
 
 import logging
-import os
 import warnings
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -25,16 +24,13 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
 import lightning_dpmp.compat as compat
-from lightning_dpmp.integration.autoplan import PlanResult, plan_module
-from lightning_dpmp.checkpoint.consolidated import (
-    consolidate_optimizer,
-)
+from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration import hooks
 from lightning_dpmp.integration.failfast import (
     check_backend,
@@ -47,15 +43,14 @@ from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, 
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.parallel.layers import shard_dims
-from lightning_dpmp.planner.parallelize import consolidate
 from lightning_dpmp.parallel.loss import VocabShardedLogits
-from lightning_dpmp.planner.materialize import is_meta, materialize
+from lightning_dpmp.planner.materialize import is_meta
 from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.integration.layout import Layout, resolve_aliases, resolve_layout
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
-from lightning_dpmp.integration.stepdata import first_batch, step_runner
-from lightning_dpmp.integration.zero import is_zero, shard_over_dp, unshard, zero_state_dict
+from lightning_dpmp.integration.split import split_model, unsplit_model
+from lightning_dpmp.integration.zero import shard_over_dp
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +155,7 @@ class DPMPStrategy(DDPStrategy):
         self._rng: Optional[RNGTracker] = None
         self._sequence_partial: list[torch.nn.Parameter] = []
         self._failed = False
+        self._undo_sync_skip: Optional[Callable[[], None]] = None  # set by model_to_device outside fitting
 
     # ------------------------------------------------------------------ sizes and topology
     @property
@@ -293,7 +289,7 @@ class DPMPStrategy(DDPStrategy):
         # DDPStrategy.setup does the lifecycle; the split happens in model_to_device, the DP-only wrap in configure_ddp.
         self._failed = False
         check_sync_batchnorm(compat.layer_sync(self), self.mp)
-        self._undo_sync_skip: Optional[Callable[[], None]] = None
+        self._undo_sync_skip = None
         super().setup(trainer)
         if self._undo_sync_skip is not None:
             self._undo_sync_skip()
@@ -312,10 +308,12 @@ class DPMPStrategy(DDPStrategy):
         if not meta:
             super().model_to_device()
         trainer = self.lightning_module.trainer
-        self._parallelize(trainer, meta)
+        split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
+        self._applied_plan, self._rng = split.applied_plan, split.rng
+        self._sequence_partial, self._split_params = split.sequence_partial, split.split_params
         route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
         if trainer.state.fn != TrainerFn.FITTING:
-            # _parallelize already broadcast rank 0's dense weights before the split.
+            # split_model already broadcast rank 0's dense weights before the split.
             self._undo_sync_skip = compat.skip_ddp_state_sync(self.model)
 
     @override
@@ -334,33 +332,6 @@ class DPMPStrategy(DDPStrategy):
             mine = {id(p) for p in self.precision_plugin.main_params(optimizer)}
             closure = hooks.then_sum_sequence_partial(closure, [p for p in self._sequence_partial if id(p) in mine], self.grid.mp_group)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    def _parallelize(self, trainer: "pl.Trainer", meta: bool) -> None:
-        lm = self.lightning_module
-        assert lm is not None
-        self._broadcast_dense(lm)
-        batch, notes = first_batch(trainer, self)
-        run = step_runner(trainer, self, batch, meta) if batch is not None else None
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self._rng = RNGTracker(seed, self.grid.mp_rank, self.root_device) if self.mp > 1 else None
-        self._applied_plan = plan_module(
-            lm, self.grid, run, self._plan_overrides, self._verify_plan and not meta, self.root_device, notes, self._rng,
-            self._sequence_parallel, str(trainer.precision),
-        )
-        if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
-            materialize(lm, self.root_device, seed, self.grid.mp_rank)
-        sp = self._applied_plan.plan.sequence
-        names = set(sp.partial_params) if sp is not None else set()
-        self._sequence_partial = [p for n, p in lm.named_parameters() if n in names]
-        self._split_params = {id(p) for n, p in lm.named_parameters() if n in shard_dims(lm)}
-        rank_zero_info(f"{self._applied_plan.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
-
-    def _broadcast_dense(self, module: torch.nn.Module) -> None:
-        """Make every rank start from rank 0's dense weights, so MP shards are slices of one model (unseeded runs)."""
-        with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                if t.device.type != "meta":
-                    dist.broadcast(t.data, src=0)
 
     def _step_then_leave_sharded_rng(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -430,16 +401,7 @@ class DPMPStrategy(DDPStrategy):
     def teardown(self) -> None:
         lm = self.lightning_module
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
-            # Before super(): it moves the module to CPU, where NCCL cannot gather. ZeRO optimizers cannot be
-            # re-pointed at dense parameters: their consolidated state goes into a plain optimizer instead.
-            zero_states = [self.broadcast(self.optimizer_state(o)) if is_zero(o) else None for o in self.optimizers]
-            moved = consolidate(lm)
-            for i, optimizer in enumerate(self.optimizers):
-                zero_state = zero_states[i]
-                if zero_state is not None:
-                    self.optimizers[i] = unshard(optimizer, moved, zero_state)
-                else:
-                    consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, self.grid.mp_group)
+            unsplit_model(self)  # before super(): it moves the module to CPU, where NCCL cannot gather
         hooks.remove(self.precision_plugin)
         super().teardown()
 
@@ -455,12 +417,7 @@ class DPMPStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if is_zero(optimizer) and self._grid is not None:
-            # ZeRO-1: the DP group's first rank gathers the partitions; each such rank holds its MP shard's state
-            state = zero_state_dict(optimizer, keep=self.grid.dp_rank == 0)
-        else:
-            state = super().optimizer_state(optimizer)
-        return self.checkpointer.optimizer_state(optimizer, state)
+        return self.checkpointer.optimizer_state(optimizer, super().optimizer_state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -16,7 +16,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -80,8 +80,14 @@ class StrategyCheckpointer:
             return state  # local shards: sharded saves write them as they are, and DP ranks > 0 do not write
         return gather_state_dict(state, dims, self.strategy.grid.mp_group, shard_blocks(lm))
 
-    def optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` (the optimizer's local state dict) consolidated to dense shapes where :meth:`_gathers`."""
+    def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
+        """The optimizer's state (``default``: Lightning's), consolidated to dense shapes where :meth:`_gathers`."""
+        grid = self.strategy.grid_or_none
+        if is_zero(optimizer) and grid is not None:
+            # ZeRO-1: the DP group's first rank gathers the partitions; each such rank holds its MP shard's state
+            state = zero_state_dict(optimizer, keep=grid.dp_rank == 0)
+        else:
+            state = default(optimizer)
         if not self._gathers() or self.strategy.mp == 1:
             return state
         inner = compat.unwrap_optimizer(optimizer)
