@@ -115,7 +115,7 @@ class StrategyCheckpointer:
                 raise TypeError("DPMPStrategy(save_distributed_checkpoint=True) does not take `storage_options`.")
             checkpoint["dpmp"]["format"] = "sharded"
             assert st.lightning_module is not None
-            save_sharded(checkpoint, path, st.lightning_module, st.optimizers, st.grid, st.root_device.type)
+            save_sharded(checkpoint, path, st.lightning_module, st.optimizers, st.grid_or_none, st.root_device.type)
             return
         if "://" in path or type(st.checkpoint_io) is not TorchCheckpointIO:
             write = lambda: st.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
