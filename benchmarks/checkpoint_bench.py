@@ -109,7 +109,7 @@ class SaveBoth(L.Callback):
         local += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
         self.results["own_share_mb"] = local / MB
         for sharded, name in ((False, "consolidated"), (True, "sharded")):
-            strategy._save_distributed_checkpoint = sharded
+            strategy.checkpointer.distributed = sharded
             dist.barrier()
             with measure(self.results, f"save_{name}"):
                 trainer.save_checkpoint(os.path.join(self.folder, f"{name}.ckpt"))

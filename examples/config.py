@@ -30,7 +30,7 @@ class StrategyConfig:
     _target_: str = "lightning_dpmp.DPMPStrategy"
     dp: int = 2
     mp: int = 2
-    plan: Any = None  # {glob: style}; untyped so a command-line dict replaces it (typed dicts are closed)
+    plan_overrides: Any = None  # {glob: style}; untyped so a command-line dict replaces it (typed dicts are closed)
     sequence_parallel: bool = False
     verify_plan: bool = True
     timeout_s: float = 600.0

@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+import lightning_dpmp.compat as compat
+
 __all__ = [
     "atomic_save",
     "fsync_dir",
@@ -144,7 +146,7 @@ def write_on_rank_zero(write: Callable[[], None], timeout: timedelta) -> None:
     dist.broadcast_object_list(token, src=0)
     key = f"dpmp/checkpoint_written/{token[0]}"
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = compat.default_store()
     except Exception:  # a private API: without it, fall back to Lightning's barrier after the save
         store = None
     if dist.get_rank() == 0:

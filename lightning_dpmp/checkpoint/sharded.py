@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import (
     CheckpointMismatchError,
     check_state_matches,
@@ -240,7 +241,7 @@ def save_sharded(
             model_extra[key] = value
     optim_info = []
     for i, (opt, st) in enumerate(zip(optimizers, checkpoint.pop("optimizer_states", []))):
-        inner = getattr(opt, "_optimizer", opt)
+        inner = compat.unwrap_optimizer(opt)
         names, pdims = optimizer_param_names(inner, module), optimizer_param_dims(inner, module)
         pblocks = optimizer_param_blocks(inner, module)
         params = [p for g in inner.param_groups for p in g["params"]]
@@ -306,7 +307,7 @@ def load_sharded(
             reads.add(f"model/{key}", local_state[key], dims.get(key), blocks.get(key, 1))
     opt_states = []
     for i, (opt, oinfo) in enumerate(zip(optimizers, info["optimizers"])):
-        inner = getattr(opt, "_optimizer", opt)
+        inner = compat.unwrap_optimizer(opt)
         names, pdims = optimizer_param_names(inner, module), optimizer_param_dims(inner, module)
         pblocks = optimizer_param_blocks(inner, module)
         params = [p for g in inner.param_groups for p in g["params"]]

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from lightning_dpmp.compat import TorchDispatchMode, op_name, script_object_type
+from lightning_dpmp.compat import tree_leaves
 
 __all__ = ["CommAccounting", "CommCounter"]
 
@@ -46,7 +46,7 @@ def _group_name(group: Any) -> Optional[str]:
     """The c10d name of a ProcessGroup, also when the dispatcher hands it over boxed in a ScriptObject."""
     try:
         if isinstance(group, torch.ScriptObject):
-            if "ProcessGroup" not in str(group._type()):
+            if "ProcessGroup" not in script_object_type(group):
                 return None
             group = dist.ProcessGroup.unbox(group)
         return str(group.group_name)
@@ -72,8 +72,8 @@ class CommCounter(TorchDispatchMode):
         self.bytes: Counter = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        packet = func._overloadpacket
-        op = _OPS.get(packet.__name__) if packet._qualified_op_name.split("::")[0] in ("c10d", "_c10d_functional") else None
+        namespace, packet_name = op_name(func)
+        op = _OPS.get(packet_name) if namespace in ("c10d", "_c10d_functional") else None
         if op is not None:
             leaves = tree_leaves((args, kwargs or {}))
             label = "other"

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning_dpmp.compat import collect_rng_states, init_optimizers_and_lr_schedulers, metric_state_keys, set_rng_states
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
@@ -75,9 +75,7 @@ class _InertOptimizer:
 def _manual_optimization_stand_ins(module: nn.Module, losses: list[Tensor]) -> dict[str, Any]:
     """``optimizers()``/``lr_schedulers()``/``manual_backward`` for tracing a manual-optimization step outside
     the loop: the step's losses are collected instead of back-propagated, and nothing is stepped."""
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-
-    optimizers, _ = _init_optimizers_and_lr_schedulers(module)  # type: ignore[arg-type]
+    optimizers, _ = init_optimizers_and_lr_schedulers(module)
     inert = [_InertOptimizer(o) for o in optimizers]
     return {
         "optimizers": lambda use_pl_optimizer=True: inert[0] if len(inert) == 1 else inert,
@@ -93,7 +91,7 @@ def isolated(module: nn.Module, losses: Optional[list[Tensor]] = None) -> Iterat
 
     With ``losses`` and a LightningModule in manual optimization, the losses it back-propagates are collected there.
     """
-    rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    rng = collect_rng_states(include_cuda=torch.cuda.is_available())
     modes = [(m, m.training) for m in module.modules()]
     patches: dict[str, Any] = {name: (lambda *a, **k: None) for name in ("log", "log_dict") if hasattr(module, name)}
     if losses is not None and getattr(module, "automatic_optimization", True) is False:
@@ -116,7 +114,7 @@ def isolated(module: nn.Module, losses: Optional[list[Tensor]] = None) -> Iterat
             delattr(module, name)
         for m, mode in modes:
             m.training = mode
-        _set_rng_states(rng)
+        set_rng_states(rng)
 
 
 def _metric_states(module: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
@@ -126,7 +124,7 @@ def _metric_states(module: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
     out = []
     for m in module.modules():
         if isinstance(m, Metric):
-            keys = list(m._defaults) + ["_update_count", "_computed", "_forward_cache"]
+            keys = metric_state_keys(m)
             state = {k: m.__dict__.get(k) for k in keys if k in m.__dict__}
             out.append((m, {k: (v.clone() if isinstance(v, Tensor) else list(v) if isinstance(v, list) else v)
                             for k, v in state.items()}))
@@ -318,7 +316,8 @@ def plan_module(
     ``run`` executes one step on a fixed batch and returns its output (``None`` when no batch was available:
     the plan then comes from ``user_plan`` and defaults alone). Collective over the world.
     """
-    trace, loss_ref, grads_ref = None, None, {}
+    trace, loss_ref = None, None
+    grads_ref: dict[str, Any] = {}
     notes = list(notes or [])
     if run is not None:
         try:

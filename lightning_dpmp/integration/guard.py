@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from lightning_dpmp.compat import tree_leaves
 
 from lightning_dpmp.parallel.sharding import shard_dims
 

@@ -37,8 +37,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import torch
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning_dpmp.compat import check_can_spawn_children, set_num_threads_if_needed as _set_num_threads_if_needed
+from lightning_dpmp.compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
@@ -124,7 +124,7 @@ class DPMPScriptLauncher(_SubprocessScriptLauncher):
 
     @override
     def _call_children_scripts(self) -> None:
-        self._check_can_spawn_children()
+        check_can_spawn_children(self)
         self.procs = []
 
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address

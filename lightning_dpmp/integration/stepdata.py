@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.integration.autoplan import isolated
 from lightning_dpmp.planner.trace import NoDropout
 
@@ -42,14 +43,14 @@ def first_batch(trainer: Any, strategy: Any) -> tuple[Optional[Any], list[str]]:
     batch = None
     if strategy.global_rank == 0:
         loop_name = _STEPS[trainer.state.fn][0]
-        source = getattr(trainer, loop_name)._data_source
+        source = compat.loop_data_source(trainer, loop_name)
         try:
             with isolated(strategy.lightning_module):
                 loader = _first_of(source.dataloader())
                 batch = move_data_to_device(next(iter(loader)), "cpu")
         except Exception as exc:
             notes.append(f"no batch to trace ({type(exc).__name__}: {exc}); plan from defaults and user plan only")
-    box = [batch, notes]
+    box: list[Any] = [batch, notes]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0], box[1]
@@ -64,7 +65,7 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
     training = trainer.state.fn == TrainerFn.FITTING
 
     def run() -> Any:
-        b = lm._apply_batch_transfer_handler(batch, device=strategy.root_device)
+        b = compat.apply_batch_transfer_handler(lm, batch, strategy.root_device)
         b = plugin.convert_input(to_meta(b) if meta else b)
         if training:  # trace the path that trains (caches, checkpointing, aux losses follow self.training)
             lm.train()  # `isolated` restores every module's mode afterwards

@@ -1,38 +1,36 @@
 """DPMPStrategy: Lightning's lifecycle for data x tensor-model parallel training; the work is delegated.
 
+* ``set_world_ranks`` resolves the (dp, mp) :class:`~lightning_dpmp.integration.layout.Layout` once; ``dp``/``mp`` read it.
 * ``setup_environment`` initialises torch.distributed and builds the :class:`~lightning_dpmp.parallel.grid.Grid`.
-* ``setup`` plans and parallelises the model (:mod:`lightning_dpmp.integration.autoplan`), wraps it in
-  ``DistributedDataParallel(process_group=<dp group>)`` so that gradients are averaged over DP only, and routes
-  norm clipping through the global norm (:mod:`lightning_dpmp.parallel.clipping`).
-* Checkpoints are consolidated (:mod:`lightning_dpmp.checkpoint.consolidated`): dense tensors under the dense names.
+* ``setup`` is ``DDPStrategy.setup``; the model is planned and split in ``model_to_device``
+  (:mod:`lightning_dpmp.integration.split`), wrapped in ``DistributedDataParallel(process_group=<dp group>)`` in
+  ``configure_ddp`` so that gradients are averaged over DP only; norm clipping goes through the global norm and the
+  sequence-parallel gradient sum runs in ``optimizer_step`` (:mod:`lightning_dpmp.integration.hooks`).
+* Checkpoints are the job of ``self.checkpointer`` (:class:`~lightning_dpmp.integration.strategy_checkpoint.StrategyCheckpointer`).
 * ``teardown`` gathers the layers back, so the module you passed to ``fit`` is dense again afterwards.
 """
-
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Generator
+import warnings
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_dpmp.integration.autoplan import PlanResult, plan_module
-from lightning_dpmp.checkpoint.consolidated import (
-    consolidate_optimizer,
-)
+import lightning_dpmp.compat as compat
+from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration import hooks, validate
 from lightning_dpmp.integration.failfast import (
     check_backend,
@@ -44,31 +42,31 @@ from lightning_dpmp.integration.failfast import (
 from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
-from lightning_dpmp.parallel.layers import shard_dims
-from lightning_dpmp.planner.parallelize import consolidate
+from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.loss import VocabShardedLogits
-from lightning_dpmp.planner.materialize import is_meta, materialize
+from lightning_dpmp.planner.materialize import is_meta
 from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.parallel.rng import RNGTracker
-from lightning_dpmp.integration.strategy_checkpoint import CheckpointMixin
-from lightning_dpmp.integration.stepdata import first_batch, step_runner
-from lightning_dpmp.integration.zero import is_zero, shard_over_dp, unshard
+from lightning_dpmp.integration.layout import Layout, resolve_aliases, resolve_layout
+from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
+from lightning_dpmp.integration.split import split_model, unsplit_model
+from lightning_dpmp.integration.zero import shard_over_dp
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DPMPStrategy"]
 
 
-class DPMPStrategy(CheckpointMixin, DDPStrategy):
+class DPMPStrategy(DDPStrategy):
     """Data parallel (``dp`` replicas) x tensor model parallel (``mp``-way split Linears) training, no plan needed.
 
     Args:
         dp: data-parallel size, or ``"auto"`` (the number of nodes; or world // mp when ``mp`` is given).
         mp: tensor-parallel size, or ``"auto"`` (devices per node; or world // dp when ``dp`` is given).
             ``dp * mp`` must equal ``devices * num_nodes``.
-        plan: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
+        plan_overrides: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
             ``"column_gather"``, ``"vocab"``, ``"replicate"`` (see :mod:`lightning_dpmp.planner.plan`); the first matching
-            glob wins.
+            glob wins. The plan applied is :attr:`applied_plan`. ``plan=`` is a deprecated alias.
         sequence_parallel: keep norms/dropout/residual regions split along the sequence between the parallel
             layers (:mod:`lightning_dpmp.planner.sequence`); refused, with the reason, where the model does not allow it.
         verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
@@ -77,7 +75,9 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
             ``validate``, ``test`` or ``predict``, so the module you passed is the plain model again.
         save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel (:mod:`lightning_dpmp.checkpoint.sharded`)
             instead of one consolidated file; both load into any layout.
-        timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging).
+        timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging);
+            600 when neither this nor ``timeout`` is given.
+        timeout: the same as a ``timedelta``, as ``DDPStrategy`` takes it; give one of the two.
         zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.integration.zero`): 1/dp of it per
             rank, same training trajectory; checkpoints stay consolidated.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
@@ -99,12 +99,12 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         self,
         dp: Union[int, Literal["auto"]] = "auto",
         mp: Union[int, Literal["auto"]] = "auto",
-        plan: Optional[Mapping[str, str]] = None,
+        plan_overrides: Optional[Mapping[str, str]] = None,
         sequence_parallel: bool = False,
         verify_plan: bool = True,
         consolidate_on_teardown: bool = True,
         save_distributed_checkpoint: bool = False,
-        timeout_s: float = 600.0,
+        timeout_s: Optional[float] = None,
         check_consistency_every_n_steps: int = 0,
         zero: int = 0,
         process_group_backend: Optional[str] = None,
@@ -114,8 +114,11 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
+        timeout: Optional[timedelta] = None,
+        plan: Optional[Mapping[str, str]] = None,
         **ddp_kwargs: Any,
     ) -> None:
+        plan_overrides, timeout_s = resolve_aliases(plan_overrides, plan, timeout_s, timeout)
         check_parallel_size("dp", dp, allow_auto=True)
         check_parallel_size("mp", mp, allow_auto=True)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
@@ -126,7 +129,7 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         if zero and save_distributed_checkpoint:
             raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
         self._zero = zero
-        validate.check_init_args(plan, sequence_parallel, verify_plan, consolidate_on_teardown,
+        validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                  save_distributed_checkpoint, process_group_backend, start_method)
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         super().__init__(
@@ -141,45 +144,37 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
             **ddp_kwargs,
         )
         self._dp_arg, self._mp_arg = dp, mp
-        self._user_plan = dict(plan) if plan else None
+        self._layout: Optional[Layout] = None  # resolved in set_world_ranks, once devices and nodes are known
+        self._plan_overrides = dict(plan_overrides) if plan_overrides else None
         self._sequence_parallel = bool(sequence_parallel)
         self._verify_plan = verify_plan
         self._consolidate_on_teardown = consolidate_on_teardown
-        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
         self._grid: Optional[Grid] = None
-        self._plan_result: Optional[PlanResult] = None
+        self._applied_plan: Optional[PlanResult] = None
         self._split_params: set[int] = set()
         self._rng: Optional[RNGTracker] = None
         self._sequence_partial: list[torch.nn.Parameter] = []
         self._failed = False
+        self._undo_sync_skip: Optional[Callable[[], None]] = None  # set by model_to_device outside fitting
 
     # ------------------------------------------------------------------ sizes and topology
     @property
+    def layout(self) -> Layout:
+        """The resolved (dp, mp), known once the Trainer has set devices and nodes (``set_world_ranks``)."""
+        if self._layout is None:
+            raise RuntimeError("DPMPStrategy's dp and mp are resolved when the Trainer sets devices and num_nodes.")
+        return self._layout
+
+    @property
     def dp(self) -> int:
-        """Resolved data-parallel size (known once the Trainer has set devices and nodes)."""
-        return self._sizes()[0]
+        """Resolved data-parallel size."""
+        return self.layout.dp
 
     @property
     def mp(self) -> int:
         """Resolved tensor-parallel size."""
-        return self._sizes()[1]
-
-    def _sizes(self) -> tuple[int, int]:
-        world = self.num_processes * self.num_nodes
-        dp, mp = self._dp_arg, self._mp_arg
-        if dp == "auto" and mp == "auto":
-            return self.num_nodes, max(self.num_processes, 1)
-        if mp == "auto":
-            assert isinstance(dp, int)
-            if world % dp:
-                raise ValueError(f"DPMPStrategy(dp={dp}, mp='auto'): devices*num_nodes = {world} is not divisible by dp={dp}.")
-            return dp, world // dp
-        if dp == "auto":
-            assert isinstance(mp, int)
-            if world % mp:
-                raise ValueError(f"DPMPStrategy(dp='auto', mp={mp}): devices*num_nodes = {world} is not divisible by mp={mp}.")
-            return world // mp, mp
-        return int(dp), int(mp)
+        return self.layout.mp
 
     @property
     def grid(self) -> Grid:
@@ -189,9 +184,35 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         return self._grid
 
     @property
-    def plan(self) -> Optional[PlanResult]:
+    def grid_or_none(self) -> Optional[Grid]:
+        """:attr:`grid`, or ``None`` before ``setup_environment``."""
+        return self._grid
+
+    @property
+    def rng_tracker(self) -> Optional[RNGTracker]:
+        """The per-MP-rank dropout streams of the split regions (``None`` with mp=1 or before setup)."""
+        return self._rng
+
+    @property
+    def timeout(self) -> timedelta:
+        """The process-group timeout (``timeout_s``/``timeout``)."""
+        return compat.ddp_timeout(self)
+
+    @property
+    def plan_overrides(self) -> Optional[dict[str, str]]:
+        """The ``{glob: style}`` overrides given to the constructor (``None`` when the planner decides alone)."""
+        return self._plan_overrides
+
+    @property
+    def applied_plan(self) -> Optional[PlanResult]:
         """The plan applied at the last setup (with its printout in ``.text``), or ``None`` before setup."""
-        return self._plan_result
+        return self._applied_plan
+
+    @property
+    def plan(self) -> Optional[PlanResult]:
+        """Deprecated alias of :attr:`applied_plan`."""
+        warnings.warn("DPMPStrategy.plan is deprecated; use applied_plan", DeprecationWarning, stacklevel=2)
+        return self._applied_plan
 
     @property
     def dp_rank(self) -> int:
@@ -212,7 +233,7 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and self.is_global_zero:
-            use_sampler = trainer._accelerator_connector.use_distributed_sampler
+            use_sampler = compat.uses_distributed_sampler(trainer)
             warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
             validate.warn_if_data_smaller_than_dp(trainer.train_dataloader, use_sampler, self.dp)
         super().on_train_start()
@@ -235,10 +256,10 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     def set_world_ranks(self) -> None:
         # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
         if self.parallel_devices:
-            dp, mp = self._sizes()
-            check_world_size(dp, mp, self.num_processes * self.num_nodes, devices=self.num_processes, num_nodes=self.num_nodes)
-            check_backend(self._process_group_backend, self.parallel_devices)
-            check_sync_batchnorm(self._layer_sync, mp)  # the connector sets _layer_sync just before this call
+            self._layout = resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
+            check_world_size(self.dp, self.mp, self.num_processes * self.num_nodes, devices=self.num_processes, num_nodes=self.num_nodes)
+            check_backend(self.process_group_backend, self.parallel_devices)
+            check_sync_batchnorm(compat.layer_sync(self), self.mp)  # the connector sets the layer sync just before this call
         super().set_world_ranks()
 
     @property
@@ -250,8 +271,8 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = DPMPScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if compat.start_method(self) == "popen":
+            compat.set_launcher(self, DPMPScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
         else:
             super()._configure_launcher()
 
@@ -260,73 +281,64 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
         if is_launched_rank(self.cluster_environment, self.local_rank):
             die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
         super().setup_environment()  # initialises the default process group
-        dp, mp = self._sizes()
+        dp, mp = self.dp, self.mp
         check_world_size(dp, mp, dist.get_world_size())
         if mp > 1 and self.num_processes % mp and self.num_nodes > 1:
             rank_zero_warn(
                 f"mp={mp} does not divide the {self.num_processes} devices per node: MP groups span nodes, and every"
                 " tensor-parallel all-reduce crosses the slower inter-node link."
             )
-        self._grid = build_grid(dp, mp, timeout=self._timeout)  # subgroups do not inherit the world's timeout
+        self._grid = build_grid(dp, mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout
 
     # ------------------------------------------------------------------ model setup
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        check_sync_batchnorm(self._layer_sync, self.mp)
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
-        self.precision_plugin.convert_module(self.model)
+        # DDPStrategy.setup does the lifecycle; the split happens in model_to_device, the DP-only wrap in configure_ddp.
+        self._failed = False
+        check_sync_batchnorm(compat.layer_sync(self), self.mp)
+        self._undo_sync_skip = None
+        super().setup(trainer)
+        if self._undo_sync_skip is not None:
+            self._undo_sync_skip()
+        if self.mp > 1:
+            hooks.install(self.precision_plugin, self._split_params, self.grid.mp_group)
+
+    @override
+    def model_to_device(self) -> None:
+        """Move the dense model (unless it is on the meta device), then plan and split it.
+
+        This is the one hook ``DDPStrategy.setup`` calls after ``convert_module`` and before the DDP wrap (fitting)
+        or its module-state broadcast from rank 0 (other stages), which would overwrite MP shards with rank 0's.
+        """
+        assert self.model is not None and self.lightning_module is not None
         meta = is_meta(self.model)
         if not meta:
-            self.model_to_device()
-        self._parallelize(trainer, meta)
+            super().model_to_device()
+        trainer = self.lightning_module.trainer
+        split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
+        self._applied_plan, self._rng = split.applied_plan, split.rng
+        self._sequence_partial, self._split_params = split.sequence_partial, split.split_params
         route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
-        if fitting:
-            if self.dp > 1:
-                # With mp=1 the DP group is the world: give DDP the default group, exactly as DDPStrategy does.
-                self._ddp_kwargs["process_group"] = self.grid.dp_group if self.mp > 1 else None
-                self.configure_ddp()
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        if trainer.state.fn != TrainerFn.FITTING:
+            # split_model already broadcast rank 0's dense weights before the split.
+            self._undo_sync_skip = compat.skip_ddp_state_sync(self.model)
 
-            _optimizers_to_device(self.optimizers, self.root_device)
-        if self.mp > 1:
-            hooks.install(self.precision_plugin, self._split_params, self._sequence_partial, self.grid.mp_group)
+    @override
+    def configure_ddp(self) -> None:
+        if self.dp == 1:
+            return  # no DP replicas to average over: no DDP wrapper
+        # With mp=1 the DP group is the world: give DDP the default group, exactly as DDPStrategy does.
+        compat.ddp_kwargs(self)["process_group"] = self.grid.dp_group if self.mp > 1 else None
+        super().configure_ddp()
 
-    def _parallelize(self, trainer: "pl.Trainer", meta: bool) -> None:
-        lm = self.lightning_module
-        assert lm is not None
-        validate.check_plan_at_setup(lm, self._user_plan, self.mp, self.global_rank)  # a configure_model model
-        self._broadcast_dense(lm)
-        batch, notes = first_batch(trainer, self)
-        run = step_runner(trainer, self, batch, meta) if batch is not None else None
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self._rng = RNGTracker(seed, self.grid.mp_rank, self.root_device) if self.mp > 1 else None
-        self._plan_result = plan_module(
-            lm, self.grid, run, self._user_plan, self._verify_plan and not meta, self.root_device, notes, self._rng,
-            self._sequence_parallel, str(trainer.precision),
-        )
-        if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
-            materialize(lm, self.root_device, seed, self.grid.mp_rank)
-        sp = self._plan_result.plan.sequence
-        names = set(sp.partial_params) if sp is not None else set()
-        self._sequence_partial = [p for n, p in lm.named_parameters() if n in names]
-        self._split_params = {id(p) for n, p in lm.named_parameters() if n in shard_dims(lm)}
-        if self.is_global_zero:
-            validate.warn_if_mp_idle(len(self._split_params), self.dp, self.mp)
-        rank_zero_info(f"{self._plan_result.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
-
-    def _broadcast_dense(self, module: torch.nn.Module) -> None:
-        """Make every rank start from rank 0's dense weights, so MP shards are slices of one model (unseeded runs)."""
-        with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                if t.device.type != "meta":
-                    dist.broadcast(t.data, src=0)
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:
+        # The precision plugin runs `closure` (backward) inside optimizer.step, then clips: the sequence-parallel
+        # partial gradients must be summed between the two, so the sum runs at the end of the closure.
+        if self._sequence_partial:
+            mine = {id(p) for p in self.precision_plugin.main_params(optimizer)}
+            closure = hooks.then_sum_sequence_partial(closure, [p for p in self._sequence_partial if id(p) in mine], self.grid.mp_group)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _step_then_leave_sharded_rng(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -380,7 +392,7 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # Decisions (early stopping, checkpointing) must agree on every rank: reduce over the whole world.
-        if not _distributed_is_initialized():
+        if not compat.distributed_is_initialized():
             return decision
         t = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -396,17 +408,43 @@ class DPMPStrategy(CheckpointMixin, DDPStrategy):
     def teardown(self) -> None:
         lm = self.lightning_module
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
-            # Before super(): it moves the module to CPU, where NCCL cannot gather. ZeRO optimizers cannot be
-            # re-pointed at dense parameters: their consolidated state goes into a plain optimizer instead.
-            zero_states = [self.broadcast(self.optimizer_state(o)) if is_zero(o) else None for o in self.optimizers]
-            moved = consolidate(lm)
-            for i, optimizer in enumerate(self.optimizers):
-                if zero_states[i] is not None:
-                    self.optimizers[i] = unshard(optimizer, moved, zero_states[i])
-                else:
-                    consolidate_optimizer(getattr(optimizer, "_optimizer", optimizer), moved, self.grid.mp_group)
+            unsplit_model(self)  # before super(): it moves the module to CPU, where NCCL cannot gather
         hooks.remove(self.precision_plugin)
         super().teardown()
+
+    # ------------------------------------------------------------------ checkpoints (delegated to self.checkpointer)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # loads go into the split model: each rank reads only its slices
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpointer.module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.checkpointer.optimizer_state(optimizer, super().optimizer_state)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self.checkpointer.save(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self.checkpointer.load(checkpoint_path, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpointer.remove(filepath)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.checkpointer.load_module_state(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self.checkpointer.load_optimizer_states(checkpoint)
 
     @classmethod
     @override

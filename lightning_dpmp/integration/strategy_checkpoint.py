@@ -1,9 +1,9 @@
-"""The checkpoint half of DPMPStrategy: consolidated and sharded saves, loads into any layout.
+"""DPMPStrategy's checkpoint collaborator: consolidated and sharded saves, loads into any layout.
 
 Consolidated (default): dense tensors under the dense names, gathered parameter by parameter onto rank 0, which
 writes one file atomically (:mod:`lightning_dpmp.checkpoint.consolidated`). Sharded: every rank writes its own shards into a
 folder (:mod:`lightning_dpmp.checkpoint.sharded`). Both load after setup, into the parallelised model, so each rank reads only
-its slices. Kept apart from :mod:`lightning_dpmp.integration.strategy` so that each file reads as one concern.
+its slices. The strategy owns one :class:`StrategyCheckpointer` and delegates its checkpoint hooks to it.
 
 Example:
     >>> trainer.save_checkpoint("last.ckpt")                  # collective; rank 0 writes  # doctest: +SKIP
@@ -16,16 +16,14 @@ import os
 import shutil
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import (
     check_state_matches,
     consolidate_optimizer_state,
@@ -48,131 +46,144 @@ from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 from lightning_dpmp.integration.zero import is_zero, zero_state_dict
 
-__all__ = ["CheckpointMixin"]
+if TYPE_CHECKING:
+    from lightning_dpmp.integration.strategy import DPMPStrategy
+
+__all__ = ["StrategyCheckpointer"]
 
 _TRACKER_KEY = "dpmp_rng_tracker"  # per-MP-rank dropout streams of the sharded regions (lightning_dpmp.parallel.rng)
 
 
-class CheckpointMixin(DDPStrategy):
-    """Checkpoint hooks of :class:`~lightning_dpmp.integration.strategy.DPMPStrategy` (uses its grid, sizes and options)."""
+class StrategyCheckpointer:
+    """The checkpoint hooks of :class:`~lightning_dpmp.integration.strategy.DPMPStrategy`, owned by it.
 
-    _grid: Any
-    _save_distributed_checkpoint: bool
-    _rng: Any
+    Args:
+        strategy: the owning strategy; read for its grid (``None`` before ``setup_environment``), layout, devices,
+            module, optimizers and RNG tracker, and used for ``broadcast`` and its ``checkpoint_io``.
+        distributed: write a folder of shards (``save_distributed_checkpoint=True``) instead of one file.
+    """
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
+    def __init__(self, strategy: "DPMPStrategy", distributed: bool) -> None:
+        self.strategy = strategy
+        self.distributed = distributed
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        state = self.lightning_module.state_dict()
-        dims = shard_dims(self.lightning_module)
-        if self._grid is None or not dims or self._save_distributed_checkpoint or self.grid.dp_rank != 0:
+    def _gathers(self) -> bool:
+        """Whether this rank gathers MP shards into dense tensors: consolidated saves, on each MP group of DP rank 0."""
+        grid = self.strategy.grid_or_none
+        return grid is not None and not self.distributed and grid.dp_rank == 0
+
+    def module_state_dict(self) -> dict[str, Any]:
+        """The module's state: dense on the ranks that write a consolidated file, local shards elsewhere."""
+        lm = self.strategy.lightning_module
+        assert lm is not None
+        state = lm.state_dict()
+        dims = shard_dims(lm)
+        if not dims or not self._gathers():
             return state  # local shards: sharded saves write them as they are, and DP ranks > 0 do not write
-        return gather_state_dict(state, dims, self.grid.mp_group, shard_blocks(self.lightning_module))
+        return gather_state_dict(state, dims, self.strategy.grid.mp_group, shard_blocks(lm))
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if is_zero(optimizer) and self._grid is not None:
+    def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
+        """The optimizer's state (``default``: Lightning's), consolidated to dense shapes where :meth:`_gathers`."""
+        grid = self.strategy.grid_or_none
+        if is_zero(optimizer) and grid is not None:
             # ZeRO-1: the DP group's first rank gathers the partitions; each such rank holds its MP shard's state
-            state = zero_state_dict(optimizer, keep=self.grid.dp_rank == 0)
+            state = zero_state_dict(optimizer, keep=grid.dp_rank == 0)
         else:
-            state = super().optimizer_state(optimizer)
-        if self._grid is None or self.mp == 1 or self._save_distributed_checkpoint or self.grid.dp_rank != 0:
+            state = default(optimizer)
+        if not self._gathers() or self.strategy.mp == 1:
             return state
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        lm = self.lightning_module
+        inner = compat.unwrap_optimizer(optimizer)
+        lm = self.strategy.lightning_module
         return consolidate_optimizer_state(
-            state, optimizer_param_dims(inner, lm), self.grid.mp_group, optimizer_param_blocks(inner, lm)
+            state, optimizer_param_dims(inner, lm), self.strategy.grid.mp_group, optimizer_param_blocks(inner, lm)
         )
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` atomically: one file from rank 0, or a folder from all ranks (collective)."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
         from lightning_dpmp.checkpoint.sharded import save_sharded
 
-        path = str(self.broadcast(str(filepath)))
-        checkpoint["dpmp"] = layout_info(self.dp, self.mp, self.root_device)
-        if self._rng is not None and self._grid is not None:
-            states: list[Any] = [None] * self.mp
-            dist.all_gather_object(states, self._rng.state_dict()["sharded_state"], group=self.grid.mp_group)
+        st = self.strategy
+        path = str(st.broadcast(str(filepath)))
+        checkpoint["dpmp"] = layout_info(st.dp, st.mp, st.root_device)
+        if st.rng_tracker is not None and st.grid_or_none is not None:
+            states: list[Any] = [None] * st.mp
+            dist.all_gather_object(states, st.rng_tracker.state_dict()["sharded_state"], group=st.grid.mp_group)
             checkpoint[_TRACKER_KEY] = states
         make_weights_only_safe(checkpoint)
-        if self._save_distributed_checkpoint:
+        if self.distributed:
             if storage_options is not None:
                 raise TypeError("DPMPStrategy(save_distributed_checkpoint=True) does not take `storage_options`.")
             checkpoint["dpmp"]["format"] = "sharded"
-            assert self.lightning_module is not None
-            save_sharded(checkpoint, path, self.lightning_module, self.optimizers, self._grid, self.root_device.type)
+            assert st.lightning_module is not None
+            save_sharded(checkpoint, path, st.lightning_module, st.optimizers, st.grid_or_none, st.root_device.type)
             return
-        if "://" in path or type(self.checkpoint_io) is not TorchCheckpointIO:
-            write = lambda: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
+        if "://" in path or type(st.checkpoint_io) is not TorchCheckpointIO:
+            write = lambda: st.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
         else:
             write = lambda: atomic_save(checkpoint, path)  # noqa: E731
         # The others wait for rank 0 with a long timeout of their own, not at a barrier bound by `timeout_s`.
-        write_on_rank_zero(write, max(self._timeout, timedelta(hours=1)))
+        write_on_rank_zero(write, max(st.timeout, timedelta(hours=1)))
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a consolidated file (``weights_only=True``, memory-mapped) or this rank's slices of a sharded folder."""
         from lightning_dpmp.checkpoint.sharded import is_sharded_checkpoint, load_sharded
 
+        st = self.strategy
         if weights_only is False:
             rank_zero_warn("DPMPStrategy always loads checkpoints with weights_only=True; `weights_only=False` is ignored.")
-        path = str(self.broadcast(str(checkpoint_path)))
+        path = str(st.broadcast(str(checkpoint_path)))
         found = recover_path(path)
         if found != path:
             rank_zero_warn(f"{path} is missing (a save was interrupted while swapping it); loading the previous one, {found}.")
-        lm = self.lightning_module
+        lm = st.lightning_module
         assert lm is not None
         if is_sharded_checkpoint(found):
-            return load_sharded(found, lm, self.optimizers, self.grid, lm.strict_loading, self.root_device.type)
+            return load_sharded(found, lm, st.optimizers, st.grid, lm.strict_loading, st.root_device.type)
         if "://" in found or not os.path.exists(found):
-            return self.checkpoint_io.load_checkpoint(found, weights_only=True)
+            return st.checkpoint_io.load_checkpoint(found, weights_only=True)
         return load_checked(found, load_file)  # a truncated file: named, and said to be incomplete
 
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
+    def remove(self, filepath: Any) -> None:
+        """Delete a checkpoint file or sharded folder (rank 0)."""
+        if self.strategy.is_global_zero:
             path = str(filepath)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             else:
-                self.checkpoint_io.remove_checkpoint(filepath)
+                self.strategy.checkpoint_io.remove_checkpoint(filepath)
 
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def load_module_state(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a dense (any layout) or local-layout state dict into the parallelised module."""
         from lightning_dpmp.checkpoint.sharded import LOCAL_LAYOUT_KEY
 
-        lm = self.lightning_module
+        st = self.strategy
+        lm = st.lightning_module
         assert lm is not None
         state = checkpoint["state_dict"]
-        if self._grid is not None and not checkpoint.get(LOCAL_LAYOUT_KEY):
+        if st.grid_or_none is not None and not checkpoint.get(LOCAL_LAYOUT_KEY):
             found = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
-            check_state_matches(dense_shapes(lm, self.grid.mp_group), found, strict)  # names the first difference
+            check_state_matches(dense_shapes(lm, st.grid.mp_group), found, strict)  # names the first difference
             if shard_dims(lm):
-                state = shard_state_dict(state, shard_dims(lm), self.grid.mp_group, shard_blocks(lm))
+                state = shard_state_dict(state, shard_dims(lm), st.grid.mp_group, shard_blocks(lm))
         lm.load_state_dict(state, strict=strict)
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the optimizer states (sharded to this rank's slices), then the RNG streams."""
         from lightning_dpmp.checkpoint.sharded import LOCAL_LAYOUT_KEY
 
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if self._grid is not None and self.mp > 1 and not checkpoint.get(LOCAL_LAYOUT_KEY):
-                lm = self.lightning_module
+        st = self.strategy
+        for optimizer, state in zip(st.optimizers, checkpoint["optimizer_states"]):
+            if st.grid_or_none is not None and st.mp > 1 and not checkpoint.get(LOCAL_LAYOUT_KEY):
+                lm = st.lightning_module
                 state = shard_optimizer_state(
-                    state, optimizer_param_dims(optimizer, lm), self.grid.mp_group, optimizer_param_blocks(optimizer, lm)
+                    state, optimizer_param_dims(optimizer, lm), st.grid.mp_group, optimizer_param_blocks(optimizer, lm)
                 )
             optimizer.load_state_dict(state)
-            _optimizer_to_device(optimizer, self.root_device)
+            compat.optimizer_to_device(optimizer, st.root_device)
         # Called last before the fit loop runs: the RNG streams continue where the saving run left them.
-        restore_rng_from(checkpoint, self.dp, self.mp, self.global_rank, self.root_device)
+        restore_rng_from(checkpoint, st.dp, st.mp, st.global_rank, st.root_device)
         tracker = checkpoint.get(_TRACKER_KEY)
-        if self._rng is not None and tracker is not None and len(tracker) == self.mp:
-            self._rng.load_state_dict({"sharded_state": tracker[self.mp_rank]})  # else: fresh streams for a new mp
+        if st.rng_tracker is not None and tracker is not None and len(tracker) == st.mp:
+            st.rng_tracker.load_state_dict({"sharded_state": tracker[st.mp_rank]})  # else: fresh streams for a new mp

@@ -15,7 +15,7 @@ its information exists:
   dataset smaller than dp (:func:`warn_if_data_smaller_than_dp`).
 
 Example:
-    >>> check_init_args(plan={"fc1": "colum"})
+    >>> check_init_args(plan_overrides={"fc1": "colum"})
     Traceback (most recent call last):
     ...
     ValueError: plan['fc1'] = 'colum' is not a style (did you mean 'column'?); choose one of column, row, column_gather, vocab, experts, heads, replicate.
@@ -69,7 +69,7 @@ class DataSizeWarning(UserWarning):
 
 # ---------------------------------------------------------------------------------------------- construction
 def check_init_args(
-    plan: Any = None,
+    plan_overrides: Any = None,
     sequence_parallel: Any = False,
     verify_plan: Any = True,
     consolidate_on_teardown: Any = True,
@@ -79,7 +79,7 @@ def check_init_args(
 ) -> None:
     """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (``dp``, ``mp``,
     ``timeout_s``, ``zero`` and ``check_consistency_every_n_steps`` are checked where they are used)."""
-    check_styles(plan)
+    check_styles(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
     for name, value in values.items():
         if not isinstance(value, bool):
@@ -176,7 +176,7 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
         check_ckpt_path(call.get("ckpt_path"))
         model = call.get("model")
         if model is not None and not _builds_in_configure_model(model):
-            check_plan_on_model(model, getattr(strategy, "_user_plan", None), strategy.mp)
+            check_plan_on_model(model, strategy.plan_overrides, strategy.mp)
 
 
 def _builds_in_configure_model(model: Any) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
+import lightning_dpmp.compat as compat
 __all__ = ["is_zero", "optimizer_state_bytes", "shard_over_dp", "zero_state_dict"]
 
 
@@ -48,19 +49,19 @@ def shard_over_dp(optimizers: list[Optimizer], scheduler_configs: list[Any], gro
 
 
 def is_zero(optimizer: Any) -> bool:
-    return isinstance(getattr(optimizer, "_optimizer", optimizer), ZeroRedundancyOptimizer)
+    return isinstance(compat.unwrap_optimizer(optimizer), ZeroRedundancyOptimizer)
 
 
 def zero_state_dict(optimizer: Any, keep: bool) -> dict[str, Any]:
     """Consolidate a ZeRO optimizer's state on DP rank 0 (collective over DP); the full dict where ``keep``."""
-    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = compat.unwrap_optimizer(optimizer)
     inner.consolidate_state_dict(to=0)
     return inner.state_dict() if keep else {}
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes of tensors this rank holds in the optimizer's state (the local partition under ZeRO)."""
-    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = compat.unwrap_optimizer(optimizer)
     inner = inner.optim if isinstance(inner, ZeroRedundancyOptimizer) else inner
     return sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values() if hasattr(v, "numel"))
 
@@ -68,10 +69,11 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 def unshard(zero: Any, moved: Any, full_state: dict[str, Any]) -> Optimizer:
     """A plain optimizer of the wrapped class over the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate`
     made, loaded with the consolidated ``full_state``: what the model's owner gets back after ``fit``."""
-    inner = getattr(zero, "_optimizer", zero)
+    inner = compat.unwrap_optimizer(zero)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [moved.get(id(p), (p,))[0] for p in g["params"]]}
               for g in inner.param_groups]
-    plain = inner._optim_constructor(groups, **_constructor_defaults(inner._optim_constructor, inner._optim_defaults))
+    constructor, defaults = compat.zero_optimizer_constructor(inner)
+    plain = constructor(groups, **_constructor_defaults(constructor, defaults))
     if full_state:
         plain.load_state_dict(full_state)
     return plain

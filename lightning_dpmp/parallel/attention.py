@@ -42,7 +42,7 @@ __all__ = ["HeadParallelMultiheadAttention", "unsupported_reason"]
 
 def unsupported_reason(mha: nn.MultiheadAttention, mp: int) -> Optional[str]:
     """Why ``mha`` cannot be made head-parallel at width ``mp`` (``None`` when it can)."""
-    if not mha._qkv_same_embed_dim:
+    if mha.in_proj_weight is None:  # public twin of mha._qkv_same_embed_dim
         return "separate q/k/v projection weights (kdim/vdim differ from embed_dim)"
     if mha.bias_k is not None or mha.add_zero_attn:
         return "add_bias_kv/add_zero_attn append a key/value shared by all heads"

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_sequence
 
 __all__ = ["GATHERED", "SharedInputCopy", "enter_region"]
@@ -40,7 +41,7 @@ class SharedInputCopy:
         # under no_grad, is never reused. The references are strong (autograd keeps the tensor's data, not its
         # Python object), and are dropped as soon as the gradient has gone through, so no activation outlives
         # its step.
-        key = (id(x), x._version, torch.is_grad_enabled())
+        key = (id(x), compat.tensor_version(x), torch.is_grad_enabled())
         if key == self._key and self._src is x and self._out is not None:
             return self._out
         out = enter_region(x, self.group, self.sequence_dim)

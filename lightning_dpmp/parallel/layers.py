@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence, scatter_to_group
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
 from lightning_dpmp.parallel.sharding import _ParallelLinear, divide, gather_tensor
-from lightning_dpmp.parallel.sharding import shard_dims  # noqa: F401  kept for integration/strategy.py (split elsewhere)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 

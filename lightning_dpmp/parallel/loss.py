@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._pytree import tree_leaves, tree_map
+from lightning_dpmp.compat import tree_leaves, tree_map
+import lightning_dpmp.compat as compat
 
 from lightning_dpmp.parallel.comm import all_reduce_sum, gather_from_group, group_rank, group_size
 
@@ -189,7 +190,7 @@ class VocabShardedLogits(torch.Tensor):
         kwargs = kwargs or {}
         meta = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, VocabShardedLogits))
         name = getattr(func, "__name__", "")
-        with torch._C.DisableTorchFunctionSubclass():
+        with compat.disable_torch_function_subclass():
             if name == "__get__":  # a property: func is the getter of the getset_descriptor named here
                 prop = getattr(getattr(func, "__self__", None), "__name__", "")
                 if prop == "shape":
@@ -230,7 +231,7 @@ def _dispatch(func: Any, name: str, args: tuple, kwargs: dict, meta: VocabSharde
         f"{local_shape[-1] if local_shape else 0} of {vocab} classes, mp={group_size(group)}) cannot be computed "
         "from this rank's shard, and gathering here would be a collective that only the ranks running this line "
         "reach. The traced training step used these logits only for F.cross_entropy. Fix: "
-        f"plan={{{layer or '<head>'!r}: 'column_gather'}} (the layer then gathers full logits in its own forward, on "
+        f"plan_overrides={{{layer or '<head>'!r}: 'column_gather'}} (the layer then gathers full logits in its own forward, on "
         "every rank), or compute it in eval mode or under torch.no_grad(), where the layer returns full logits."
     )
 
@@ -315,7 +316,7 @@ def _cross_entropy(args: tuple, kwargs: dict, meta: VocabShardedLogits) -> Tenso
     if problem is not None:
         raise VocabShardedLogitsError(
             f"F.cross_entropy on the vocab-sharded logits of {meta._dpmp_name or 'a vocab-parallel head'!r} with "
-            f"{problem} cannot be computed vocab-parallel. Fix: plan={{{meta._dpmp_name or '<head>'!r}: "
+            f"{problem} cannot be computed vocab-parallel. Fix: plan_overrides={{{meta._dpmp_name or '<head>'!r}: "
             "'column_gather'}} (the layer then returns full logits)."
         )
     return vocab_parallel_cross_entropy(

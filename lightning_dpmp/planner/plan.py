@@ -66,7 +66,7 @@ def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCal
     ``(1 - 1/mp) * out_features`` logits and ``(1 - 1/mp) * out_features * in_features`` weights per rank. A head
     no wider than its input (a 10-class classifier on a 128-wide stream) can never save more logits than it sends,
     and its weight is a rounding error next to the blocks: it stays whole and costs no collective at all. An LM
-    head (vocabulary >> width) saves the most memory of any layer. ``plan={name: "vocab"}`` forces the split.
+    head (vocabulary >> width) saves the most memory of any layer. ``plan_overrides={name: "vocab"}`` forces the split.
     """
     out_f, in_f = form.out_features, form.in_features
     if out_f > in_f:
@@ -83,7 +83,7 @@ def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCal
     return (
         f"kept whole: out_features={out_f} <= in_features={in_f}: a vocab split would save {saved:,} parameters per"
         f" rank for {3 if grads else 2} all-reduces{traffic}; it pays only when out_features > in_features"
-        f" (plan={{{name!r}: 'vocab'}} forces it)"
+        f" (plan_overrides={{{name!r}: 'vocab'}} forces it)"
     )
 
 

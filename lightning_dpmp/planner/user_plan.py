@@ -43,13 +43,13 @@ def check_styles(user_plan: Any) -> None:
         return
     if not isinstance(user_plan, Mapping):
         raise TypeError(
-            f"`plan` must be a mapping of module-name glob -> style, e.g. {{'blocks.*.fc1': 'column'}}, got"
+            f"`plan_overrides` must be a mapping of module-name glob -> style, e.g. {{'blocks.*.fc1': 'column'}}, got"
             f" {type(user_plan).__name__} {user_plan!r}."
         )
     for pattern, style in user_plan.items():
         if not isinstance(pattern, str) or not isinstance(style, str):
             raise TypeError(
-                f"`plan` entries must be str glob -> str style, got {pattern!r} ({type(pattern).__name__}) ->"
+                f"`plan_overrides` entries must be str glob -> str style, got {pattern!r} ({type(pattern).__name__}) ->"
                 f" {style!r} ({type(style).__name__})."
             )
         if style not in STYLES:

@@ -57,14 +57,14 @@ class SaveAtTrainEnd(L.Callback):
         self.formats = formats
 
     def on_train_end(self, trainer, pl_module):
-        strategy = getattr(trainer, "strategy", None)
-        before = getattr(strategy, "_save_distributed_checkpoint", None)
+        checkpointer = getattr(trainer.strategy, "checkpointer", None)
+        before = getattr(checkpointer, "distributed", None)
         for sharded, path in self.formats:
             if before is not None:
-                strategy._save_distributed_checkpoint = sharded
+                checkpointer.distributed = sharded
             trainer.save_checkpoint(path)
         if before is not None:
-            strategy._save_distributed_checkpoint = before
+            checkpointer.distributed = before
 
 
 def make_trainer(dp: int, mp: int, steps: int, sharded: bool = False, callbacks=(), **kwargs) -> L.Trainer:

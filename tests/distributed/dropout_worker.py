@@ -52,7 +52,7 @@ def one_step(seed: int) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DPMPStrategy(dp=1, mp=2, timeout_s=120), max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(make_dataset(), batch_size=16))
-    styles = {n: lp.style for n, lp in trainer.strategy.plan.plan.layers.items()}
+    styles = {n: lp.style for n, lp in trainer.strategy.applied_plan.plan.layers.items()}
     return {**model.masks, "fc1_column": torch.tensor(styles["fc1"] == "column")}
 
 

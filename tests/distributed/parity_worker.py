@@ -92,15 +92,15 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     trainer.fit(model, loader)
     tag = f"{name}_{precision.split('-')[0]}"
     trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))
-    plan = strategy.plan.plan
+    plan = strategy.applied_plan.plan
     return {
-        "plan_text": strategy.plan.text,
+        "plan_text": strategy.applied_plan.text,
         "counts": probe.counts,
         "analytic": plan.comm_per_step(),
         "per_block": plan.per_block(),
         "styles": {n: lp.style for n, lp in plan.layers.items()},
         "notes": {n: lp.note for n, lp in plan.layers.items()},
-        "verified": strategy.plan.verified,
+        "verified": strategy.applied_plan.verified,
         "consistent": probe.consistent,
         "dense_after_fit": not shard_dims(model),
         "frozen_after_fit": sorted(n for n, p in model.named_parameters() if not p.requires_grad),

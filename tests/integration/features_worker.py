@@ -180,7 +180,7 @@ def grid_checks(dp: int, mp: int, out: str) -> dict:
         t = trainer(dp, mp, precision="64-true", max_steps=10)
         t.fit(m, DataLoader(make_dataset(), batch_size=8))
         res["manual_weights"] = weights(m)
-        res["manual_styles"] = {n: lp.style for n, lp in t.strategy.plan.plan.layers.items()}
+        res["manual_styles"] = {n: lp.style for n, lp in t.strategy.applied_plan.plan.layers.items()}
 
         L.seed_everything(0)
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -82,12 +82,12 @@ def main(out: str) -> None:
     for key, plan in (("auto", None), ("vocab", {"net.head": "vocab"})):
         cfg = digits_config(os.path.join(out, "hydra"))
         model, data = digits_parts(cfg)
-        t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=DPMPStrategy(dp=DP, mp=MP, plan=plan, timeout_s=60),
+        t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=DPMPStrategy(dp=DP, mp=MP, plan_overrides=plan, timeout_s=60),
                       num_sanity_val_steps=2, **DIGITS_TRAINER)
         t.fit(model, datamodule=data)
         res[f"digits_{key}"] = {"acc": float(t.callback_metrics["val/acc"]), "loss": float(t.callback_metrics["val/loss"]),
-                                "head": t.strategy.plan.plan.layers["net.head"].style,
-                                "note": t.strategy.plan.plan.layers["net.head"].note}
+                                "head": t.strategy.applied_plan.plan.layers["net.head"].style,
+                                "note": t.strategy.applied_plan.plan.layers["net.head"].note}
         if dist.get_rank() == 0:
             torch.save(model.state_dict(), os.path.join(out, f"digits_{key}.pt"))
 
@@ -114,7 +114,7 @@ def main(out: str) -> None:
                   enable_model_summary=False, callbacks=[Clock()])
     started = time.perf_counter()
     t.fit(model, DataLoader(ds, batch_size=GPT_BATCH), val)
-    res["gpt"] = {"styles": {n: lp.style for n, lp in t.strategy.plan.plan.layers.items()},
+    res["gpt"] = {"styles": {n: lp.style for n, lp in t.strategy.applied_plan.plan.layers.items()},
                   "acc": float(t.callback_metrics["val_acc"]), "validation_s": timing["validation_s"],
                   "fit_s": time.perf_counter() - started, "inspected": len(model.inspected)}
     if dist.get_rank() == 0:

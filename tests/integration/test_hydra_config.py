@@ -84,7 +84,7 @@ def test_every_experiment_composes_and_instantiates(tmp_path, experiment):
         ["~logger", "callbacks=none"],
         ["trainer=gpu"],
         ["strategy.dp=1", "strategy.mp=4", "strategy.verify_plan=false", "strategy.timeout_s=30"],
-        ["strategy.plan={net.blocks.*.mlp.fc1:column,net.blocks.*.mlp.fc2:row}", "+strategy.ddp.static_graph=true"],
+        ["strategy.plan_overrides={net.blocks.*.mlp.fc1:column,net.blocks.*.mlp.fc2:row}", "+strategy.ddp.static_graph=true"],
     ],
     ids=lambda o: " ".join(o),
 )
@@ -95,9 +95,9 @@ def test_every_group_option_composes_and_instantiates(tmp_path, overrides):
 
 
 def test_plan_override_reaches_the_strategy(tmp_path):
-    cfg = _compose(tmp_path, "strategy.plan={net.blocks.*.mlp.fc1:column,net.lm_head:replicate}")
-    assert OmegaConf.to_container(cfg.strategy.plan) == {"net.blocks.*.mlp.fc1": "column", "net.lm_head": "replicate"}
-    assert instantiate_strategy(cfg.strategy)._user_plan == {"net.blocks.*.mlp.fc1": "column", "net.lm_head": "replicate"}
+    cfg = _compose(tmp_path, "strategy.plan_overrides={net.blocks.*.mlp.fc1:column,net.lm_head:replicate}")
+    assert OmegaConf.to_container(cfg.strategy.plan_overrides) == {"net.blocks.*.mlp.fc1": "column", "net.lm_head": "replicate"}
+    assert instantiate_strategy(cfg.strategy)._plan_overrides == {"net.blocks.*.mlp.fc1": "column", "net.lm_head": "replicate"}
 
 
 def test_devices_follow_the_layout_and_nodes(tmp_path):

@@ -64,7 +64,7 @@ def test_sweep_records_failed_and_skipped_jobs_and_exits_nonzero(tmp_path):
     sweep = tmp_path / "sweep"
     proc = _train(
         tmp_path, "-m", "experiment=gpt_tiny", "strategy.dp=1", "strategy.mp=2,8", "max_world_size=4",
-        "strategy.plan={net:column}", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *QUIET,
+        "strategy.plan_overrides={net:column}", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *QUIET,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-4000:]
     rows = _rows(sweep)

@@ -57,7 +57,7 @@ def _fit(model, strategy, **fit_kwargs):
 def test_misspelt_style_fails_at_construction_with_did_you_mean():
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
-        DPMPStrategy(dp=1, mp=2, plan={"x": "colum"})
+        DPMPStrategy(dp=1, mp=2, plan_overrides={"x": "colum"})
     msg = str(err.value)
     assert "plan['x'] = 'colum' is not a style" in msg and "did you mean 'column'?" in msg
     assert "column, row, column_gather, vocab, experts, heads, replicate" in msg  # the valid ones
@@ -67,9 +67,9 @@ def test_misspelt_style_fails_at_construction_with_did_you_mean():
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        ({"plan": "column"}, TypeError, "`plan` must be a mapping of module-name glob -> style"),
-        ({"plan": {"fc1": 1}}, TypeError, "`plan` entries must be str glob -> str style"),
-        ({"plan": {("fc1",): "row"}}, TypeError, "`plan` entries must be str glob -> str style"),
+        ({"plan_overrides": "column"}, TypeError, "`plan_overrides` must be a mapping of module-name glob -> style"),
+        ({"plan_overrides": {"fc1": 1}}, TypeError, "`plan_overrides` entries must be str glob -> str style"),
+        ({"plan_overrides": {("fc1",): "row"}}, TypeError, "`plan_overrides` entries must be str glob -> str style"),
         ({"sequence_parallel": "yes"}, TypeError, "`sequence_parallel` must be True or False, got 'yes'"),
         ({"verify_plan": 1}, TypeError, "`verify_plan` must be True or False"),
         ({"consolidate_on_teardown": None}, TypeError, "`consolidate_on_teardown` must be True or False"),
@@ -79,7 +79,7 @@ def test_misspelt_style_fails_at_construction_with_did_you_mean():
     ],
 )
 def test_every_plain_argument_is_type_checked_at_construction(kwargs, error, words):
-    with pytest.raises(error, match="") as err:
+    with pytest.raises(error) as err:
         DPMPStrategy(dp=1, mp=2, **kwargs)
     assert words in str(err.value)
 
@@ -109,14 +109,14 @@ def test_ddp_defaults_are_accepted_and_dropped_a_real_group_is_refused():
 )
 def test_plan_against_the_model_fails_before_launch(no_children, plan, words):
     with pytest.raises(ValueError) as err:
-        _fit(ResMLP(), DPMPStrategy(dp=1, mp=2, plan=plan))
+        _fit(ResMLP(), DPMPStrategy(dp=1, mp=2, plan_overrides=plan))
     for w in words:
         assert w in str(err.value)
 
 
 def test_a_valid_plan_reaches_the_launch(no_children):
     with pytest.raises(AssertionError, match="started child processes"):
-        _fit(ResMLP(), DPMPStrategy(dp=1, mp=2, plan={"blocks.*.fc1": "column", "blocks.*.fc2": "row"}))
+        _fit(ResMLP(), DPMPStrategy(dp=1, mp=2, plan_overrides={"blocks.*.fc1": "column", "blocks.*.fc2": "row"}))
 
 
 class _BuiltLater(ResMLP):
@@ -132,7 +132,7 @@ class _BuiltLater(ResMLP):
 def test_a_configure_model_model_defers_the_glob_check_to_setup(no_children):
     # `extra` only exists after configure_model: refusing 'extra' before launch would be wrong.
     with pytest.raises(AssertionError, match="started child processes"):
-        _fit(_BuiltLater(), DPMPStrategy(dp=1, mp=2, plan={"extra": "column"}))
+        _fit(_BuiltLater(), DPMPStrategy(dp=1, mp=2, plan_overrides={"extra": "column"}))
 
 
 def test_missing_ckpt_path_fails_before_launch_and_suggests_the_near_name(no_children, tmp_path):

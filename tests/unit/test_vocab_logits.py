@@ -88,7 +88,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("op", sorted(REFUSED))
 def test_ops_needing_the_whole_vocabulary_are_refused_with_the_fix(dense, op):
-    with pytest.raises(VocabShardedLogitsError, match=r"'lm_head'.*plan=\{'lm_head': 'column_gather'\}"):
+    with pytest.raises(VocabShardedLogitsError, match=r"'lm_head'.*plan_overrides=\{'lm_head': 'column_gather'\}"):
         REFUSED[op](shard(dense))
 
 
@@ -147,7 +147,7 @@ def test_traced_mode_is_recorded_and_a_small_head_stays_whole():
     assert head.style == "replicate"
     assert head.note == ("kept whole: out_features=10 <= in_features=128: a vocab split would save 645 parameters per"
                          " rank for 3 all-reduces moving 2,112 values per step at the traced batch; it pays only when"
-                         " out_features > in_features (plan={'head': 'vocab'} forces it)")
+                         " out_features > in_features (plan_overrides={'head': 'vocab'} forces it)")
     forced = make_plan(model, 2, trace, {"head": "vocab"}).layers["head"]
     assert forced.style == "vocab" and forced.mode == (True, True)
     with torch.no_grad():

@@ -1,0 +1,252 @@
+"""Every touch of a private name of Lightning, torch or torchmetrics, in one place.
+
+Each function names what it relies on and the version it was checked against (lightning 2.6.6, torch 2.13,
+torchmetrics 1.9); ``tests/unit/test_compat.py`` has one test per touch that fails with a clear message when an
+upgrade changes it. Where a public API does the same job it is used instead, and said so.
+
+Lightning and torchmetrics are imported lazily, inside the functions (``SubprocessScriptLauncher`` through the
+module's ``__getattr__``), so that ``parallel/`` and ``planner/`` (torch only) can import this module.
+
+Example:
+    >>> from lightning_dpmp import compat
+    >>> compat.tree_leaves(([1, 2], {"a": 3}))
+    [1, 2, 3]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+# torch.utils._pytree: torch 2.13 has no public pytree module (``torch.utils.pytree`` does not exist yet).
+# Relies on: tree_leaves(tree) -> list of leaves, tree_map(fn, tree) -> same structure.
+from torch.utils._pytree import tree_leaves, tree_map
+
+# torch.utils._python_dispatch.TorchDispatchMode: the only home of the dispatch-mode base class in torch 2.13
+# (``torch.overrides`` has TorchFunctionMode, not the dispatch one). Relies on: __torch_dispatch__ being called
+# for every aten/c10d op while the mode is entered.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = [
+    "TorchDispatchMode",
+    "apply_batch_transfer_handler",
+    "check_can_spawn_children",
+    "collect_rng_states",
+    "ddp_kwargs",
+    "ddp_timeout",
+    "default_store",
+    "disable_torch_function_subclass",
+    "distributed_is_initialized",
+    "init_optimizers_and_lr_schedulers",
+    "layer_sync",
+    "loop_data_source",
+    "metric_state_keys",
+    "op_name",
+    "optimizer_to_device",
+    "optimizers_to_device",
+    "script_object_type",
+    "set_launcher",
+    "set_num_threads_if_needed",
+    "set_rng_states",
+    "skip_ddp_state_sync",
+    "start_method",
+    "tensor_version",
+    "tree_leaves",
+    "tree_map",
+    "unwrap_optimizer",
+    "uses_distributed_sampler",
+    "zero_optimizer_constructor",
+]
+
+
+# ---------------------------------------------------------------------------------------------- torch
+def disable_torch_function_subclass() -> contextlib.AbstractContextManager:
+    """``torch._C.DisableTorchFunctionSubclass()``: the context manager torch's own subclass docs use inside
+    ``__torch_function__`` to call the plain op (torch 2.13); there is no public alias."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def tensor_version(x: Tensor) -> int:
+    """``Tensor._version``: the in-place modification counter (bumped by every in-place op), torch 2.13."""
+    return int(x._version)
+
+
+def script_object_type(obj: Any) -> str:
+    """``torch.ScriptObject._type()``: the TorchScript class of a boxed object, e.g. ``__torch__.torch.classes.c10d.ProcessGroup``
+    (how the dispatcher hands a ProcessGroup to ``__torch_dispatch__``), torch 2.13."""
+    return str(obj._type())
+
+
+def op_name(func: Any) -> tuple[str, str]:
+    """(namespace, packet name) of an ``OpOverload``, e.g. ``("c10d", "allreduce_")``: public ``namespace`` and
+    ``overloadpacket`` (replaces ``_overloadpacket._qualified_op_name``)."""
+    return str(func.namespace), str(func.overloadpacket.__name__)
+
+
+def default_store() -> Optional[Any]:
+    """``torch.distributed.distributed_c10d._get_default_store()``: the rendezvous key-value store of the default
+    group (torch 2.13); ``None`` if unavailable, so callers fall back to a barrier."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def distributed_is_initialized() -> bool:
+    """Public torch (replaces Lightning's ``_distributed_is_initialized``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def zero_optimizer_constructor(zero: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """``ZeroRedundancyOptimizer._optim_constructor`` and ``._optim_defaults``: the wrapped optimizer's class
+    (or constructor) and its keyword defaults, stored in ``__init__`` (torch 2.13); no public accessor."""
+    return zero._optim_constructor, dict(zero._optim_defaults)
+
+
+_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+
+
+def skip_ddp_state_sync(module: nn.Module) -> Callable[[], None]:
+    """Make Lightning's ``_sync_module_states`` (DDPStrategy.setup outside fitting) skip every state of ``module``.
+
+    Relies on ``module._ddp_params_and_buffers_to_ignore`` (a list of state names), which torch's
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` sets and which both DDP and Lightning's
+    ``lightning.pytorch.overrides.distributed._sync_module_states`` read (lightning 2.6.6, torch 2.13).
+    Returns the undo.
+    """
+    before = module.__dict__.get(_DDP_IGNORE)
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    setattr(module, _DDP_IGNORE, names)
+
+    def undo() -> None:
+        if before is None:
+            module.__dict__.pop(_DDP_IGNORE, None)
+        else:
+            setattr(module, _DDP_IGNORE, before)
+
+    return undo
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (its public ``optimizer`` property), else ``optimizer``."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def optimizer_to_device(optimizer: Any, device: torch.device) -> None:
+    """``lightning.fabric.utilities.optimizer._optimizer_to_device`` (lightning 2.6.6): move the state tensors."""
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    _optimizer_to_device(optimizer, device)
+
+
+def optimizers_to_device(optimizers: Iterable[Any], device: torch.device) -> None:
+    """``lightning.fabric.utilities.optimizer._optimizers_to_device`` (lightning 2.6.6)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
+    """``lightning.fabric.utilities.seed._collect_rng_states`` (lightning 2.6.6): torch, numpy, python states."""
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
+    return _collect_rng_states(include_cuda=include_cuda)
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """``lightning.fabric.utilities.seed._set_rng_states`` (lightning 2.6.6): the inverse of :func:`collect_rng_states`."""
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    _set_rng_states(states)
+
+
+def init_optimizers_and_lr_schedulers(module: Any) -> tuple[list[Any], list[Any]]:
+    """``lightning.pytorch.core.optimizer._init_optimizers_and_lr_schedulers`` (lightning 2.6.6): calls
+    ``configure_optimizers`` and normalises its result to (optimizers, scheduler configs)."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    return _init_optimizers_and_lr_schedulers(module)
+
+
+def uses_distributed_sampler(trainer: "Trainer") -> bool:
+    """``trainer._accelerator_connector.use_distributed_sampler``: the Trainer's ``use_distributed_sampler=``
+    (lightning 2.6.6); the Trainer exposes it nowhere else."""
+    return bool(trainer._accelerator_connector.use_distributed_sampler)
+
+
+def loop_data_source(trainer: "Trainer", loop_name: str) -> Any:
+    """``<loop>._data_source`` (``_DataConnector``'s ``_DataLoaderSource``, with ``.dataloader()``) of
+    ``trainer.<loop_name>``, lightning 2.6.6: the stage's dataloaders before the loop sets them up."""
+    return getattr(trainer, loop_name)._data_source
+
+
+def apply_batch_transfer_handler(module: "LightningModule", batch: Any, device: torch.device) -> Any:
+    """``LightningModule._apply_batch_transfer_handler(batch, device=)`` (lightning 2.6.6): the loop's
+    on_before_batch_transfer -> transfer_batch_to_device -> on_after_batch_transfer chain."""
+    return module._apply_batch_transfer_handler(batch, device=device)
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """``DDPStrategy._ddp_kwargs``: the dict ``_setup_model`` passes to ``DistributedDataParallel`` (lightning 2.6.6)."""
+    kwargs: dict[str, Any] = strategy._ddp_kwargs
+    return kwargs
+
+
+def ddp_timeout(strategy: Any) -> Any:
+    """``DDPStrategy._timeout``: the ``timeout=`` timedelta given to ``init_process_group`` (lightning 2.6.6)."""
+    return strategy._timeout
+
+
+def layer_sync(strategy: Any) -> Any:
+    """``ParallelStrategy._layer_sync``: the ``sync_batchnorm`` plugin the connector sets (lightning 2.6.6)."""
+    return strategy._layer_sync
+
+
+def start_method(strategy: Any) -> str:
+    """``DDPStrategy._start_method``: ``"popen"``/``"spawn"``/``"fork"``/``"forkserver"`` (lightning 2.6.6)."""
+    return str(strategy._start_method)
+
+
+def set_launcher(strategy: Any, launcher: Any) -> None:
+    """``Strategy._launcher``: what ``_configure_launcher`` must set and ``Strategy.launcher`` returns (lightning 2.6.6)."""
+    strategy._launcher = launcher
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """``lightning.fabric.utilities.distributed._set_num_threads_if_needed`` (lightning 2.6.6): OMP threads per rank."""
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+    _set_num_threads_if_needed(num_processes=num_processes)
+
+
+def check_can_spawn_children(launcher: Any) -> None:
+    """``_SubprocessScriptLauncher._check_can_spawn_children()`` (lightning 2.6.6): refuses a second launch."""
+    launcher._check_can_spawn_children()
+
+
+def metric_state_keys(metric: Any) -> list[str]:
+    """The ``__dict__`` keys holding a torchmetrics ``Metric``'s accumulated state (torchmetrics 1.9): the states
+    registered by ``add_state`` (``_defaults``) plus ``_update_count``, ``_computed``, ``_forward_cache``."""
+    return list(metric._defaults) + ["_update_count", "_computed", "_forward_cache"]
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the launcher base class is imported only when asked for, so importing this module imports no Lightning.
+    if name == "SubprocessScriptLauncher":
+        # lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher (lightning 2.6.6):
+        # subclassed by DPMPScriptLauncher, which overrides ``_call_children_scripts`` and reads ``procs``.
+        from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+        return _SubprocessScriptLauncher
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,226 @@
+"""One test per private touch in lightning_dpmp/compat.py: each fails with a message naming what an upgrade changed."""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dpmp import compat
+
+
+def _source(obj: object) -> str:
+    return inspect.getsource(obj)  # type: ignore[arg-type]
+
+
+def test_pytree_flattens_and_maps() -> None:
+    assert compat.tree_leaves(([1, 2], {"a": 3})) == [1, 2, 3], "torch.utils._pytree.tree_leaves changed"
+    assert compat.tree_map(lambda x: x * 2, {"a": (1, 2)}) == {"a": (2, 4)}, "torch.utils._pytree.tree_map changed"
+
+
+def test_dispatch_mode_sees_ops() -> None:
+    seen: list[str] = []
+
+    class Spy(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(compat.op_name(func)[1])
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.ones(2) + 1
+    assert "add" in seen, f"torch.utils._python_dispatch.TorchDispatchMode no longer sees aten ops: {seen}"
+
+
+def test_op_name_of_a_c10d_op() -> None:
+    assert compat.op_name(torch.ops.c10d.allreduce_.default) == ("c10d", "allreduce_"), "OpOverload.namespace/overloadpacket changed"
+
+
+def test_disable_torch_function_subclass() -> None:
+    calls: list[str] = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            calls.append(getattr(func, "__name__", ""))
+            with compat.disable_torch_function_subclass():
+                return func(*args, **(kwargs or {}))
+
+    t = torch.ones(2).as_subclass(Sub)
+    out = t + 1
+    assert calls and type(out) is torch.Tensor, "torch._C.DisableTorchFunctionSubclass no longer returns plain tensors"
+
+
+def test_tensor_version_counts_in_place_ops() -> None:
+    x = torch.zeros(2)
+    v = compat.tensor_version(x)
+    x.add_(1)
+    assert compat.tensor_version(x) == v + 1, "Tensor._version is no longer bumped by in-place ops"
+
+
+def test_script_object_type_of_a_process_group() -> None:
+    pg_box = getattr(torch.classes, "c10d", None)
+    assert pg_box is not None, "torch.classes.c10d is gone: the boxed ProcessGroup that accounting.py unboxes moved"
+    assert hasattr(torch.ScriptObject, "_type"), "torch.ScriptObject._type() is gone (accounting.py names boxed groups with it)"
+
+
+def test_default_store_function_exists() -> None:
+    assert callable(getattr(torch.distributed.distributed_c10d, "_get_default_store", None)), (
+        "torch.distributed.distributed_c10d._get_default_store is gone: checkpoint writes fall back to a barrier"
+    )
+    assert compat.default_store() is None  # no process group here: None, not an exception
+
+
+def test_distributed_is_initialized() -> None:
+    assert compat.distributed_is_initialized() is False
+
+
+def test_zero_optimizer_constructor_and_defaults() -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    src = _source(ZeroRedundancyOptimizer.__init__)
+    for name in ("self._optim_defaults", "self._optim_constructor"):
+        assert name in src, f"ZeroRedundancyOptimizer no longer stores {name} (zero.unshard rebuilds the optimizer from it)"
+
+
+def test_skip_ddp_state_sync_attribute_is_read() -> None:
+    from lightning.pytorch.overrides import distributed as pl_distributed
+
+    assert "_ddp_params_and_buffers_to_ignore" in _source(pl_distributed._sync_module_states), (
+        "Lightning's _sync_module_states no longer reads module._ddp_params_and_buffers_to_ignore: outside fitting"
+        " DDPStrategy.setup would overwrite MP shards with rank 0's"
+    )
+    m = nn.Linear(2, 2)
+    undo = compat.skip_ddp_state_sync(m)
+    assert m._ddp_params_and_buffers_to_ignore == ["weight", "bias"]
+    undo()
+    assert not hasattr(m, "_ddp_params_and_buffers_to_ignore")
+
+
+def test_unwrap_optimizer() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert compat.unwrap_optimizer(LightningOptimizer(opt)) is opt, "LightningOptimizer.optimizer changed"
+    assert compat.unwrap_optimizer(opt) is opt
+
+
+def test_optimizer_to_device() -> None:
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.ones(2)
+    opt.step()
+    compat.optimizer_to_device(opt, torch.device("cpu"))
+    compat.optimizers_to_device([opt], torch.device("cpu"))
+    assert opt.state[p]["exp_avg"].device.type == "cpu"
+
+
+def test_rng_states_round_trip() -> None:
+    states = compat.collect_rng_states(include_cuda=False)
+    assert {"torch", "python", "numpy"} <= set(states), f"_collect_rng_states keys changed: {sorted(states)}"
+    a = torch.rand(1)
+    compat.set_rng_states(states)
+    assert torch.equal(torch.rand(1), a), "_set_rng_states no longer restores the torch stream"
+
+
+def test_init_optimizers_and_lr_schedulers() -> None:
+    import lightning as L
+
+    class M(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    m = M()
+    m.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    optimizers, schedulers = compat.init_optimizers_and_lr_schedulers(m)
+    assert len(optimizers) == 1 and schedulers == [], "_init_optimizers_and_lr_schedulers changed its return"
+
+
+def test_trainer_and_loop_internals() -> None:
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, use_distributed_sampler=False)
+    assert compat.uses_distributed_sampler(trainer) is False, "trainer._accelerator_connector.use_distributed_sampler changed"
+    for loop in ("fit_loop", "validate_loop", "test_loop", "predict_loop"):
+        source = compat.loop_data_source(trainer, loop)
+        assert callable(getattr(source, "dataloader", None)), f"trainer.{loop}._data_source.dataloader() is gone"
+
+
+def test_apply_batch_transfer_handler() -> None:
+    import lightning as L
+
+    batch = compat.apply_batch_transfer_handler(L.LightningModule(), {"x": torch.ones(1)}, torch.device("cpu"))
+    assert torch.equal(batch["x"], torch.ones(1)), "LightningModule._apply_batch_transfer_handler changed"
+
+
+def test_ddp_strategy_internals() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    s = DDPStrategy(timeout=timedelta(seconds=5), start_method="popen", find_unused_parameters=True)
+    assert compat.ddp_timeout(s) == timedelta(seconds=5), "DDPStrategy._timeout changed"
+    assert compat.start_method(s) == "popen", "DDPStrategy._start_method changed"
+    assert compat.ddp_kwargs(s) == {"find_unused_parameters": True}, "DDPStrategy._ddp_kwargs changed"
+    assert "self._ddp_kwargs" in _source(DDPStrategy._setup_model), "DDPStrategy._setup_model no longer passes _ddp_kwargs to DDP"
+    assert compat.layer_sync(s) is None, "ParallelStrategy._layer_sync changed"
+    compat.set_launcher(s, "launcher")
+    assert s.launcher == "launcher", "Strategy.launcher no longer returns Strategy._launcher"
+    assert callable(getattr(DDPStrategy, "_configure_launcher", None)), (
+        "Strategy._configure_launcher is gone: DPMPStrategy's launcher would never be installed"
+    )
+    assert "self.model_to_device()" in _source(DDPStrategy.setup) and "self.configure_ddp()" in _source(DDPStrategy.setup), (
+        "DDPStrategy.setup no longer calls model_to_device()/configure_ddp(): DPMPStrategy splits the model there"
+    )
+
+
+def test_launcher_internals() -> None:
+    base = compat.SubprocessScriptLauncher
+    for name in ("_call_children_scripts", "_check_can_spawn_children", "kill", "launch"):
+        assert callable(getattr(base, name, None)), f"_SubprocessScriptLauncher.{name} is gone (DPMPScriptLauncher overrides or calls it)"
+    assert "self.procs" in _source(base.__init__), "_SubprocessScriptLauncher.procs is gone (the child observer watches it)"
+    compat.set_num_threads_if_needed(num_processes=1)
+
+
+def test_precision_clip_and_closure_order() -> None:
+    from lightning.pytorch.plugins.precision import Precision
+
+    assert "self.clip_grad_by_norm(" in _source(Precision.clip_gradients), (
+        "Precision.clip_gradients no longer calls clip_grad_by_norm: the global-norm clip (hooks.install) would be skipped"
+    )
+    wrap = _source(Precision._wrap_closure)
+    assert wrap.index("closure()") < wrap.index("self._after_closure"), (
+        "Precision no longer runs the closure before clipping: the sequence-parallel sum at the end of the closure"
+        " (DPMPStrategy.optimizer_step) would no longer precede clipping"
+    )
+
+
+def test_metric_state_keys() -> None:
+    from torchmetrics import SumMetric
+
+    m = SumMetric()
+    m.update(torch.tensor(2.0))
+    keys = compat.metric_state_keys(m)
+    missing = [k for k in keys if k not in m.__dict__]
+    assert "sum_value" in keys and not missing, f"torchmetrics Metric state keys changed: {keys}, missing {missing}"
+    assert m.__dict__["_update_count"] == 1
+
+
+def test_compat_imports_no_lightning_at_module_level() -> None:
+    import ast
+
+    tree = ast.parse(inspect.getsource(compat))
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    bad = [n for n in names if n.split(".")[0] in ("lightning", "pytorch_lightning", "torchmetrics")]
+    assert not bad, f"lightning_dpmp/compat.py imports {bad} at module level: parallel/ and planner/ import compat"
+
+
+@pytest.mark.parametrize("mha", [nn.MultiheadAttention(8, 2), nn.MultiheadAttention(8, 2, kdim=4, vdim=4)])
+def test_mha_in_proj_weight_matches_the_private_flag(mha: nn.MultiheadAttention) -> None:
+    assert (mha.in_proj_weight is not None) == mha._qkv_same_embed_dim

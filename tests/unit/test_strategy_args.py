@@ -1,0 +1,55 @@
+"""DPMPStrategy's constructor names and aliases, and the (dp, mp) layout resolved once (no processes)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from lightning_dpmp import DPMPStrategy
+from lightning_dpmp.integration.layout import Layout, resolve_layout
+from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
+
+
+def test_plan_is_a_deprecated_alias_of_plan_overrides() -> None:
+    with pytest.warns(DeprecationWarning, match="plan_overrides"):
+        s = DPMPStrategy(dp=1, mp=2, plan={"net.fc1": "column"})
+    assert s._plan_overrides == {"net.fc1": "column"}
+    assert DPMPStrategy(dp=1, mp=2, plan_overrides={"a": "row"})._plan_overrides == {"a": "row"}
+    with pytest.raises(ValueError, match="plan_overrides"):
+        DPMPStrategy(plan={"a": "row"}, plan_overrides={"a": "row"})
+
+
+def test_applied_plan_before_setup_and_the_deprecated_plan_property() -> None:
+    s = DPMPStrategy(dp=1, mp=2)
+    assert s.applied_plan is None
+    with pytest.warns(DeprecationWarning, match="applied_plan"):
+        assert s.plan is None
+
+
+def test_timeout_as_in_ddp_or_timeout_s() -> None:
+    assert DPMPStrategy(timeout=timedelta(seconds=30)).timeout == timedelta(seconds=30)
+    assert DPMPStrategy(timeout_s=45).timeout == timedelta(seconds=45)
+    assert DPMPStrategy().timeout == timedelta(seconds=600)
+    with pytest.raises(ValueError, match=r"`timeout`.*`timeout_s`"):
+        DPMPStrategy(timeout=timedelta(seconds=30), timeout_s=30)
+    with pytest.raises(ValueError, match="timedelta"):
+        DPMPStrategy(timeout=30)  # type: ignore[arg-type]
+
+
+def test_layout_is_resolved_when_devices_are_known() -> None:
+    s = DPMPStrategy(dp="auto", mp=2)
+    with pytest.raises(RuntimeError, match="resolved when the Trainer sets devices"):
+        _ = s.dp
+    assert resolve_layout("auto", 2, devices=4, num_nodes=1) == Layout(2, 2)
+    assert resolve_layout(2, "auto", devices=4, num_nodes=2) == Layout(2, 4)
+    assert resolve_layout("auto", "auto", devices=8, num_nodes=2) == Layout(2, 8)
+    with pytest.raises(ValueError, match="not divisible by mp=3"):
+        resolve_layout("auto", 3, devices=4, num_nodes=1)
+
+
+def test_checkpointing_is_a_collaborator_not_a_base_class() -> None:
+    s = DPMPStrategy(dp=1, mp=2, save_distributed_checkpoint=True)
+    assert isinstance(s.checkpointer, StrategyCheckpointer) and s.checkpointer.strategy is s
+    assert s.checkpointer.distributed is True
+    assert not any(c.__name__ == "CheckpointMixin" for c in type(s).__mro__)
