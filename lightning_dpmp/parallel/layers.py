@@ -35,8 +35,12 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence, scatter_to_group
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
-from lightning_dpmp.parallel.sharding import _ParallelLinear, divide, gather_tensor
-from lightning_dpmp.parallel.sharding import shard_dims  # noqa: F401  kept for integration/strategy.py (split elsewhere)
+from lightning_dpmp.parallel.sharding import (
+    _ParallelLinear,
+    divide,
+    gather_tensor,
+    shard_dims,  # noqa: F401  kept for integration/strategy.py (split elsewhere)
+)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -89,7 +93,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.out_dim = out_dim
         if out_dim == 1:  # weight stored (in, out): the output features are its columns
             self._shard_dims = {"weight": 1, "bias": 0}
-        local_out = divide(divide(out_features, blocks, "out_features (fused blocks)"), self.mp, "out_features") * blocks
+        per_block = divide(out_features, blocks, "out_features (fused blocks)")
+        local_out = divide(per_block, self.mp, "out_features") * blocks
         self.gather_output = gather_output
         self.shared_input = shared_input
         self.blocks = blocks
@@ -118,7 +123,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         extra = f", blocks={self.blocks}" if self.blocks > 1 else ""
-        return super().extra_repr() + f", gather_output={self.gather_output}{extra}" + (", vocab" if self.vocab_logits else "")
+        vocab = ", vocab" if self.vocab_logits else ""
+        return super().extra_repr() + f", gather_output={self.gather_output}{extra}{vocab}"
 
 
 class RowParallelLinear(_ParallelLinear):
