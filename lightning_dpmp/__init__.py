@@ -11,16 +11,16 @@ Importing the package registers the strategy names ``"dpmp"`` and ``"dpmp_spawn"
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpmp.integration.accounting import CommAccounting, CommCounter
+from lightning_dpmp.integration.strategy import DPMPStrategy
 from lightning_dpmp.parallel.clipping import clip_grad_norm_
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
-from lightning_dpmp.parallel.grid import Grid, build_grid
 from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
 from lightning_dpmp.parallel.entry import SharedInputCopy
+from lightning_dpmp.parallel.grid import Grid, build_grid
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_dpmp.parallel.loss import VocabShardedLogits, vocab_parallel_cross_entropy
 from lightning_dpmp.planner.parallelize import consolidate, consolidated_state_dict, parallelize
 from lightning_dpmp.planner.plan import LayerPlan, Plan, make_plan
-from lightning_dpmp.integration.strategy import DPMPStrategy
 from lightning_dpmp.planner.trace import trace_step
 
 __version__ = "0.1.0"

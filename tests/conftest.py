@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_script(
+    args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
     """Run ``python *args`` from the repo root; fail the test (not hang) past ``timeout`` seconds."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     try:
@@ -20,7 +22,8 @@ def run_script(args: list[str], timeout: float = 300, env: dict | None = None, c
             [sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{args} did not finish in {timeout} s:\n{(exc.stdout or '')[-3000:]}\n{(exc.stderr or '')[-3000:]}")
+        out, err = (exc.stdout or "")[-3000:], (exc.stderr or "")[-3000:]
+        pytest.fail(f"{args} did not finish in {timeout} s:\n{out}\n{err}")
 
 
 @pytest.fixture

@@ -160,9 +160,11 @@ def shard_state_dict(
     return out
 
 
-def consolidate_optimizer(optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any) -> None:
-    """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate` made, with its
-    per-parameter state gathered to dense shapes (collective over MP; every rank ends up dense)."""
+def consolidate_optimizer(
+    optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any
+) -> None:
+    """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate` made,
+    with its per-parameter state gathered to dense shapes (collective over MP; every rank ends up dense)."""
     for pg in optimizer.param_groups:
         new_params = []
         for p in pg["params"]:
@@ -192,7 +194,9 @@ def dense_shapes(module: nn.Module, group: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_state_matches(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], strict: bool) -> None:
+def check_state_matches(
+    expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], strict: bool
+) -> None:
     """Raise :class:`CheckpointMismatchError` naming the first difference between model and checkpoint.
 
     Order: missing keys (in the model's order), unexpected keys (in the checkpoint's order), then shape mismatches,
@@ -202,7 +206,8 @@ def check_state_matches(expected: Mapping[str, tuple[int, ...]], found: Mapping[
         >>> check_state_matches({"w": (4, 2)}, {"w": (4, 3)}, strict=True)
         Traceback (most recent call last):
         ...
-        lightning_dpmp.checkpoint.consolidated.CheckpointMismatchError: Checkpoint does not match the model: 'w' has shape (4, 3) in the checkpoint but (4, 2) in the model.
+        lightning_dpmp.checkpoint.consolidated.CheckpointMismatchError: Checkpoint does not match the model:
+            'w' has shape (4, 3) in the checkpoint but (4, 2) in the model.
     """
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]

@@ -77,7 +77,8 @@ def recover_path(path: str) -> str:
         return path
     parent, base = os.path.split(os.path.abspath(path))
     prefix = f".{base}.old-"
-    found = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix)] if os.path.isdir(parent) else []
+    names = os.listdir(parent) if os.path.isdir(parent) else []
+    found = [os.path.join(parent, n) for n in names if n.startswith(prefix)]
     return max(found, key=os.path.getmtime) if found else path
 
 

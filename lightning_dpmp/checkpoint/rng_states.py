@@ -33,7 +33,9 @@ def collect_rng_states(device: Optional[torch.device] = None) -> dict[str, Any]:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": (str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "numpy": (
+            str(name), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(gauss)
+        ),
         "python": random.getstate(),
     }
     if device is not None and device.type == "cuda" and torch.cuda.is_initialized():
@@ -63,7 +65,9 @@ def layout_info(dp: int, mp: int, device: Optional[torch.device] = None) -> dict
     return {"format": "consolidated", "dp": dp, "mp": mp, "rng_states": gathered}
 
 
-def restore_rng_from(checkpoint: Mapping[str, Any], dp: int, mp: int, rank: int, device: Optional[torch.device]) -> None:
+def restore_rng_from(
+    checkpoint: Mapping[str, Any], dp: int, mp: int, rank: int, device: Optional[torch.device]
+) -> None:
     """Restore this rank's RNG states from ``checkpoint["dpmp"]``: its own under the same layout, else rank 0's.
 
     Rank 0's is the right fallback: ranks of an MP group must draw identically (replicated activations), and with

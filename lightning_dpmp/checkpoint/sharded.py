@@ -4,7 +4,8 @@ Each rank writes only what it holds: a split parameter (and its AdamW moments) i
 on the ``(dp, mp)`` mesh with placements ``[Replicate(), Shard(dim)]``, so DCP stores each MP shard once (DP
 replicas are deduplicated) and records the dense shape; replicated tensors are stored once, by one rank. Nothing is
 gathered: no rank holds more than its own shards. Loading asks DCP for this rank's slice of the dense tensors under
-the *current* layout, which reshards ``(2, 2) -> (1, 4)`` or into a dense model (:mod:`lightning_dpmp.checkpoint.convert`).
+the *current* layout, which reshards ``(2, 2) -> (1, 4)`` or into a dense model
+(:mod:`lightning_dpmp.checkpoint.convert`).
 
 The folder::
 
@@ -36,8 +37,8 @@ import os
 import pickle
 import uuid
 import warnings
-from itertools import zip_longest
 from collections.abc import Sequence
+from itertools import zip_longest
 from typing import Any, Optional
 
 import torch
@@ -61,7 +62,9 @@ from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
 
-__all__ = ["LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"]
+__all__ = [
+    "LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"
+]
 
 META_FILE = "dpmp_meta.pt"
 FORMAT = "dpmp-sharded-v1"
@@ -86,7 +89,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                               ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                               ("pathlib", "WindowsPath"), ("pathlib", "Path")}:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        torch_enums = (torch.dtype, torch.layout, torch.memory_format)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch_enums):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from a checkpoint's DCP metadata")
 

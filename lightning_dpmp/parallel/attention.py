@@ -90,8 +90,10 @@ class HeadParallelMultiheadAttention(_ParallelLinear):
         local = 3 * self.local_heads * self.head_dim
         self.in_proj_weight = nn.Parameter(torch.empty(local, self.embed_dim, device=w.device, dtype=w.dtype),
                                            requires_grad=w.requires_grad)
-        self.in_proj_bias = (nn.Parameter(torch.empty(local, device=b.device, dtype=b.dtype), requires_grad=b.requires_grad)
-                             if b is not None else None)
+        self.in_proj_bias = (
+            nn.Parameter(torch.empty(local, device=b.device, dtype=b.dtype), requires_grad=b.requires_grad)
+            if b is not None else None
+        )
         self.out_proj = RowParallelLinear.from_dense(dense.out_proj, group, rng=rng)
         self.__dict__["_template"] = dense_template(dense)  # the dense module's class and settings, no tensors
 
@@ -115,8 +117,10 @@ class HeadParallelMultiheadAttention(_ParallelLinear):
         dense = copy.deepcopy(self.__dict__["_template"])
         dense.out_proj = self.out_proj.to_dense() if isinstance(self.out_proj, _ParallelLinear) else self.out_proj
         p = self.in_proj_weight
-        dense.in_proj_weight = nn.Parameter(torch.empty(3 * self.embed_dim, self.embed_dim, device=p.device, dtype=p.dtype),
-                                            requires_grad=p.requires_grad)
+        dense.in_proj_weight = nn.Parameter(
+            torch.empty(3 * self.embed_dim, self.embed_dim, device=p.device, dtype=p.dtype),
+            requires_grad=p.requires_grad,
+        )
         if self.in_proj_bias is not None:
             dense.in_proj_bias = nn.Parameter(torch.empty(3 * self.embed_dim, device=p.device, dtype=p.dtype),
                                               requires_grad=self.in_proj_bias.requires_grad)
@@ -164,7 +168,8 @@ class HeadParallelMultiheadAttention(_ParallelLinear):
             if is_causal and attn_mask is None:
                 raise AssertionError("is_causal without a mask is not implemented for need_weights (as in torch)")
             qs = q * math.sqrt(1.0 / float(hd))
-            w = torch.baddbmm(attn_mask, qs, k.transpose(-2, -1)) if attn_mask is not None else torch.bmm(qs, k.transpose(-2, -1))
+            kt = k.transpose(-2, -1)
+            w = torch.baddbmm(attn_mask, qs, kt) if attn_mask is not None else torch.bmm(qs, kt)
             w = F.softmax(w, dim=-1)
             if p > 0.0:
                 w = F.dropout(w, p=p)
@@ -174,7 +179,8 @@ class HeadParallelMultiheadAttention(_ParallelLinear):
                 weights = weights.mean(dim=1)
         else:
             if attn_mask is not None:
-                attn_mask = attn_mask.unsqueeze(0) if attn_mask.size(0) == 1 and attn_mask.dim() == 3 else attn_mask.view(bsz, h, -1, src)
+                one_mask = attn_mask.size(0) == 1 and attn_mask.dim() == 3
+                attn_mask = attn_mask.unsqueeze(0) if one_mask else attn_mask.view(bsz, h, -1, src)
             q, k, v = (t.view(bsz, h, -1, hd) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, is_causal)
             out = out.permute(2, 0, 1, 3).reshape(bsz * tgt, h * hd)
@@ -208,7 +214,8 @@ class HeadParallelMultiheadAttention(_ParallelLinear):
         if mask.dim() != 3 or mask.shape != (bsz * self.num_heads, tgt, src):
             raise RuntimeError(f"attn_mask of shape {tuple(mask.shape)}: expected (L, S) or (N*num_heads, L, S).")
         h0 = self.mp_rank * self.local_heads
-        return mask.view(bsz, self.num_heads, tgt, src)[:, h0:h0 + self.local_heads].reshape(bsz * self.local_heads, tgt, src)
+        local = mask.view(bsz, self.num_heads, tgt, src)[:, h0:h0 + self.local_heads]
+        return local.reshape(bsz * self.local_heads, tgt, src)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads} ({self.local_heads} here),"

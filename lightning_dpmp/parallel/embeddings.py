@@ -59,7 +59,9 @@ class VocabParallelEmbedding(_ParallelLinear):
     @classmethod
     def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> Self:  # type: ignore[override]
         if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
-            raise ValueError("VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq).")
+            raise ValueError(
+                "VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq)."
+            )
         layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, padding_idx=emb.padding_idx,
                     sequence_dim=sequence_dim, device=emb.weight.device, dtype=emb.weight.dtype)
         layer._init_from(emb)
@@ -68,7 +70,9 @@ class VocabParallelEmbedding(_ParallelLinear):
 
     def _dense_module(self) -> nn.Module:
         p = self.weight
-        return nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=p.device, dtype=p.dtype)
+        return nn.Embedding(
+            self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=p.device, dtype=p.dtype
+        )
 
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.start

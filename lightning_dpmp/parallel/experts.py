@@ -113,7 +113,9 @@ class ExpertsShards:
         _unhook(self.module)
 
 
-def shard_experts(module: nn.Module, shards: dict[str, tuple[int, int]], entries: tuple[Key, ...], group: Any) -> ExpertsShards:
+def shard_experts(
+    module: nn.Module, shards: dict[str, tuple[int, int]], entries: tuple[Key, ...], group: Any
+) -> ExpertsShards:
     """Replace ``module``'s expert parameters by this rank's slices and hook its entry and exit (see module doc).
 
     ``shards`` maps a parameter name (of ``module`` itself) to ``(dim, blocks)``; ``entries`` are the argument

@@ -53,7 +53,8 @@ def check_world_size(dp: int, mp: int, world_size: int, *, devices: Optional[int
         >>> check_world_size(2, 2, 3, devices=3)
         Traceback (most recent call last):
         ...
-        ValueError: DPMPStrategy(dp=2, mp=2) needs dp*mp = 4 processes, but devices=3 x num_nodes=1 = 3. Set devices*num_nodes = 4, or choose dp and mp with dp*mp = 3.
+        ValueError: DPMPStrategy(dp=2, mp=2) needs dp*mp = 4 processes, but devices=3 x num_nodes=1 = 3.
+            Set devices*num_nodes = 4, or choose dp and mp with dp*mp = 3.
     """
     if dp * mp == world_size:
         return

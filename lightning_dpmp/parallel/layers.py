@@ -88,7 +88,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.out_dim = out_dim
         if out_dim == 1:  # weight stored (in, out): the output features are its columns
             self._shard_dims = {"weight": 1, "bias": 0}
-        local_out = divide(divide(out_features, blocks, "out_features (fused blocks)"), self.mp, "out_features") * blocks
+        per_block = divide(out_features, blocks, "out_features (fused blocks)")
+        local_out = divide(per_block, self.mp, "out_features") * blocks
         self.gather_output = gather_output
         self.shared_input = shared_input
         self.blocks = blocks
@@ -117,7 +118,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         extra = f", blocks={self.blocks}" if self.blocks > 1 else ""
-        return super().extra_repr() + f", gather_output={self.gather_output}{extra}" + (", vocab" if self.vocab_logits else "")
+        vocab = ", vocab" if self.vocab_logits else ""
+        return super().extra_repr() + f", gather_output={self.gather_output}{extra}{vocab}"
 
 
 class RowParallelLinear(_ParallelLinear):

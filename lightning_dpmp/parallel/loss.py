@@ -128,7 +128,8 @@ KEEP = frozenset({"float", "double", "half", "bfloat16", "to", "type_as", "type"
 # Queries answered from the local tensor as it is (autograd plumbing, memory layout).
 _PASSTHROUGH = frozenset({"is_contiguous", "element_size", "data_ptr", "stride", "storage_offset", "register_hook",
                           "retain_grad", "backward", "get_device", "is_floating_point", "is_complex"})
-_LAYOUT_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag", "nbytes"})  # refused: they move or count the vocab
+# refused: they move or count the vocab
+_LAYOUT_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag", "nbytes"})
 _SIZED = frozenset({"view", "reshape", "expand", "broadcast_to"})  # their last size argument may be the vocab size
 
 
@@ -162,7 +163,8 @@ class VocabShardedLogits(torch.Tensor):
 
     @staticmethod
     def wrap(local: Tensor, group: Any, vocab: int, name: str = "") -> "VocabShardedLogits":
-        """``local`` (last dim ``vocab / mp``) as the vocab shard of logits with ``vocab`` classes, from layer ``name``."""
+        """``local`` (last dim ``vocab / mp``) as the vocab shard of logits with ``vocab`` classes, from layer
+        ``name``."""
         out = local.as_subclass(VocabShardedLogits)
         out._dpmp_group, out._dpmp_vocab, out._dpmp_name = group, vocab, name
         return out
@@ -295,7 +297,8 @@ def _local_op(func: Any, name: str, args: tuple, kwargs: dict, meta: VocabSharde
     if not tensors or len(logical) != len(local):
         return _REFUSED
     for full_t, local_t in tensors:
-        if full_t.dim() == 0 or full_t.shape[-1] != vocab or tuple(local_t.shape) != tuple(full_t.shape[:-1]) + (local_v,):
+        sharded_shape = tuple(full_t.shape[:-1]) + (local_v,)
+        if full_t.dim() == 0 or full_t.shape[-1] != vocab or tuple(local_t.shape) != sharded_shape:
             return _REFUSED  # the vocab dim was reduced, moved or merged
     return _wrap_like(func(*tree_map(_plain, local_args), **tree_map(_plain, kwargs)), meta)
 

@@ -96,7 +96,9 @@ class _ParallelLinear(nn.Module):
         p = self.weight
         template = self.__dict__.get("_template")
         if template is None:
-            return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype)
+            return nn.Linear(
+                self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype
+            )
         dense = copy.deepcopy(template)
         shape = (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
         dense.weight = nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype), requires_grad=p.requires_grad)
@@ -136,7 +138,10 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         layout = ", weight=(in, out)" if self.out_dim == 1 else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, mp={self.mp}{layout}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"mp={self.mp}{layout}"
+        )
 
 
 def dense_template(dense: nn.Module) -> nn.Module:

@@ -89,7 +89,9 @@ def analyse_experts(
     for c in trace.calls:
         calls.setdefault(c.name, []).append(c)
     for name, mod in model.named_modules():
-        own = {f"{name}.{p}" if name else p: tuple(t.shape) for p, t in mod.named_parameters(recurse=False) if t.dim() >= 3}
+        own = {
+            f"{name}.{p}" if name else p: tuple(t.shape) for p, t in mod.named_parameters(recurse=False) if t.dim() >= 3
+        }
         if not own or not _reaches_matmul(trace, set(own)):
             continue
         found = calls.get(name, [])
@@ -178,7 +180,8 @@ def plan_experts(plan: Any, model: nn.Module, trace: Optional[Trace], mp: int, f
             f"{p} {tuple(getattr(model.get_submodule(name), p).shape)} dim {d}" + (f" in {k} blocks" if k > 1 else "")
             for p, (d, k) in lay.shards.items()
         )
-        routing = f"router{'s' if len(routers) > 1 else ''} {', '.join(routers)} replicated" if routers else "routing replicated"
+        routers_s = f"router{'s' if len(routers) > 1 else ''} {', '.join(routers)}"
+        routing = f"{routers_s} replicated" if routers else "routing replicated"
         note = f"experts: {parts}; {routing}; 1 all-reduce each way"
         plan.layers[name] = LayerPlan(name, "experts", lay.hidden, lay.intermediate, kind="experts", note=note)
         for r in routers:

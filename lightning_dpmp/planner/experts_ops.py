@@ -99,13 +99,13 @@ class _ActivationRules:
         if ev.name in ELEMENTWISE or ev.name in CASTS:
             if ev.name == "__get__" and self.shapes[ev.outputs[0]] != a:
                 raise _Conflict("a split tensor is read through an attribute that changes its shape")
-            for p, n in ins[1:]:
+            for _p, n in ins[1:]:
                 self.replicated_use(n, ev.name)
             return [s0] * len(ev.outputs)
         if ev.name in BINARY:
             if len({s.dim for _, _, s in split}) != 1 or len({self.shapes[n] for _, n, _ in split}) != 1:
                 raise _Conflict(f"'{ev.name}' combines differently split tensors")
-            for p, n in ins:
+            for _p, n in ins:
                 if isinstance(self.state.get(n), _S):
                     continue
                 shape = self.shapes[n]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from lightning_dpmp.planner.experts_ops import (
+    _P,
+    _S,
     CASTS,
     INDEXING,
     MATMULS,
@@ -21,9 +23,7 @@ from lightning_dpmp.planner.experts_ops import (
     Key,
     _ActivationRules,
     _Conflict,
-    _P,
     _reshaped_dim,
-    _S,
     _suffix,
 )
 from lightning_dpmp.planner.trace import LinearCall, ModuleCall, OpCall, Trace
@@ -100,7 +100,9 @@ class _Experts(_ActivationRules):
             raise _Conflict(f"its output is {what}, not a sum of per-expert partial products")
         live = (set(self.state) | set(self.origin)) - set(outs)
         # replicated values computed inside from an entered argument: their gradient must not leave the module
-        live |= {n for n in produced - set(outs) if self.taint.get(n, frozenset()) & self.entered and n not in self.zero}
+        live |= {
+            n for n in produced - set(outs) if self.taint.get(n, frozenset()) & self.entered and n not in self.zero
+        }
         for ev in events[self.call.end:]:
             if isinstance(ev, OpCall) and ev.name in SHAPE_ONLY:
                 continue

@@ -30,12 +30,24 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
-from lightning_dpmp.planner.ops import (
-    ATTENTION, BATCHED, BINARY, CONCATS, EXPANDS, FACTORIES, FIRST_ONLY, LOSSES, MATMULS, REDUCTIONS, RESHAPES, SPLITS,
-    TRANSPOSES, UNARY,
-)
 from lightning_dpmp.planner.flow_layout import LayoutRules
 from lightning_dpmp.planner.flow_values import ValueRules
+from lightning_dpmp.planner.ops import (
+    ATTENTION,
+    BATCHED,
+    BINARY,
+    CONCATS,
+    EXPANDS,
+    FACTORIES,
+    FIRST_ONLY,
+    LOSSES,
+    MATMULS,
+    REDUCTIONS,
+    RESHAPES,
+    SPLITS,
+    TRANSPOSES,
+    UNARY,
+)
 from lightning_dpmp.planner.trace import LinearCall, OpCall, Trace
 
 __all__ = ["Flow", "analyse"]
@@ -171,7 +183,8 @@ class _Analysis(ValueRules, LayoutRules):
             (out,), shape = ev.outputs, self.trace.shapes[ev.outputs[0]]
             sizes = [v for v in ev.values if v is not None][: len(shape)]
             scope = ev.index[0][1] if ev.index else ""
-            self.uniform[out] = {d: ((scope, sizes[d]) if len(sizes) == len(shape) else None) for d in range(len(shape))}
+            complete = len(sizes) == len(shape)
+            self.uniform[out] = {d: ((scope, sizes[d]) if complete else None) for d in range(len(shape))}
             return
         ins = [(i, self.state[n]) for i, n in enumerate(ev.inputs) if n is not None and n in self.state]
         if not ins:

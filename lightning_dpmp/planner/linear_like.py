@@ -28,7 +28,8 @@ from lightning_dpmp.planner.ops import ADDS, VIEWS
 
 __all__ = ["LinearForm", "MATMULS", "SHAPE_OPS", "candidate_params", "detect", "form_of_linear"]
 
-MATMULS = {"linear", "addmm", "mm", "matmul", "__matmul__"}  # activation x weight (ops.MATMULS: activation x activation)
+# activation x weight (ops.MATMULS: activation x activation)
+MATMULS = {"linear", "addmm", "mm", "matmul", "__matmul__"}
 SHAPE_OPS = VIEWS | {"contiguous"}
 _BIAS_ADDS = ADDS
 

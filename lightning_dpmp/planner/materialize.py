@@ -18,10 +18,9 @@ Example:
 from __future__ import annotations
 
 import zlib
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_dpmp.parallel.sharding import _ParallelLinear
 
@@ -53,6 +52,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
             else:
                 raise RuntimeError(
                     f"{name or type(module).__name__} ({type(mod).__name__}) was built on the meta device but has no"
-                    " reset_parameters() to initialise it; give it one, or build it outside init_module(empty_init=True)."
+                    " reset_parameters() to initialise it; give it one, or build it outside"
+                    " init_module(empty_init=True)."
                 )
     return made

@@ -20,9 +20,9 @@ Example:
 from __future__ import annotations
 
 __all__ = [
-    "ACTIVATIONS", "ADDS", "ATTENTION", "BATCHED", "BINARY", "CASTS", "COMPARISONS", "CONCATS", "DIVS", "DROPOUTS", "EXPANDS",
-    "FACTORIES", "FIRST_ONLY", "LOSSES", "MATH", "MATMULS", "MULS", "NORMS", "REDUCTIONS", "RESHAPES", "SIGNS",
-    "SPLITS", "SQUEEZES", "TRANSPOSES", "UNARY", "VIEWS",
+    "ACTIVATIONS", "ADDS", "ATTENTION", "BATCHED", "BINARY", "CASTS", "COMPARISONS", "CONCATS", "DIVS", "DROPOUTS",
+    "EXPANDS", "FACTORIES", "FIRST_ONLY", "LOSSES", "MATH", "MATMULS", "MULS", "NORMS", "REDUCTIONS", "RESHAPES",
+    "SIGNS", "SPLITS", "SQUEEZES", "TRANSPOSES", "UNARY", "VIEWS",
 ]
 
 # --- one-input element-wise ops -------------------------------------------------------------------------------

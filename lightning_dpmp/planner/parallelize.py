@@ -6,8 +6,8 @@ parameter order are those of the dense model. Tied weights (an LM head sharing t
 both layers hold the same shard ``Parameter``.
 
 Example:
-    >>> originals = parallelize(model, plan, grid.mp_group)   # model now holds 1/mp of each split layer  # doctest: +SKIP
-    >>> consolidate(model)                                     # and now the dense layers again  # doctest: +SKIP
+    >>> originals = parallelize(model, plan, grid.mp_group)  # now 1/mp of each split layer  # doctest: +SKIP
+    >>> consolidate(model)                                    # and now the dense layers again  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, attr, module)
 
 
-def parallelize(model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = None) -> dict[str, Union[nn.Module, ExpertsShards]]:
+def parallelize(
+    model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = None
+) -> dict[str, Union[nn.Module, ExpertsShards]]:
     """Swap every planned layer of ``model`` for its parallel form, sliced from the dense weights.
 
     ``rng`` (a :class:`~lightning_dpmp.parallel.rng.RNGTracker`) gives column -> row regions their own dropout stream.
@@ -171,7 +173,8 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
             target = dense.get_submodule(sub) if sub else dense
             for pname, dim in part._shard_dims.items():
                 if getattr(part, pname, None) is not None:
-                    moved.setdefault(id(getattr(part, pname)), (getattr(target, pname), dim, part.blocks if dim is not None else 1))
+                    blocks = part.blocks if dim is not None else 1
+                    moved.setdefault(id(getattr(part, pname)), (getattr(target, pname), dim, blocks))
         if tied is not None:
             dense.weight = tied[0]
         for alias in names:  # the same module object registered under several names (T5's shared embedding)

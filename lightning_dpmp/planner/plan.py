@@ -45,8 +45,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.attention import decide_attention
+from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.layout import LayerPlan, Plan, block_of
 from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
@@ -55,10 +55,13 @@ from lightning_dpmp.planner.styles import STYLES
 from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
 from lightning_dpmp.planner.user_plan import user_styles
 
-__all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan", "vocab_split_pays"]  # LayerPlan, Plan: planner/layout.py
+# LayerPlan, Plan: planner/layout.py
+__all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan", "vocab_split_pays"]
 
 
-def vocab_split_pays(name: str, form: LinearForm, mp: int, calls: list[LinearCall], trace: Optional[Trace]) -> Optional[str]:
+def vocab_split_pays(
+    name: str, form: LinearForm, mp: int, calls: list[LinearCall], trace: Optional[Trace]
+) -> Optional[str]:
     """``None`` when splitting head ``name`` by vocabulary pays; otherwise why it stays whole (the printout note).
 
     The rule: split only a head wider than its input, ``out_features > in_features``. Per token, the split adds

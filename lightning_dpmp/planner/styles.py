@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar, Union
 from torch import nn
 
 from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
-from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
 from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
 from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
+from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -248,7 +248,9 @@ class VocabEmbedding(Style):
         return out
 
     def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
-        layer = VocabParallelEmbedding.from_dense(_expect(dense, nn.Embedding), ctx.group, sequence_dim=ctx.sequence_out)
+        layer = VocabParallelEmbedding.from_dense(
+            _expect(dense, nn.Embedding), ctx.group, sequence_dim=ctx.sequence_out
+        )
         layer.rng = ctx.rng if ctx.sequence is not None else None
         return layer
 
@@ -272,7 +274,9 @@ class Heads(_Entry):
     name, kind, swaps_weight, builds_children = "heads", "attention", False, True
 
     def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
-        return HeadParallelMultiheadAttention.from_dense(_expect(dense, nn.MultiheadAttention), ctx.group, shared_input=ctx.entry(lp), rng=ctx.rng)
+        return HeadParallelMultiheadAttention.from_dense(
+            _expect(dense, nn.MultiheadAttention), ctx.group, shared_input=ctx.entry(lp), rng=ctx.rng
+        )
 
 
 class Experts(Style):

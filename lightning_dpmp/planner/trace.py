@@ -369,7 +369,8 @@ def loss_of(step_output: Any) -> Optional[Tensor]:
 
 
 def is_linear(module: nn.Module) -> bool:
-    """Exactly ``nn.Linear`` or a subclass that does not change its forward (e.g. ``NonDynamicallyQuantizableLinear``)."""
+    """Exactly ``nn.Linear`` or a subclass that does not change its forward
+    (e.g. ``NonDynamicallyQuantizableLinear``)."""
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 

@@ -12,7 +12,8 @@ Example:
     >>> check_styles({"blocks.*.fc1": "colum"})
     Traceback (most recent call last):
     ...
-    ValueError: plan['blocks.*.fc1'] = 'colum' is not a style (did you mean 'column'?); choose one of column, row, column_gather, vocab, experts, heads, replicate.
+    ValueError: plan['blocks.*.fc1'] = 'colum' is not a style (did you mean 'column'?);
+        choose one of column, row, column_gather, vocab, experts, heads, replicate.
 """
 
 from __future__ import annotations
@@ -98,12 +99,16 @@ def user_styles(
     if not user_plan:
         return forced
     modules = dict(model.named_modules())
-    inside_mha = {f"{n}.{c}" for n, m in modules.items() if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()}
+    inside_mha = {
+        f"{n}.{c}" for n, m in modules.items() if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()
+    }
     check_styles(user_plan)
     for pattern, style in user_plan.items():
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
-            warnings.warn(f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.")
+            warnings.warn(
+                f"DPMPStrategy plan pattern {pattern!r} matches no module of {type(model).__name__}.", stacklevel=1
+            )
         layers = [n for n in matched if n in forms or type(modules[n]) is nn.Embedding
                   or isinstance(modules[n], nn.MultiheadAttention)]
         stacked = [n for n in matched if n not in layers and any(p.dim() >= 3 for p in modules[n].parameters(False))]
@@ -111,7 +116,9 @@ def user_styles(
             forced.setdefault(name, style)
         if style == "experts":
             if not stacked:
-                raise ValueError(f"plan[{pattern!r}] = 'experts' matches no module holding stacked (3-D) expert weights.")
+                raise ValueError(
+                    f"plan[{pattern!r}] = 'experts' matches no module holding stacked (3-D) expert weights."
+                )
             continue
         if matched and not layers and not stacked:
             mod = modules[matched[0]]
@@ -123,7 +130,9 @@ def user_styles(
             mod = modules[name]
             if isinstance(mod, nn.MultiheadAttention):
                 if style not in ("heads", "replicate"):
-                    raise ValueError(f"plan gives the nn.MultiheadAttention {name!r} style {style!r}; use 'heads' or 'replicate'.")
+                    raise ValueError(
+                        f"plan gives the nn.MultiheadAttention {name!r} style {style!r}; use 'heads' or 'replicate'."
+                    )
                 forced.setdefault(name, style)
                 continue
             if name in inside_mha:
@@ -131,7 +140,8 @@ def user_styles(
                     continue  # 'blocks.*' matched the attention too: its out_proj follows the attention
                 raise ValueError(
                     f"plan gives {name!r} style {style!r}, but F.multi_head_attention_forward reads its weight without"
-                    f" calling it; style the nn.MultiheadAttention {name.rpartition('.')[0]!r} ('heads' or 'replicate')."
+                    f" calling it; style the nn.MultiheadAttention {name.rpartition('.')[0]!r}"
+                    " ('heads' or 'replicate')."
                 )
             if isinstance(mod, nn.Embedding):
                 if style not in ("vocab", "replicate"):

@@ -83,10 +83,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         over["inter_bw"] = a.inter_gbps * 1e9
     hw = Hardware.preset(a.hardware, a.devices, **over)
     best, table = recommend(shape, hw, a.sequence_parallel)
-    print(f"{shape.params / 1e9:.2f}B parameters ({shape.layers} x {shape.hidden}, {shape.heads} heads, vocab {shape.vocab}), "
-          f"seq {shape.seq}, batch {shape.batch} x micro-batch {shape.micro_batch or 'all'}; {hw.devices} devices, "
-          f"{hw.devices_per_node}/node, {hw.memory_gb:g} GiB, {hw.flops / 1e12:g} TFLOP/s, intra {hw.intra_bw / 1e9:g} GB/s, "
-          f"inter {hw.inter_bw / 1e9:g} GB/s")
+    print(f"{shape.params / 1e9:.2f}B parameters ({shape.layers} x {shape.hidden}, {shape.heads} heads, "
+          f"vocab {shape.vocab}), seq {shape.seq}, batch {shape.batch} x micro-batch {shape.micro_batch or 'all'}; "
+          f"{hw.devices} devices, {hw.devices_per_node}/node, {hw.memory_gb:g} GiB, {hw.flops / 1e12:g} TFLOP/s, "
+          f"intra {hw.intra_bw / 1e9:g} GB/s, inter {hw.inter_bw / 1e9:g} GB/s")
     print(format_table(table, best))
     print(f"recommended: DPMPStrategy(dp={best.dp}, mp={best.mp})" if best else "no layout fits in memory")
 

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
 from lightning_dpmp.parallel.comm import gather_from_group  # noqa: E402
-from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.entry import SharedInputCopy  # noqa: E402
+from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidated_state_dict  # noqa: E402

@@ -34,9 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def digits_config(tmp: str):
     """The ``mlp_digits`` experiment exactly as examples/train.py composes it."""
-    import examples.config  # noqa: F401  (schemas and resolvers)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+
+    import examples.config  # noqa: F401  (schemas and resolvers)
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
@@ -85,7 +86,8 @@ def main(out: str) -> None:
         t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=DPMPStrategy(dp=DP, mp=MP, plan_overrides=plan, timeout_s=60),
                       num_sanity_val_steps=2, **DIGITS_TRAINER)
         t.fit(model, datamodule=data)
-        res[f"digits_{key}"] = {"acc": float(t.callback_metrics["val/acc"]), "loss": float(t.callback_metrics["val/loss"]),
+        res[f"digits_{key}"] = {"acc": float(t.callback_metrics["val/acc"]),
+                                "loss": float(t.callback_metrics["val/loss"]),
                                 "head": t.strategy.applied_plan.plan.layers["net.head"].style,
                                 "note": t.strategy.applied_plan.plan.layers["net.head"].note}
         if dist.get_rank() == 0:

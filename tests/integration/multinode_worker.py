@@ -34,8 +34,9 @@ class Layout(Callback):
         grid = trainer.strategy.grid
         nodes: list[Any] = [None] * grid.mp
         dist.all_gather_object(nodes, trainer.node_rank, group=grid.mp_group)
-        info = {"rank": trainer.global_rank, "node": trainer.node_rank, "mp_group": dist.get_process_group_ranks(grid.mp_group),
-                "mp_group_nodes": nodes, "dp_group": dist.get_process_group_ranks(grid.dp_group)}
+        info = {"rank": trainer.global_rank, "node": trainer.node_rank,
+                "mp_group": dist.get_process_group_ranks(grid.mp_group), "mp_group_nodes": nodes,
+                "dp_group": dist.get_process_group_ranks(grid.dp_group)}
         (self.out / f"layout_{trainer.global_rank}.json").write_text(json.dumps(info))
 
 

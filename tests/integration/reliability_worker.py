@@ -3,9 +3,9 @@
 Usage: python tests/integration/reliability_worker.py CASE RANK OUT_DIR   (under torchrun, or alone: popen launcher)
 
 CASE: none | train | val | callback | checkpoint | sigkill | hang (the rank sleeps for an hour inside its step, alive
-but never joining the next collective; set DPMP_TEST_TIMEOUT_S to bound the others' wait). Every rank writes ``pid_<rank>`` when it starts, and the
-failing rank writes ``fail_time`` (``time.time()``) just before it fails, so the test can measure the time to exit
-and look for orphans.
+but never joining the next collective; set DPMP_TEST_TIMEOUT_S to bound the others' wait). Every rank writes
+``pid_<rank>`` when it starts, and the failing rank writes ``fail_time`` (``time.time()``) just before it fails, so
+the test can measure the time to exit and look for orphans.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def _fail(out: Path, how: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "hang":
         time.sleep(3600)
-    raise RuntimeError(f"injected failure ({how}) on rank {int(os.environ.get('RANK', os.environ.get('LOCAL_RANK', 0)))}")
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+    raise RuntimeError(f"injected failure ({how}) on rank {rank}")
 
 
 class Failing(ResMLP):
@@ -46,7 +47,8 @@ class Failing(ResMLP):
         self.case, self.fail_rank, self.out = case, rank, out
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.case in ("train", "sigkill", "hang") and self.global_rank == self.fail_rank and self.global_step == FAIL_STEP:
+        failing = self.global_rank == self.fail_rank and self.global_step == FAIL_STEP
+        if self.case in ("train", "sigkill", "hang") and failing:
             _fail(self.out, self.case)
         return super().training_step(batch, batch_idx)
 

@@ -34,8 +34,8 @@ def test_cli_still_refuses_a_real_process_group():
 
 @pytest.mark.slow
 def test_print_config_loads_back_and_trains(tmp_path):
-    proc = run_script([WORKER, "fit", *FLAGS, "--trainer.devices=2", "--trainer.strategy.dp=1", "--trainer.strategy.mp=2",
-                       "--print_config"], timeout=120)
+    layout = ["--trainer.devices=2", "--trainer.strategy.dp=1", "--trainer.strategy.mp=2"]
+    proc = run_script([WORKER, "fit", *FLAGS, *layout, "--print_config"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = tmp_path / "c.yaml"
     config.write_text(proc.stdout)

@@ -37,7 +37,9 @@ def grid12(tmp_path_factory):
     return _launch(tmp_path_factory, 1, 2)
 
 
-def _single(model: L.LightningModule, batch: int, steps: int, clip: float | None = 0.5, algorithm: str = "norm") -> dict:
+def _single(
+    model: L.LightningModule, batch: int, steps: int, clip: float | None = 0.5, algorithm: str = "norm"
+) -> dict:
     L.seed_everything(0)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=steps, gradient_clip_val=clip,
                         gradient_clip_algorithm=algorithm, logger=False, enable_checkpointing=False,
@@ -104,7 +106,7 @@ def test_bf16_mixed_trains(grid22):
     _, ranks = grid22
     for r in ranks:
         losses = r["bf16_losses"]
-        assert len(losses) == 30 and all(l == l for l in losses)
+        assert len(losses) == 30 and all(loss == loss for loss in losses)
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.02, losses
 
 

@@ -96,8 +96,9 @@ def test_every_group_option_composes_and_instantiates(tmp_path, overrides):
 
 def test_plan_override_reaches_the_strategy(tmp_path):
     cfg = _compose(tmp_path, "strategy.plan_overrides={net.blocks.*.mlp.fc1:column,net.lm_head:replicate}")
-    assert OmegaConf.to_container(cfg.strategy.plan_overrides) == {"net.blocks.*.mlp.fc1": "column", "net.lm_head": "replicate"}
-    assert instantiate_strategy(cfg.strategy)._plan_overrides == {"net.blocks.*.mlp.fc1": "column", "net.lm_head": "replicate"}
+    plan = {"net.blocks.*.mlp.fc1": "column", "net.lm_head": "replicate"}
+    assert OmegaConf.to_container(cfg.strategy.plan_overrides) == plan
+    assert instantiate_strategy(cfg.strategy).plan_overrides == plan
 
 
 def test_devices_follow_the_layout_and_nodes(tmp_path):
@@ -110,8 +111,9 @@ def test_devices_follow_the_layout_and_nodes(tmp_path):
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("strategy.dp=two", "strategy.dp"), ("strategy.mp=1.5", "strategy.mp"), ("model.net.n_layer=four", "model.net.n_layer"),
-     ("strategy.verify_plan=maybe", "strategy.verify_plan"), ("seed=abc", "seed")],
+    [("strategy.dp=two", "strategy.dp"), ("strategy.mp=1.5", "strategy.mp"),
+     ("model.net.n_layer=four", "model.net.n_layer"), ("strategy.verify_plan=maybe", "strategy.verify_plan"),
+     ("seed=abc", "seed")],
 )  # fmt: skip
 def test_wrong_types_fail_at_compose_time(tmp_path, override, key):
     with pytest.raises(ConfigCompositionException) as err:

@@ -51,7 +51,8 @@ def test_multirun_child_runs_only_its_own_job(hydra_job, tmp_path):
         RunMode.MULTIRUN,
         ["strategy.mp=2", "strategy.dp=1", "trainer.max_steps=3"],
         ["hydra.sweep.dir=/somewhere", "hydra.mode=MULTIRUN", "hydra/launcher=basic", "hydra.verbose=true"],
-        ["examples/train.py", "-m", "--config-name", "config", "strategy.mp=1,2", "strategy.dp=1", "trainer.max_steps=3"],
+        ["examples/train.py", "-m", "--config-name", "config",
+         "strategy.mp=1,2", "strategy.dp=1", "trainer.max_steps=3"],
     )
     command, cwd = hydra_child_command(local_rank=1)
     assert command[0] == sys.executable

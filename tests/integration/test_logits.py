@@ -64,7 +64,8 @@ def test_rank_zero_only_logits_code_in_validation_finishes_with_single_process_v
     out, ranks = launch
     for r in ranks:
         g = r["gpt"]
-        assert g["styles"]["net.lm_head"] == "vocab" and g["styles"]["net.wte"] == "vocab"  # training stays vocab-parallel
+        # training stays vocab-parallel
+        assert g["styles"]["net.lm_head"] == "vocab" and g["styles"]["net.wte"] == "vocab"
         assert g["validation_s"] < 20, g  # no collective waits for rank 0 (a hang would end at timeout_s=30)
     assert ranks[0]["gpt"]["inspected"] == 3 and ranks[1]["gpt"]["inspected"] == 0  # sanity batch + 2 val batches
 

@@ -22,26 +22,49 @@ QUIET = ["trainer.enable_progress_bar=false", "print_config=false"]
 FEW_STEPS = ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
 SMALL_TEXT = ["data.max_bytes=100000"]
 
+DEFAULT_RUN_TEST = (
+    "tests/integration/test_hydra_sweep.py::test_default_run_trains_and_writes_summary_and_consolidated_checkpoint"
+)
+NEWUSER_TEST = "tests/integration/test_hydra_newuser.py::test_popen_run_with_test_then_eval_under_another_layout"
+MULTINODE_TORCHRUN = (
+    "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HOST:29500 examples/train.py"
+    " trainer=gpu trainer.num_nodes=2 strategy.dp=2 strategy.mp=8"
+)
+SLURM_SWEEP = (
+    "python examples/train.py -m hydra/launcher=submitit_slurm trainer=gpu trainer.num_nodes=2 strategy.dp=4"
+    " strategy.mp=4 hydra.launcher.partition=<partition>"
+)
+
 # README command -> how it is tested: ("run", overrides appended), ("compose", overrides) or ("elsewhere", where).
 COMMANDS: dict[str, tuple[str, list[str]]] = {
-    "python examples/train.py": ("elsewhere", ["tests/integration/test_hydra_sweep.py::test_default_run_trains_and_writes_summary_and_consolidated_checkpoint"]),
+    "python examples/train.py": ("elsewhere", [DEFAULT_RUN_TEST]),
     "python examples/train.py strategy.dp=1 strategy.mp=4": ("run", FEW_STEPS + SMALL_TEXT),
     "python examples/train.py strategy.sequence_parallel=true": ("run", FEW_STEPS + SMALL_TEXT),
     "python examples/train.py experiment=mlp_digits": ("run", FEW_STEPS),
     "python examples/train.py data.path=my.txt trainer=gpu": ("compose", []),
     "python examples/train.py --cfg job": ("run", []),
     "python examples/train.py -m strategy.dp=1,2 strategy.mp=1,2 trainer.max_steps=50": ("run", ["max_world_size=2"]),
-    "python examples/train.py experiment=layout_sweep": ("run", ["max_world_size=2", "trainer.max_steps=2",
-                                                                 "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]),
-    "torchrun --standalone --nproc_per_node=4 examples/train.py strategy.dp=2 strategy.mp=2": ("run", FEW_STEPS + SMALL_TEXT),
-    "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HOST:29500 examples/train.py trainer=gpu trainer.num_nodes=2 strategy.dp=2 strategy.mp=8": ("compose", []),
-    "python examples/train.py -m hydra/launcher=submitit_slurm trainer=gpu trainer.num_nodes=2 strategy.dp=4 strategy.mp=4 hydra.launcher.partition=<partition>": ("compose", []),
-    "python examples/train.py test=true": ("elsewhere", ["tests/integration/test_hydra_newuser.py::test_popen_run_with_test_then_eval_under_another_layout"]),
-    "python examples/eval.py ckpt_path=outputs/train/<date>/<time>/checkpoints/last.ckpt": ("elsewhere", ["tests/integration/test_hydra_newuser.py::test_popen_run_with_test_then_eval_under_another_layout"]),
+    "python examples/train.py experiment=layout_sweep": (
+        "run",
+        ["max_world_size=2", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"],
+    ),
+    "torchrun --standalone --nproc_per_node=4 examples/train.py strategy.dp=2 strategy.mp=2": (
+        "run", FEW_STEPS + SMALL_TEXT
+    ),
+    MULTINODE_TORCHRUN: ("compose", []),
+    SLURM_SWEEP: ("compose", []),
+    "python examples/train.py test=true": ("elsewhere", [NEWUSER_TEST]),
+    "python examples/eval.py ckpt_path=outputs/train/<date>/<time>/checkpoints/last.ckpt": (
+        "elsewhere", [NEWUSER_TEST]
+    ),
     "python examples/train.py debug=default": ("run", SMALL_TEXT),
     "python examples/train.py debug=overfit": ("run", SMALL_TEXT + ["trainer.max_steps=4"]),
-    "python examples/train.py debug=profiler": ("run", SMALL_TEXT + ["trainer.max_steps=3", "trainer.val_check_interval=3"]),
-    "python -m lightning_dpmp.convert checkpoints/last.ckpt last-consolidated.ckpt": ("elsewhere", ["tests/distributed/test_checkpoint.py (sharded -> consolidated conversion)"]),
+    "python examples/train.py debug=profiler": (
+        "run", SMALL_TEXT + ["trainer.max_steps=3", "trainer.val_check_interval=3"]
+    ),
+    "python -m lightning_dpmp.convert checkpoints/last.ckpt last-consolidated.ckpt": (
+        "elsewhere", ["tests/distributed/test_checkpoint.py (sharded -> consolidated conversion)"]
+    ),
     "python -m lightning_dpmp.costmodel --model gpt-7b --hardware dgx-a100 --devices 64": ("run", []),
 }
 # conf/experiment/<name>.yaml -> the README command (or the test) that covers it.
@@ -137,7 +160,8 @@ def test_gpu_and_cluster_commands_compose_and_instantiate(command, tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config="hydra/launcher" in command,
                       overrides=[f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}", *args])
-    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.devices * cfg.trainer.num_nodes == cfg.strategy.dp * cfg.strategy.mp
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    assert cfg.trainer.accelerator == "gpu" and world == cfg.strategy.dp * cfg.strategy.mp
     if "hydra/launcher" in command:
         assert "submitit" in cfg.hydra.launcher._target_ and cfg.hydra.launcher.partition == "debug"
     _instantiate_all(cfg, with_data="data.path" in command)

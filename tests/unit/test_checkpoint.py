@@ -22,8 +22,8 @@ from lightning_dpmp.checkpoint.files import (
     replace_path,
 )
 from lightning_dpmp.checkpoint.rng_states import collect_rng_states, restore_rng_states
-from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.checkpoint.sharded import _SafeReader
+from lightning_dpmp.parallel.grid import Grid
 from tests.support.models import ResMLP
 
 MODEL = {"a.weight": (4, 2), "a.bias": (4,), "b.weight": (3, 4)}
@@ -35,7 +35,8 @@ MODEL = {"a.weight": (4, 2), "a.bias": (4,), "b.weight": (3, 4)}
         ({"a.weight": (4, 2), "b.weight": (3, 4)}, True, "missing key 'a.bias' (shape (4,) in the model)."),
         ({**MODEL, "c.weight": (1,)}, True, "unexpected key 'c.weight' (shape (1,) in the checkpoint)."),
         ({**MODEL, "a.weight": (8, 2)}, True, "'a.weight' has shape (8, 2) in the checkpoint but (4, 2) in the model."),
-        ({"a.weight": (8, 2), "z": (1,)}, False, "'a.weight' has shape (8, 2) in the checkpoint but (4, 2) in the model."),
+        ({"a.weight": (8, 2), "z": (1,)}, False,
+         "'a.weight' has shape (8, 2) in the checkpoint but (4, 2) in the model."),
         ({"x": (1,), "a.weight": (5, 2)}, True, "missing key 'a.bias' (shape (4,) in the model). (3 more differences)"),
     ],
 )
@@ -54,7 +55,8 @@ def test_strategy_refuses_a_consolidated_checkpoint_of_another_model():
     strategy = DPMPStrategy(dp=1, mp=1)
     strategy._grid = Grid(dp=1, mp=1, rank=0)  # as after setup_environment, without a process group
     strategy._lightning_module = ResMLP(hidden=48)
-    with pytest.raises(CheckpointMismatchError, match=r"'blocks.0.fc1.weight' has shape \(32, 16\) in the checkpoint but \(48, 16\)"):
+    expected = r"'blocks.0.fc1.weight' has shape \(32, 16\) in the checkpoint but \(48, 16\)"
+    with pytest.raises(CheckpointMismatchError, match=expected):
         strategy.load_model_state_dict({"state_dict": ResMLP().state_dict()})
 
 
@@ -104,7 +106,8 @@ def test_rng_states_survive_weights_only():
 def test_omegaconf_hyperparameters_become_weights_only_loadable(tmp_path):
     from omegaconf import OmegaConf
 
-    ckpt = {"hyper_parameters": OmegaConf.create({"lr": 0.1, "sizes": [1, 2]}), "hparams_type": type(OmegaConf.create())}
+    hparams = OmegaConf.create({"lr": 0.1, "sizes": [1, 2]})
+    ckpt = {"hyper_parameters": hparams, "hparams_type": type(OmegaConf.create())}
     atomic_save(make_weights_only_safe(ckpt), str(tmp_path / "h.ckpt"))
     assert load_file(str(tmp_path / "h.ckpt")) == {"hyper_parameters": {"lr": 0.1, "sizes": [1, 2]}}
 

@@ -15,7 +15,8 @@ def test_valid_layouts_respect_divisibility() -> None:
     assert valid_layouts(SMALL, 4) == [(4, 1), (2, 2), (1, 4)]
     odd_heads = GPTShape(layers=2, hidden=96, heads=6, vocab=64, seq=16, batch=8)
     assert valid_layouts(odd_heads, 4) == [(4, 1), (2, 2)]  # 6 heads do not split 4 ways
-    assert valid_layouts(GPTShape(layers=2, hidden=64, heads=4, vocab=64, seq=16, batch=2), 4) == [(2, 2), (1, 4)]  # dp=4 does not divide a batch of 2
+    batch_of_2 = GPTShape(layers=2, hidden=64, heads=4, vocab=64, seq=16, batch=2)
+    assert valid_layouts(batch_of_2, 4) == [(2, 2), (1, 4)]  # dp=4 does not divide a batch of 2
 
 
 def test_parameter_count_matches_the_example_gpt() -> None:
@@ -24,7 +25,8 @@ def test_parameter_count_matches_the_example_gpt() -> None:
     net = GPT(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
     assert SMALL.params == sum(p.numel() for p in net.parameters())
     shape = GPTShape.from_module(net, seq=128, batch=8)
-    assert (shape.layers, shape.hidden, shape.heads, shape.vocab, shape.ffn_width, shape.tied) == (4, 256, 8, 256, 1024, True)
+    found = (shape.layers, shape.hidden, shape.heads, shape.vocab, shape.ffn_width, shape.tied)
+    assert found == (4, 256, 8, 256, 1024, True)
 
 
 def test_mp_bytes_are_the_megatron_minimum() -> None:

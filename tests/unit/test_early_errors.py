@@ -88,7 +88,8 @@ def test_ddp_defaults_are_accepted_and_dropped_a_real_group_is_refused():
     # What LightningCLI passes behind **ddp_kwargs: DistributedDataParallel's own defaults.
     assert ddp_kwargs_from_user({"process_group": None, "dim": 0, "broadcast_buffers": None, "static_graph": False,
                                  "bucket_cap_mb": None, "ddp_comm_hook": None}) == {"ddp_comm_hook": None}
-    assert ddp_kwargs_from_user({"static_graph": True, "bucket_cap_mb": 50}) == {"static_graph": True, "bucket_cap_mb": 50}
+    user = {"static_graph": True, "bucket_cap_mb": 50}
+    assert ddp_kwargs_from_user(user) == {"static_graph": True, "bucket_cap_mb": 50}
     assert DPMPStrategy(dp=1, mp=2, process_group=None, find_unused_parameters=False)._ddp_kwargs == {}
     with pytest.raises(ValueError, match="do not pass `process_group`"):
         DPMPStrategy(dp=1, mp=2, process_group=object())

@@ -42,7 +42,9 @@ def test_own_moe_is_planned_as_experts_with_replicated_router():
     assert lay.entries == (0, 2) and lay.activations == (0,)  # activation and routing weights; not the index
     assert lay.needs_grad and (lay.hidden, lay.intermediate) == (32, 64)
     assert plan.layers["router"].style == "replicate" and plan.layers["router"].note.startswith("router of experts")
-    assert plan.comm_per_step() == {"forward": {"all_reduce": 1, "all_gather": 0}, "backward": {"all_reduce": 1, "all_gather": 0}}
+    assert plan.comm_per_step() == {
+        "forward": {"all_reduce": 1, "all_gather": 0}, "backward": {"all_reduce": 1, "all_gather": 0}
+    }
     local, total = plan.param_counts(moe)
     assert total - local == sum(p.numel() for p in moe.experts.parameters()) // 2
 
@@ -243,5 +245,6 @@ def test_user_plan_keeps_experts_whole_or_insists():
         make_plan(moe, 2, trace, user_plan={"router": "experts"})
     model = Wrap(TransposedExperts(i=6))
     trace = trace_step(model, lambda: model(torch.randn(10, 8)).sum())
-    with pytest.raises(ValueError, match="plan forces 'experts' to 'experts', but it cannot be split: experts.w1 has 12 along dim 2"):
+    expected = "plan forces 'experts' to 'experts', but it cannot be split: experts.w1 has 12 along dim 2"
+    with pytest.raises(ValueError, match=expected):
         make_plan(model, 4, trace, user_plan={"experts": "experts"})

@@ -45,7 +45,9 @@ def test_auto_is_accepted_but_other_strings_are_not():
 def test_devices_mismatch_fails_when_the_trainer_is_built(devices, num_nodes, dp, mp):
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
-        L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=DPMPStrategy(dp=dp, mp=mp), logger=False)
+        L.Trainer(
+            accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=DPMPStrategy(dp=dp, mp=mp), logger=False
+        )
     msg = str(err.value)
     for part in (f"dp={dp}", f"mp={mp}", f"dp*mp = {dp * mp}", f"devices={devices}", f"num_nodes={num_nodes}"):
         assert part in msg, (part, msg)

@@ -183,7 +183,9 @@ def test_transformer_encoder_attention_is_head_parallel_and_mlp_paired(norm_firs
         assert plan.layers[p + "self_attn"].local_shape(mp) == (96 // mp, 32)
     assert list(plan.layers)[:2] == ["enc.layers.0.self_attn", "enc.layers.0.self_attn.out_proj"]
     # 1 + 1 per attention (entry copy, out_proj reduce), 1 + 1 per MLP
-    assert plan.comm_per_step() == {"forward": {"all_reduce": 4, "all_gather": 0}, "backward": {"all_reduce": 4, "all_gather": 0}}
+    assert plan.comm_per_step() == {
+        "forward": {"all_reduce": 4, "all_gather": 0}, "backward": {"all_reduce": 4, "all_gather": 0}
+    }
     local, total = plan.param_counts(model)
     split = sum(p.numel() for n, p in model.named_parameters()
                 if "in_proj" in n or "out_proj.weight" in n or "linear1" in n or "linear2.weight" in n)

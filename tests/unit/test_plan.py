@@ -49,11 +49,15 @@ def test_resmlp_pairs_blocks_and_explains_the_rest(mp):
     assert plan.layers["head"].note == f"out_features=3 not divisible by mp={mp}"
     assert plan.layers["blocks.0.fc1"].note == "-> blocks.0.fc2"
     # inp reads data (no input gradient): its backward all-reduce is not counted
-    assert plan.comm_per_step() == {"forward": {"all_reduce": 2, "all_gather": 1}, "backward": {"all_reduce": 2, "all_gather": 0}}
+    assert plan.comm_per_step() == {
+        "forward": {"all_reduce": 2, "all_gather": 1}, "backward": {"all_reduce": 2, "all_gather": 0}
+    }
     text = plan.describe(model)
     assert "blocks.0.fc1  column" in text and f"({32 // mp}, 16)" in text and "parameters per rank" in text
     local, total = plan.param_counts(model)
-    split = sum(m.weight.numel() + m.bias.numel() for n, m in model.named_modules() if n in ("inp",) or n.endswith("fc1"))
+    split = sum(
+        m.weight.numel() + m.bias.numel() for n, m in model.named_modules() if n in ("inp",) or n.endswith("fc1")
+    )
     split_w_only = sum(m.weight.numel() for n, m in model.named_modules() if n.endswith("fc2"))
     assert total - local == (split + split_w_only) - (split + split_w_only) // mp
 
@@ -179,7 +183,9 @@ def test_lm_head_feeding_only_the_loss_is_vocab_parallel():
     styles, plan = plan_of(model, ids, step=step)
     assert styles == {"emb": "vocab", "head": "vocab"}
     # embedding all-reduce + the loss's two all-reduces forward; the head's input gradient backward
-    assert plan.comm_per_step() == {"forward": {"all_reduce": 3, "all_gather": 0}, "backward": {"all_reduce": 1, "all_gather": 0}}
+    assert plan.comm_per_step() == {
+        "forward": {"all_reduce": 3, "all_gather": 0}, "backward": {"all_reduce": 1, "all_gather": 0}
+    }
 
 
 def test_fixed_head_count_reshape_is_adjusted_or_refused():

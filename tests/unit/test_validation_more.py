@@ -35,7 +35,8 @@ def test_nccl_on_cpu_is_refused_when_the_trainer_is_built():
 
 
 def test_sync_batchnorm_with_mp_is_refused_when_the_trainer_is_built():
-    with pytest.raises(ValueError, match=r"sync_batchnorm=True is not supported with mp=2.*count 2 times.*sync_batchnorm=False"):
+    expected = r"sync_batchnorm=True is not supported with mp=2.*count 2 times.*sync_batchnorm=False"
+    with pytest.raises(ValueError, match=expected):
         _trainer(devices=4, sync_batchnorm=True, strategy=DPMPStrategy(dp=2, mp=2))
     _trainer(devices=2, sync_batchnorm=True, strategy=DPMPStrategy(dp=2, mp=1))  # mp=1: plain DDP semantics, allowed
 
@@ -52,7 +53,8 @@ class _Stream(IterableDataset):
 
 
 def test_unsharded_data_warns_and_names_dp_rank_and_dp_size():
-    with pytest.warns(DataShardingWarning, match=r"dp=2, mp=2\): the training data is an IterableDataset \(_Stream\)") as rec:
+    expected = r"dp=2, mp=2\): the training data is an IterableDataset \(_Stream\)"
+    with pytest.warns(DataShardingWarning, match=expected) as rec:
         warn_if_data_not_sharded(DataLoader(_Stream()), True, dp=2, mp=2)
     assert "trainer.strategy.dp_rank" in str(rec[0].message) and "trainer.strategy.dp_size" in str(rec[0].message)
     with pytest.warns(DataShardingWarning, match=r"use_distributed_sampler=False"):
@@ -60,7 +62,8 @@ def test_unsharded_data_warns_and_names_dp_rank_and_dp_size():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warn_if_data_not_sharded(DataLoader(range(8)), True, dp=2, mp=2) is None  # Lightning shards it
-        assert warn_if_data_not_sharded(DataLoader(_Stream()), False, dp=1, mp=4) is None  # one replica: nothing to shard
+        # one replica: nothing to shard
+        assert warn_if_data_not_sharded(DataLoader(_Stream()), False, dp=1, mp=4) is None
 
 
 def test_strategy_exposes_dp_rank_and_dp_size():
@@ -108,10 +111,14 @@ def test_first_divergence_names_the_parameter_the_ranks_and_the_kind():
     bad[2, 1, 2] += 1  # rank 2's shard differs from its DP replica, rank 0
     bad[3, 2, 0] += 1  # a later parameter also differs: the first one is named
     msg = first_divergence(bad, names, sharded, mp=2)
-    assert msg == "parameter 'blocks.0.fc1.weight' (sharded over MP; DP replicas) on rank 2 (dp_rank 1, mp_rank 0) differs from rank 0 (dp_rank 0, mp_rank 0)"
+    assert msg == (
+        "parameter 'blocks.0.fc1.weight' (sharded over MP; DP replicas) on rank 2 (dp_rank 1, mp_rank 0)"
+        " differs from rank 0 (dp_rank 0, mp_rank 0)"
+    )
     rep = ok.clone()
     rep[1, 2, 1] += 1  # an MP-replicated LayerNorm weight differs inside MP group 0
-    assert "parameter 'norm.weight' (replicated over MP) on rank 1 (dp_rank 0, mp_rank 1)" in first_divergence(rep, names, sharded, 2)
+    expected = "parameter 'norm.weight' (replicated over MP) on rank 1 (dp_rank 0, mp_rank 1)"
+    assert expected in first_divergence(rep, names, sharded, 2)
 
 
 def test_first_divergence_names_the_batch_of_an_mp_group():
@@ -120,7 +127,9 @@ def test_first_divergence_names_the_batch_of_an_mp_group():
     assert first_divergence(t, ["w"], [False], mp=2) is None
     t[3, -1] += 1  # but its two MP ranks disagree
     msg = first_divergence(t, ["w"], [False], mp=2)
-    assert msg.startswith("the batch on rank 3 (dp_rank 1, mp_rank 1) differs from the batch on rank 2 (dp_rank 1, mp_rank 0)")
+    assert msg.startswith(
+        "the batch on rank 3 (dp_rank 1, mp_rank 1) differs from the batch on rank 2 (dp_rank 1, mp_rank 0)"
+    )
     assert "strategy.dp_rank" in msg
 
 

@@ -82,7 +82,8 @@ REFUSED = {
     "item": lambda t: t[0, 0, :1].item(),
     "cross_entropy with class weights": lambda t: F.cross_entropy(t.view(-1, V), torch.zeros(10, dtype=torch.long),
                                                                   weight=torch.ones(V, dtype=t.dtype)),
-    "cross_entropy in (N, C, T) layout": lambda t: F.cross_entropy(t.transpose(1, 2), torch.zeros(2, 5, dtype=torch.long)),
+    "cross_entropy in (N, C, T) layout": lambda t: F.cross_entropy(t.transpose(1, 2),
+                                                                   torch.zeros(2, 5, dtype=torch.long)),
 }
 
 
