@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset  # noqa: F401  (DataLoader: doctest)
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "die_with_parent",
     "is_launched_rank",
     "warn_if_data_not_sharded",
+    "warn_if_mp_spans_nodes",
 ]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -161,3 +163,12 @@ def is_launched_rank(environment: Any, local_rank: int) -> bool:
     if isinstance(environment, TorchElasticEnvironment):
         return True
     return type(environment) is LightningEnvironment and environment.creates_processes_externally and local_rank > 0
+
+
+def warn_if_mp_spans_nodes(mp: int, devices_per_node: int, num_nodes: int) -> None:
+    """MP groups are consecutive ranks: if mp does not divide the devices of a node, some groups cross nodes."""
+    if mp > 1 and devices_per_node % mp and num_nodes > 1:
+        rank_zero_warn(
+            f"mp={mp} does not divide the {devices_per_node} devices per node: MP groups span nodes, and every"
+            " tensor-parallel all-reduce crosses the slower inter-node link."
+        )

@@ -1,12 +1,14 @@
 """DPMPStrategy: Lightning's lifecycle for data x tensor-model parallel training; the work is delegated.
 
-* ``set_world_ranks`` resolves the (dp, mp) :class:`~lightning_dpmp.integration.layout.Layout` once; ``dp``/``mp`` read it.
+* ``set_world_ranks`` resolves the (dp, mp) :class:`~lightning_dpmp.integration.layout.Layout` once; ``dp``/``mp``
+  read it.
 * ``setup_environment`` initialises torch.distributed and builds the :class:`~lightning_dpmp.parallel.grid.Grid`.
 * ``setup`` is ``DDPStrategy.setup``; the model is planned and split in ``model_to_device``
   (:mod:`lightning_dpmp.integration.split`), wrapped in ``DistributedDataParallel(process_group=<dp group>)`` in
   ``configure_ddp`` so that gradients are averaged over DP only; norm clipping goes through the global norm and the
   sequence-parallel gradient sum runs in ``optimizer_step`` (:mod:`lightning_dpmp.integration.hooks`).
-* Checkpoints are the job of ``self.checkpointer`` (:class:`~lightning_dpmp.integration.strategy_checkpoint.StrategyCheckpointer`).
+* Checkpoints are the job of ``self.checkpointer``
+  (:class:`~lightning_dpmp.integration.strategy_checkpoint.StrategyCheckpointer`).
 * ``teardown`` gathers the layers back, so the module you passed to ``fit`` is dense again afterwards.
 """
 from __future__ import annotations
@@ -18,39 +20,40 @@ from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.optim import Optimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 import lightning_dpmp.compat as compat
-from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration import hooks, validate
+from lightning_dpmp.integration.autoplan import PlanResult
+from lightning_dpmp.integration.delegate import leaves_sharded_rng, to_checkpointer
 from lightning_dpmp.integration.failfast import (
     check_backend,
     check_sync_batchnorm,
     die_with_parent,
     is_launched_rank,
     warn_if_data_not_sharded,
+    warn_if_mp_spans_nodes,
 )
-from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
-from lightning_dpmp.parallel.sharding import shard_dims
-from lightning_dpmp.parallel.loss import VocabShardedLogits
-from lightning_dpmp.planner.materialize import is_meta
-from lightning_dpmp.integration.metrics import route_metrics
-from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.integration.layout import Layout, resolve_aliases, resolve_layout
-from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
+from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.integration.split import split_model, unsplit_model
+from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.zero import shard_over_dp
+from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
+from lightning_dpmp.parallel.loss import VocabShardedLogits
+from lightning_dpmp.parallel.rng import RNGTracker
+from lightning_dpmp.parallel.sharding import shard_dims
+from lightning_dpmp.planner.materialize import is_meta
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +68,23 @@ class DPMPStrategy(DDPStrategy):
         mp: tensor-parallel size, or ``"auto"`` (devices per node; or world // dp when ``dp`` is given).
             ``dp * mp`` must equal ``devices * num_nodes``.
         plan_overrides: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
-            ``"column_gather"``, ``"vocab"``, ``"replicate"`` (see :mod:`lightning_dpmp.planner.plan`); the first matching
-            glob wins. The plan applied is :attr:`applied_plan`. ``plan=`` is a deprecated alias.
+            ``"column_gather"``, ``"vocab"``, ``"replicate"``, ``"heads"``, ``"experts"`` (see
+            :mod:`lightning_dpmp.planner.styles`); the first matching glob wins. The plan applied is
+            :attr:`applied_plan`. ``plan=`` is a deprecated alias.
         sequence_parallel: keep norms/dropout/residual regions split along the sequence between the parallel
-            layers (:mod:`lightning_dpmp.planner.sequence`); refused, with the reason, where the model does not allow it.
+            layers (:mod:`lightning_dpmp.planner.sequence`); refused, with the reason, where the model does not
+            allow it.
         verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
             before training; layers that disagree fall back to safer styles.
         consolidate_on_teardown: gather the layers (and optimizer state) back to dense at the end of ``fit``,
             ``validate``, ``test`` or ``predict``, so the module you passed is the plain model again.
-        save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel (:mod:`lightning_dpmp.checkpoint.sharded`)
-            instead of one consolidated file; both load into any layout.
+        save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel
+            (:mod:`lightning_dpmp.checkpoint.sharded`), instead of one consolidated file; both load into any layout.
         timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging);
             600 when neither this nor ``timeout`` is given.
         timeout: the same as a ``timedelta``, as ``DDPStrategy`` takes it; give one of the two.
-        zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.integration.zero`): 1/dp of it per
-            rank, same training trajectory; checkpoints stay consolidated.
+        zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.integration.zero`): 1/dp
+            of it per rank, same training trajectory; checkpoints stay consolidated.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -121,16 +126,10 @@ class DPMPStrategy(DDPStrategy):
         plan_overrides, timeout_s = resolve_aliases(plan_overrides, plan, timeout_s, timeout)
         check_parallel_size("dp", dp, allow_auto=True)
         check_parallel_size("mp", mp, allow_auto=True)
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-            raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
-        self._guard = ConsistencyGuard(check_consistency_every_n_steps)
-        if zero not in (0, 1) or isinstance(zero, bool):
-            raise ValueError(f"`zero` must be 0 (off) or 1 (optimizer state sharded over DP), got {zero!r}.")
-        if zero and save_distributed_checkpoint:
-            raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
-        self._zero = zero
         validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
-                                 save_distributed_checkpoint, process_group_backend, start_method)
+                                 save_distributed_checkpoint, process_group_backend, start_method, timeout_s, zero)
+        self._guard = ConsistencyGuard(check_consistency_every_n_steps)
+        self._zero = zero
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         super().__init__(
             accelerator=accelerator,
@@ -180,7 +179,9 @@ class DPMPStrategy(DDPStrategy):
     def grid(self) -> Grid:
         """This rank's :class:`Grid` (process groups and coordinates); available after ``setup_environment``."""
         if self._grid is None:
-            raise RuntimeError("DPMPStrategy.grid is built in setup_environment(); it is not available before fit/validate starts.")
+            raise RuntimeError(
+                "DPMPStrategy.grid is built in setup_environment(); it is not available before fit/validate starts."
+            )
         return self._grid
 
     @property
@@ -257,9 +258,11 @@ class DPMPStrategy(DDPStrategy):
         # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
         if self.parallel_devices:
             self._layout = resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
-            check_world_size(self.dp, self.mp, self.num_processes * self.num_nodes, devices=self.num_processes, num_nodes=self.num_nodes)
+            world = self.num_processes * self.num_nodes
+            check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
             check_backend(self.process_group_backend, self.parallel_devices)
-            check_sync_batchnorm(compat.layer_sync(self), self.mp)  # the connector sets the layer sync just before this call
+            # The connector sets the layer sync just before this call.
+            check_sync_batchnorm(compat.layer_sync(self), self.mp)
         super().set_world_ranks()
 
     @property
@@ -281,14 +284,9 @@ class DPMPStrategy(DDPStrategy):
         if is_launched_rank(self.cluster_environment, self.local_rank):
             die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
         super().setup_environment()  # initialises the default process group
-        dp, mp = self.dp, self.mp
-        check_world_size(dp, mp, dist.get_world_size())
-        if mp > 1 and self.num_processes % mp and self.num_nodes > 1:
-            rank_zero_warn(
-                f"mp={mp} does not divide the {self.num_processes} devices per node: MP groups span nodes, and every"
-                " tensor-parallel all-reduce crosses the slower inter-node link."
-            )
-        self._grid = build_grid(dp, mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout
+        check_world_size(self.dp, self.mp, dist.get_world_size())
+        warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
+        self._grid = build_grid(self.dp, self.mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout
 
     # ------------------------------------------------------------------ model setup
     @override
@@ -337,7 +335,8 @@ class DPMPStrategy(DDPStrategy):
         # partial gradients must be summed between the two, so the sum runs at the end of the closure.
         if self._sequence_partial:
             mine = {id(p) for p in self.precision_plugin.main_params(optimizer)}
-            closure = hooks.then_sum_sequence_partial(closure, [p for p in self._sequence_partial if id(p) in mine], self.grid.mp_group)
+            partial = [p for p in self._sequence_partial if id(p) in mine]
+            closure = hooks.then_sum_sequence_partial(closure, partial, self.grid.mp_group)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _step_then_leave_sharded_rng(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -347,17 +346,9 @@ class DPMPStrategy(DDPStrategy):
             if self._rng is not None:
                 self._rng.exit()  # the data pipeline between steps must see the replicated RNG stream
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_then_leave_sharded_rng("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_then_leave_sharded_rng("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step_then_leave_sharded_rng("test_step", *args, **kwargs)
+    training_step = leaves_sharded_rng("training_step")
+    validation_step = leaves_sharded_rng("validation_step")
+    test_step = leaves_sharded_rng("test_step")
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -384,7 +375,8 @@ class DPMPStrategy(DDPStrategy):
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
     ) -> Union[Tensor, Any]:
-        """Reduce across the DP group by default: MP ranks hold the same values, so the world would count each mp times."""
+        """Reduce across the DP group by default: MP ranks hold the same values, so the world would count each mp
+        times."""
         if group is None and self._grid is not None:
             group = self._grid.dp_group
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -419,32 +411,16 @@ class DPMPStrategy(DDPStrategy):
         return True  # loads go into the split model: each rank reads only its slices
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.checkpointer.module_state_dict()
-
-    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return self.checkpointer.optimizer_state(optimizer, super().optimizer_state)
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self.checkpointer.save(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self.checkpointer.load(checkpoint_path, weights_only)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self.checkpointer.remove(filepath)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.checkpointer.load_module_state(checkpoint, strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self.checkpointer.load_optimizer_states(checkpoint)
+    # Strategy hook = StrategyCheckpointer method, same arguments and defaults.
+    lightning_module_state_dict = to_checkpointer("lightning_module_state_dict", "module_state_dict")
+    save_checkpoint = to_checkpointer("save_checkpoint", "save")
+    load_checkpoint = to_checkpointer("load_checkpoint", "load")
+    remove_checkpoint = to_checkpointer("remove_checkpoint", "remove")
+    load_model_state_dict = to_checkpointer("load_model_state_dict", "load_module_state")
+    load_optimizer_state_dict = to_checkpointer("load_optimizer_state_dict", "load_optimizer_states")
 
     @classmethod
     @override
@@ -455,5 +431,7 @@ class DPMPStrategy(DDPStrategy):
                 "dpmp", cls, description="Data x tensor-model parallel (dp = nodes, mp = devices per node)"
             )
         if "dpmp_spawn" not in strategy_registry:
-            strategy_registry.register("dpmp_spawn", cls, description="DPMPStrategy with the spawn launcher", start_method="spawn")
+            strategy_registry.register(
+                "dpmp_spawn", cls, description="DPMPStrategy with the spawn launcher", start_method="spawn"
+            )
 

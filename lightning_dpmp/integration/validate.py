@@ -76,9 +76,17 @@ def check_init_args(
     save_distributed_checkpoint: Any = False,
     process_group_backend: Any = None,
     start_method: Any = "popen",
+    timeout_s: Any = 600.0,
+    zero: Any = 0,
 ) -> None:
-    """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (``dp``, ``mp``,
-    ``timeout_s``, ``zero`` and ``check_consistency_every_n_steps`` are checked where they are used)."""
+    """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (``dp``, ``mp`` and
+    ``check_consistency_every_n_steps`` are checked where they are used)."""
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+        raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
+    if zero not in (0, 1) or isinstance(zero, bool):
+        raise ValueError(f"`zero` must be 0 (off) or 1 (optimizer state sharded over DP), got {zero!r}.")
+    if zero and save_distributed_checkpoint:
+        raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
     check_styles(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
     for name, value in values.items():
