@@ -155,12 +155,13 @@ def _child_command(local_rank: int) -> tuple[list[str], Optional[str]]:
 def _script_prefix(absolute_to: Optional[str]) -> list[str]:
     import __main__  # local import, see Lightning issue 15218
 
-    if getattr(__main__, "__spec__", None) is None:
+    spec = getattr(__main__, "__spec__", None)
+    if spec is None:
         script = sys.argv[0]
         if not os.path.isabs(script):
             script = os.path.join(absolute_to or os.getcwd(), script)
         return [sys.executable, script]
-    return [sys.executable, "-m", __main__.__spec__.name]
+    return [sys.executable, "-m", spec.name]
 
 
 def _override_key(override: str) -> str:

@@ -62,13 +62,21 @@ class _ParallelLinear(nn.Module):
 
     out_dim: int = 0  # dim of the stored weight holding the output features: 0 (out, in) or 1 (in, out)
 
+    # Declared for the type checker (nn.Module's __getattr__ would type them Tensor | Module); set by subclasses.
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]
+    in_features: int
+    out_features: int
+
     @classmethod
     def from_dense(cls, linear: nn.Module, group: Any, out_dim: int = 0, **kwargs: Any) -> Self:
         """Slice an initialised ``nn.Linear`` (or a linear-like module with ``weight``/``bias`` stored
         ``out_dim``-major, e.g. ``Conv1D`` with ``out_dim=1``) so that training starts from exactly its weights."""
         w = linear.weight
+        assert isinstance(w, Tensor), type(linear).__name__
         out_f, in_f = (w.shape[0], w.shape[1]) if out_dim == 0 else (w.shape[1], w.shape[0])
-        layer = cls(  # type: ignore[call-arg]
+        # The subclasses' constructors take (in, out, bias, group=, out_dim=, device=, dtype=); the base does not.
+        layer = cls(  # type: ignore[call-arg, misc]
             in_f, out_f, getattr(linear, "bias", None) is not None, group=group, out_dim=out_dim,
             device=w.device, dtype=w.dtype, **kwargs,
         )

@@ -91,7 +91,7 @@ class _ActivationRules:
     def split_op(self, ev: OpCall) -> list:
         """Rules for ops reading a tensor split along the intermediate dim."""
         ins = [(p, n) for p, n in enumerate(ev.inputs) if n is not None]
-        split = [(p, n, self.state[n]) for p, n in ins if isinstance(self.state.get(n), _S)]
+        split = [(p, n, s) for p, n in ins if isinstance(s := self.state.get(n), _S)]
         if any(self.state.get(n) == _P for _, n in ins):
             raise _Conflict(f"'{ev.name}' mixes split and partial tensors")
         p0, n0, s0 = split[0]

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -48,6 +49,7 @@ from lightning_dpmp.planner.ops import (
     TRANSPOSES,
     UNARY,
 )
+from lightning_dpmp.planner.linear_like import LinearForm
 from lightning_dpmp.planner.trace import LinearCall, OpCall, Trace
 
 __all__ = ["Flow", "analyse"]
@@ -258,7 +260,7 @@ OPS: dict[str, Callable] = {
 
 def analyse(
     trace: Trace,
-    linears: dict[str, nn.Linear],
+    linears: Mapping[str, LinearForm],
     mp: int,
     forced: dict[str, str],
     complex_ok: bool = True,

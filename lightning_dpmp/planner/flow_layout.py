@@ -121,8 +121,9 @@ class LayoutRules:
         if ev.name in ("view", "reshape"):
             literal = [v for v in ev.values[1:]]
             region = self.regions[self.find(sh.region)]
-            if len(literal) == len(b) and literal[new] not in (None, -1) and not region.derived(int(literal[new])):
-                region.literals.add(int(literal[new]))
+            size = literal[new] if len(literal) == len(b) else None
+            if size is not None and size != -1 and not region.derived(int(size)):
+                region.literals.add(int(size))
         return [(new, raw)]
 
     def _transpose(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:

@@ -109,7 +109,8 @@ class ValueRules:
                 self.uniform.pop(n, None)
             return
         out_shape = self.trace.shapes[ev.outputs[0]]
-        nd, dims = len(out_shape), {}
+        nd = len(out_shape)
+        dims: dict[int, Optional[tuple[str, int]]] = {}
         operands = [n for n in ev.inputs if n is not None]
         if ev.name in FIRST_ONLY:
             operands = operands[:1]
