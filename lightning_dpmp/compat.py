@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-# torch.utils._pytree: torch 2.13 has no public pytree module (``torch.utils.pytree`` does not exist yet).
-# Relies on: tree_leaves(tree) -> list of leaves, tree_map(fn, tree) -> same structure.
-from torch.utils._pytree import tree_leaves, tree_map
-
 # torch.utils._python_dispatch.TorchDispatchMode: the only home of the dispatch-mode base class in torch 2.13
 # (``torch.overrides`` has TorchFunctionMode, not the dispatch one). Relies on: __torch_dispatch__ being called
 # for every aten/c10d op while the mode is entered.
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# torch.utils._pytree: torch 2.13 has no public pytree module (``torch.utils.pytree`` does not exist yet).
+# Relies on: tree_leaves(tree) -> list of leaves, tree_map(fn, tree) -> same structure.
+from torch.utils._pytree import tree_leaves, tree_map
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -80,7 +80,8 @@ def tensor_version(x: Tensor) -> int:
 
 
 def script_object_type(obj: Any) -> str:
-    """``torch.ScriptObject._type()``: the TorchScript class of a boxed object, e.g. ``__torch__.torch.classes.c10d.ProcessGroup``
+    """``torch.ScriptObject._type()``: the TorchScript class of a boxed object, e.g.
+    ``__torch__.torch.classes.c10d.ProcessGroup``
     (how the dispatcher hands a ProcessGroup to ``__torch_dispatch__``), torch 2.13."""
     return str(obj._type())
 
@@ -165,7 +166,8 @@ def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    """``lightning.fabric.utilities.seed._set_rng_states`` (lightning 2.6.6): the inverse of :func:`collect_rng_states`."""
+    """``lightning.fabric.utilities.seed._set_rng_states`` (lightning 2.6.6): the inverse of
+    :func:`collect_rng_states`."""
     from lightning.fabric.utilities.seed import _set_rng_states
 
     _set_rng_states(states)
@@ -198,7 +200,8 @@ def apply_batch_transfer_handler(module: "LightningModule", batch: Any, device: 
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
-    """``DDPStrategy._ddp_kwargs``: the dict ``_setup_model`` passes to ``DistributedDataParallel`` (lightning 2.6.6)."""
+    """``DDPStrategy._ddp_kwargs``: the dict ``_setup_model`` passes to ``DistributedDataParallel``
+    (lightning 2.6.6)."""
     kwargs: dict[str, Any] = strategy._ddp_kwargs
     return kwargs
 
@@ -219,7 +222,8 @@ def start_method(strategy: Any) -> str:
 
 
 def set_launcher(strategy: Any, launcher: Any) -> None:
-    """``Strategy._launcher``: what ``_configure_launcher`` must set and ``Strategy.launcher`` returns (lightning 2.6.6)."""
+    """``Strategy._launcher``: what ``_configure_launcher`` must set and ``Strategy.launcher`` returns
+    (lightning 2.6.6)."""
     strategy._launcher = launcher
 
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
-from lightning_dpmp.compat import TorchDispatchMode, op_name, script_object_type
-from lightning_dpmp.compat import tree_leaves
+
+from lightning_dpmp.compat import TorchDispatchMode, op_name, script_object_type, tree_leaves
 
 __all__ = ["CommAccounting", "CommCounter"]
 

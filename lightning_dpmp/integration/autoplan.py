@@ -18,8 +18,9 @@ without this check. A manual-optimization step is traced with inert optimizers; 
 are collected instead.
 
 Example:
-    >>> result = plan_module(lm, grid, run_step, user_plan=None, verify=True, device=torch.device("cpu"))  # doctest: +SKIP
-    >>> print(result.text)                                                                                # doctest: +SKIP
+    >>> cpu = torch.device("cpu")
+    >>> result = plan_module(lm, grid, run_step, user_plan=None, verify=True, device=cpu)  # doctest: +SKIP
+    >>> print(result.text)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -31,9 +32,14 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning_dpmp.compat import collect_rng_states, init_optimizers_and_lr_schedulers, metric_state_keys, set_rng_states
 from torch import Tensor, nn
 
+from lightning_dpmp.compat import (
+    collect_rng_states,
+    init_optimizers_and_lr_schedulers,
+    metric_state_keys,
+    set_rng_states,
+)
 from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
@@ -330,8 +336,11 @@ def plan_module(
     ok = _world_max(0.0 if trace is not None else 1.0, device) == 0.0
     trace = trace if ok else None
     checkable = verify and trace is not None and loss_ref is not None and bool(grads_ref) and grid.mp > 1
-    fallbacks = {1: "pairs through reshapes or attention self-contained", 2: "no pairs: every split layer self-contained",
-                 3: "nothing split"}
+    fallbacks = {
+        1: "pairs through reshapes or attention self-contained",
+        2: "no pairs: every split layer self-contained",
+        3: "nothing split",
+    }
     failed: Optional[Plan] = None
     for level in range(4):
         plan = make_plan(module, grid.mp, trace, user_plan, level=min(level, 2))

@@ -60,7 +60,7 @@ def check_backend(backend: Optional[str], devices: Sequence[torch.device]) -> No
         >>> check_backend("nccl", [torch.device("cpu")] * 2)
         Traceback (most recent call last):
         ...
-        ValueError: process_group_backend='nccl' needs CUDA devices, but the Trainer runs on 2 cpu device(s). Use process_group_backend='gloo' (or leave it unset: gloo on CPU, nccl on CUDA), or Trainer(accelerator='gpu').
+        ValueError: process_group_backend='nccl' needs CUDA devices, but the Trainer runs on 2 cpu device(s). ...
     """
     if backend != "nccl":
         return
@@ -85,7 +85,7 @@ def check_sync_batchnorm(layer_sync: Any, mp: int) -> None:
         >>> check_sync_batchnorm(object(), mp=2)
         Traceback (most recent call last):
         ...
-        ValueError: sync_batchnorm=True is not supported with mp=2: BatchNorm statistics would be synchronised over the whole world, where the mp=2 ranks of an MP group hold the same batch, so each sample would count 2 times. Use Trainer(sync_batchnorm=False), or mp=1.
+        ValueError: sync_batchnorm=True is not supported with mp=2: BatchNorm statistics would be synchronised ...
     """
     if layer_sync is not None and mp > 1:
         raise ValueError(
@@ -112,9 +112,10 @@ def warn_if_data_not_sharded(loaders: Any, use_distributed_sampler: bool, dp: in
     """
     if dp == 1:
         return None  # a single replica reads everything; MP ranks read the same loader with the same seed
-    iterable = [l for l in _loaders(loaders) if isinstance(getattr(l, "dataset", None), IterableDataset)]
+    iterable = [dl for dl in _loaders(loaders) if isinstance(getattr(dl, "dataset", None), IterableDataset)]
     if iterable:
-        why = f"the training data is an IterableDataset ({type(iterable[0].dataset).__name__}), which no sampler can shard"
+        kind = type(iterable[0].dataset).__name__
+        why = f"the training data is an IterableDataset ({kind}), which no sampler can shard"
     elif not use_distributed_sampler:
         why = "Trainer(use_distributed_sampler=False) leaves the DataLoaders as given"
     else:
@@ -154,7 +155,8 @@ def die_with_parent() -> bool:
 
 
 def is_launched_rank(environment: Any, local_rank: int) -> bool:
-    """Whether this process was started by a launcher that owns it: a torchrun worker, or a popen child (local rank > 0).
+    """Whether this process was started by a launcher that owns it: a torchrun worker, or a popen child
+    (local rank > 0).
 
     Example:
         >>> is_launched_rank(LightningEnvironment(), 0)

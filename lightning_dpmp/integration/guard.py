@@ -28,8 +28,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from lightning_dpmp.compat import tree_leaves
 
+from lightning_dpmp.compat import tree_leaves
 from lightning_dpmp.parallel.sharding import shard_dims
 
 __all__ = ["ConsistencyGuard", "ReplicaDivergenceError", "batch_checksum", "first_divergence", "tensor_checksum"]
@@ -51,7 +51,8 @@ def tensor_checksum(t: Tensor) -> Tensor:
 
     Example:
         >>> a = torch.tensor([1.0, 2.0])
-        >>> bool((tensor_checksum(a) == tensor_checksum(a.clone())).all()), bool((tensor_checksum(a) == tensor_checksum(a.flip(0))).all())
+        >>> same = lambda x, y: bool((tensor_checksum(x) == tensor_checksum(y)).all())
+        >>> same(a, a.clone()), same(a, a.flip(0))
         (True, False)
     """
     flat = t.detach().contiguous().reshape(-1)
@@ -158,7 +159,8 @@ class ConsistencyGuard:
         local = torch.stack([tensor_checksum(p).to(device) for _, p in named] + [batch_checksum(batch, device)])
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local)
-        problem = first_divergence(torch.stack(parts).cpu(), [n for n, _ in named], [n in split for n, _ in named], grid.mp)
+        names = [n for n, _ in named]
+        problem = first_divergence(torch.stack(parts).cpu(), names, [n in split for n in names], grid.mp)
         if problem is not None:
             raise ReplicaDivergenceError(
                 f"DPMPStrategy consistency check failed at {where} (dp={grid.dp}, mp={grid.mp}): {problem}. Causes:"

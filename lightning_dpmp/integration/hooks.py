@@ -37,7 +37,9 @@ def install(plugin: Any, split_params: set[int], group: Any) -> None:
     plugin.clip_grad_by_norm = clip_grad_by_norm
 
 
-def then_sum_sequence_partial(closure: Callable[[], Any], params: Sequence[nn.Parameter], group: Any) -> Callable[[], Any]:
+def then_sum_sequence_partial(
+    closure: Callable[[], Any], params: Sequence[nn.Parameter], group: Any
+) -> Callable[[], Any]:
     """``closure`` (the step's forward and backward), then the MP sum of ``params``' partial gradients."""
 
     def run() -> Any:

@@ -36,13 +36,14 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
+import lightning.pytorch as pl
 import torch
-from lightning_dpmp.compat import check_can_spawn_children, set_num_threads_if_needed as _set_num_threads_if_needed
-from lightning_dpmp.compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
-import lightning.pytorch as pl
+from lightning_dpmp.compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_dpmp.compat import check_can_spawn_children
+from lightning_dpmp.compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from lightning_dpmp.integration.validate import check_before_launch
 
 __all__ = ["DPMPScriptLauncher", "hydra_child_command", "launch_environment"]

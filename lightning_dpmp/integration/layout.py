@@ -40,12 +40,16 @@ def resolve_layout(dp: Size, mp: Size, devices: int, num_nodes: int) -> Layout:
     if mp == "auto":
         assert isinstance(dp, int)
         if world % dp:
-            raise ValueError(f"DPMPStrategy(dp={dp}, mp='auto'): devices*num_nodes = {world} is not divisible by dp={dp}.")
+            raise ValueError(
+                f"DPMPStrategy(dp={dp}, mp='auto'): devices*num_nodes = {world} is not divisible by dp={dp}."
+            )
         return Layout(dp, world // dp)
     if dp == "auto":
         assert isinstance(mp, int)
         if world % mp:
-            raise ValueError(f"DPMPStrategy(dp='auto', mp={mp}): devices*num_nodes = {world} is not divisible by mp={mp}.")
+            raise ValueError(
+                f"DPMPStrategy(dp='auto', mp={mp}): devices*num_nodes = {world} is not divisible by mp={mp}."
+            )
         return Layout(world // mp, mp)
     return Layout(int(dp), int(mp))
 

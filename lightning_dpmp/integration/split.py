@@ -6,8 +6,8 @@ DDP wrap; it returns what the strategy keeps for training (:class:`Split`). :fun
 (and its optimizers' state) dense again.
 
 Example:
-    >>> split = split_model(strategy, trainer, meta=False, plan_overrides=None, verify=True, sequence_parallel=False)  # doctest: +SKIP
-    >>> print(split.applied_plan.text)                                                                               # doctest: +SKIP
+    >>> split = split_model(strategy, trainer, False, None, verify=True, sequence_parallel=False)  # doctest: +SKIP
+    >>> print(split.applied_plan.text)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.integration.zero import is_zero, unshard
-from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.rng import RNGTracker
+from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.planner.materialize import materialize
 from lightning_dpmp.planner.parallelize import consolidate
 

@@ -1,8 +1,9 @@
 """The Lightning side of tracing: the first batch of the current stage, and a callable running its step.
 
 Example:
-    >>> batch, notes = first_batch(trainer, strategy)       # collective: rank 0 reads, everyone receives  # doctest: +SKIP
-    >>> run = step_runner(trainer, strategy, batch)         # run() -> training_step(batch, 0)'s output    # doctest: +SKIP
+    >>> # collective: rank 0 reads, everyone receives; run() -> training_step(batch, 0)'s output
+    >>> batch, notes = first_batch(trainer, strategy)  # doctest: +SKIP
+    >>> run = step_runner(trainer, strategy, batch)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import contextlib
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
-from torch import Tensor
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration.autoplan import isolated

@@ -1,9 +1,10 @@
 """DPMPStrategy's checkpoint collaborator: consolidated and sharded saves, loads into any layout.
 
 Consolidated (default): dense tensors under the dense names, gathered parameter by parameter onto rank 0, which
-writes one file atomically (:mod:`lightning_dpmp.checkpoint.consolidated`). Sharded: every rank writes its own shards into a
-folder (:mod:`lightning_dpmp.checkpoint.sharded`). Both load after setup, into the parallelised model, so each rank reads only
-its slices. The strategy owns one :class:`StrategyCheckpointer` and delegates its checkpoint hooks to it.
+writes one file atomically (:mod:`lightning_dpmp.checkpoint.consolidated`). Sharded: every rank writes its own
+shards into a folder (:mod:`lightning_dpmp.checkpoint.sharded`). Both load after setup, into the parallelised model,
+so each rank reads only its slices. The strategy owns one :class:`StrategyCheckpointer` and delegates its checkpoint
+hooks to it.
 
 Example:
     >>> trainer.save_checkpoint("last.ckpt")                  # collective; rank 0 writes  # doctest: +SKIP
@@ -43,8 +44,8 @@ from lightning_dpmp.checkpoint.files import (
 )
 from lightning_dpmp.checkpoint.integrity import load_checked
 from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
-from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 from lightning_dpmp.integration.zero import is_zero, zero_state_dict
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 
 if TYPE_CHECKING:
     from lightning_dpmp.integration.strategy import DPMPStrategy
@@ -132,11 +133,15 @@ class StrategyCheckpointer:
 
         st = self.strategy
         if weights_only is False:
-            rank_zero_warn("DPMPStrategy always loads checkpoints with weights_only=True; `weights_only=False` is ignored.")
+            rank_zero_warn(
+                "DPMPStrategy always loads checkpoints with weights_only=True; `weights_only=False` is ignored."
+            )
         path = str(st.broadcast(str(checkpoint_path)))
         found = recover_path(path)
         if found != path:
-            rank_zero_warn(f"{path} is missing (a save was interrupted while swapping it); loading the previous one, {found}.")
+            rank_zero_warn(
+                f"{path} is missing (a save was interrupted while swapping it); loading the previous one, {found}."
+            )
         lm = st.lightning_module
         assert lm is not None
         if is_sharded_checkpoint(found):

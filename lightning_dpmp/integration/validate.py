@@ -18,7 +18,7 @@ Example:
     >>> check_init_args(plan_overrides={"fc1": "colum"})
     Traceback (most recent call last):
     ...
-    ValueError: plan['fc1'] = 'colum' is not a style (did you mean 'column'?); choose one of column, row, column_gather, vocab, experts, heads, replicate.
+    ValueError: plan['fc1'] = 'colum' is not a style (did you mean 'column'?); choose one of column, row, ...
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 import lightning_dpmp.compat as compat
+
 __all__ = ["is_zero", "optimizer_state_bytes", "shard_over_dp", "zero_state_dict"]
 
 
@@ -67,11 +68,14 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def unshard(zero: Any, moved: Any, full_state: dict[str, Any]) -> Optimizer:
-    """A plain optimizer of the wrapped class over the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate`
-    made, loaded with the consolidated ``full_state``: what the model's owner gets back after ``fit``."""
+    """A plain optimizer of the wrapped class over the dense parameters that
+    :func:`~lightning_dpmp.planner.parallelize.consolidate` made, loaded with the consolidated ``full_state``: what
+    the model's owner gets back after ``fit``."""
     inner = compat.unwrap_optimizer(zero)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [moved.get(id(p), (p,))[0] for p in g["params"]]}
-              for g in inner.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [moved.get(id(p), (p,))[0] for p in g["params"]]}
+        for g in inner.param_groups
+    ]
     constructor, defaults = compat.zero_optimizer_constructor(inner)
     plain = constructor(groups, **_constructor_defaults(constructor, defaults))
     if full_state:

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from lightning_dpmp.compat import tree_leaves, tree_map
-import lightning_dpmp.compat as compat
 
+import lightning_dpmp.compat as compat
+from lightning_dpmp.compat import tree_leaves, tree_map
 from lightning_dpmp.parallel.comm import all_reduce_sum, gather_from_group, group_rank, group_size
 
 __all__ = ["VocabShardedLogits", "VocabShardedLogitsError", "vocab_parallel_cross_entropy"]
@@ -233,8 +233,9 @@ def _dispatch(func: Any, name: str, args: tuple, kwargs: dict, meta: VocabSharde
         f"{local_shape[-1] if local_shape else 0} of {vocab} classes, mp={group_size(group)}) cannot be computed "
         "from this rank's shard, and gathering here would be a collective that only the ranks running this line "
         "reach. The traced training step used these logits only for F.cross_entropy. Fix: "
-        f"plan_overrides={{{layer or '<head>'!r}: 'column_gather'}} (the layer then gathers full logits in its own forward, on "
-        "every rank), or compute it in eval mode or under torch.no_grad(), where the layer returns full logits."
+        f"plan_overrides={{{layer or '<head>'!r}: 'column_gather'}} (the layer then gathers full logits in its own "
+        "forward, on every rank), or compute it in eval mode or under torch.no_grad(), where the layer returns full "
+        "logits."
     )
 
 

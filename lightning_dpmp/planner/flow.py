@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_dpmp.planner.flow_layout import LayoutRules
 from lightning_dpmp.planner.flow_values import ValueRules
+from lightning_dpmp.planner.linear_like import LinearForm
 from lightning_dpmp.planner.ops import (
     ATTENTION,
     BATCHED,
@@ -49,7 +50,6 @@ from lightning_dpmp.planner.ops import (
     TRANSPOSES,
     UNARY,
 )
-from lightning_dpmp.planner.linear_like import LinearForm
 from lightning_dpmp.planner.trace import LinearCall, OpCall, Trace
 
 __all__ = ["Flow", "analyse"]

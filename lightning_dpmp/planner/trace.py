@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from lightning_dpmp.compat import tree_leaves
 
+from lightning_dpmp.compat import tree_leaves
 from lightning_dpmp.planner.linear_like import LinearForm, candidate_params, detect
 from lightning_dpmp.planner.ops import DROPOUTS, FACTORIES
 

@@ -83,8 +83,8 @@ def main(out: str) -> None:
     for key, plan in (("auto", None), ("vocab", {"net.head": "vocab"})):
         cfg = digits_config(os.path.join(out, "hydra"))
         model, data = digits_parts(cfg)
-        t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=DPMPStrategy(dp=DP, mp=MP, plan_overrides=plan, timeout_s=60),
-                      num_sanity_val_steps=2, **DIGITS_TRAINER)
+        strategy = DPMPStrategy(dp=DP, mp=MP, plan_overrides=plan, timeout_s=60)
+        t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=strategy, num_sanity_val_steps=2, **DIGITS_TRAINER)
         t.fit(model, datamodule=data)
         res[f"digits_{key}"] = {"acc": float(t.callback_metrics["val/acc"]),
                                 "loss": float(t.callback_metrics["val/loss"]),

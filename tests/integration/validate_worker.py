@@ -51,9 +51,11 @@ def main() -> None:
     if mode == "idle":
         devices, strategy, model, n = 4, DPMPStrategy(dp=2, mp=2), Odd(), 1
     elif mode == "late_glob":
-        devices, strategy, model, n = 2, DPMPStrategy(dp=1, mp=2, plan_overrides={"extar": "column"}, timeout_s=60), Later(), 8
+        strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"extar": "column"}, timeout_s=60)
+        devices, model, n = 2, Later(), 8
     else:
-        devices, strategy, model, n = 2, DPMPStrategy(dp=1, mp=2, plan_overrides={"nte": "column"}, timeout_s=60), Odd(), 8
+        strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"nte": "column"}, timeout_s=60)
+        devices, model, n = 2, Odd(), 8
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(TensorDataset(torch.randn(n, 3)), batch_size=1))

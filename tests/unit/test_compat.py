@@ -35,7 +35,9 @@ def test_dispatch_mode_sees_ops() -> None:
 
 
 def test_op_name_of_a_c10d_op() -> None:
-    assert compat.op_name(torch.ops.c10d.allreduce_.default) == ("c10d", "allreduce_"), "OpOverload.namespace/overloadpacket changed"
+    assert compat.op_name(torch.ops.c10d.allreduce_.default) == ("c10d", "allreduce_"), (
+        "OpOverload.namespace/overloadpacket changed"
+    )
 
 
 def test_disable_torch_function_subclass() -> None:
@@ -63,7 +65,9 @@ def test_tensor_version_counts_in_place_ops() -> None:
 def test_script_object_type_of_a_process_group() -> None:
     pg_box = getattr(torch.classes, "c10d", None)
     assert pg_box is not None, "torch.classes.c10d is gone: the boxed ProcessGroup that accounting.py unboxes moved"
-    assert hasattr(torch.ScriptObject, "_type"), "torch.ScriptObject._type() is gone (accounting.py names boxed groups with it)"
+    assert hasattr(torch.ScriptObject, "_type"), (
+        "torch.ScriptObject._type() is gone (accounting.py names boxed groups with it)"
+    )
 
 
 def test_default_store_function_exists() -> None:
@@ -82,7 +86,9 @@ def test_zero_optimizer_constructor_and_defaults() -> None:
 
     src = _source(ZeroRedundancyOptimizer.__init__)
     for name in ("self._optim_defaults", "self._optim_constructor"):
-        assert name in src, f"ZeroRedundancyOptimizer no longer stores {name} (zero.unshard rebuilds the optimizer from it)"
+        assert name in src, (
+            f"ZeroRedundancyOptimizer no longer stores {name} (zero.unshard rebuilds the optimizer from it)"
+        )
 
 
 def test_skip_ddp_state_sync_attribute_is_read() -> None:
@@ -145,8 +151,12 @@ def test_init_optimizers_and_lr_schedulers() -> None:
 def test_trainer_and_loop_internals() -> None:
     import lightning as L
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, use_distributed_sampler=False)
-    assert compat.uses_distributed_sampler(trainer) is False, "trainer._accelerator_connector.use_distributed_sampler changed"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, use_distributed_sampler=False
+    )
+    assert compat.uses_distributed_sampler(trainer) is False, (
+        "trainer._accelerator_connector.use_distributed_sampler changed"
+    )
     for loop in ("fit_loop", "validate_loop", "test_loop", "predict_loop"):
         source = compat.loop_data_source(trainer, loop)
         assert callable(getattr(source, "dataloader", None)), f"trainer.{loop}._data_source.dataloader() is gone"
@@ -166,14 +176,17 @@ def test_ddp_strategy_internals() -> None:
     assert compat.ddp_timeout(s) == timedelta(seconds=5), "DDPStrategy._timeout changed"
     assert compat.start_method(s) == "popen", "DDPStrategy._start_method changed"
     assert compat.ddp_kwargs(s) == {"find_unused_parameters": True}, "DDPStrategy._ddp_kwargs changed"
-    assert "self._ddp_kwargs" in _source(DDPStrategy._setup_model), "DDPStrategy._setup_model no longer passes _ddp_kwargs to DDP"
+    assert "self._ddp_kwargs" in _source(DDPStrategy._setup_model), (
+        "DDPStrategy._setup_model no longer passes _ddp_kwargs to DDP"
+    )
     assert compat.layer_sync(s) is None, "ParallelStrategy._layer_sync changed"
     compat.set_launcher(s, "launcher")
     assert s.launcher == "launcher", "Strategy.launcher no longer returns Strategy._launcher"
     assert callable(getattr(DDPStrategy, "_configure_launcher", None)), (
         "Strategy._configure_launcher is gone: DPMPStrategy's launcher would never be installed"
     )
-    assert "self.model_to_device()" in _source(DDPStrategy.setup) and "self.configure_ddp()" in _source(DDPStrategy.setup), (
+    setup = _source(DDPStrategy.setup)
+    assert "self.model_to_device()" in setup and "self.configure_ddp()" in setup, (
         "DDPStrategy.setup no longer calls model_to_device()/configure_ddp(): DPMPStrategy splits the model there"
     )
 
@@ -181,8 +194,12 @@ def test_ddp_strategy_internals() -> None:
 def test_launcher_internals() -> None:
     base = compat.SubprocessScriptLauncher
     for name in ("_call_children_scripts", "_check_can_spawn_children", "kill", "launch"):
-        assert callable(getattr(base, name, None)), f"_SubprocessScriptLauncher.{name} is gone (DPMPScriptLauncher overrides or calls it)"
-    assert "self.procs" in _source(base.__init__), "_SubprocessScriptLauncher.procs is gone (the child observer watches it)"
+        assert callable(getattr(base, name, None)), (
+            f"_SubprocessScriptLauncher.{name} is gone (DPMPScriptLauncher overrides or calls it)"
+        )
+    assert "self.procs" in _source(base.__init__), (
+        "_SubprocessScriptLauncher.procs is gone (the child observer watches it)"
+    )
     compat.set_num_threads_if_needed(num_processes=1)
 
 
@@ -190,7 +207,8 @@ def test_precision_clip_and_closure_order() -> None:
     from lightning.pytorch.plugins.precision import Precision
 
     assert "self.clip_grad_by_norm(" in _source(Precision.clip_gradients), (
-        "Precision.clip_gradients no longer calls clip_grad_by_norm: the global-norm clip (hooks.install) would be skipped"
+        "Precision.clip_gradients no longer calls clip_grad_by_norm: the global-norm clip (hooks.install) would be "
+        "skipped"
     )
     wrap = _source(Precision._wrap_closure)
     assert wrap.index("closure()") < wrap.index("self._after_closure"), (

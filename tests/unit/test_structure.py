@@ -34,7 +34,8 @@ def test_import_direction(sub: str) -> None:
     for path in sorted((PKG / sub).glob("*.py")):
         for mod in _imports(path):
             parts = mod.split(".")
-            if parts[0] == "lightning_dpmp" and (len(parts) < 2 or parts[1] in higher or parts[1] not in ORDER + ["compat"]):
+            inside = parts[0] == "lightning_dpmp"
+            if inside and (len(parts) < 2 or parts[1] in higher or parts[1] not in ORDER + ["compat"]):
                 bad.append(f"{path.name} imports {mod}")
             if parts[0] in THIRD_PARTY_BANNED.get(sub, set()):
                 bad.append(f"{path.name} imports {mod}")
