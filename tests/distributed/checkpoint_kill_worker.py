@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-import lightning_dpmp.checkpoint.consolidated as C  # noqa: E402
+import lightning_dpmp.checkpoint.files as C  # noqa: E402
 import lightning_dpmp.checkpoint.sharded as S  # noqa: E402
 
 
