@@ -84,7 +84,10 @@ def split_model(
     split_params = {id(p) for n, p in lm.named_parameters() if n in dims}
     if strategy.is_global_zero:
         validate.warn_if_mp_idle(len(split_params), strategy.dp, strategy.mp)
-    rank_zero_info(f"{applied.text}\n  grid: dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank)")
+    summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""
+    rank_zero_info(
+        f"{applied.text}\n  grid: dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank){summary}"
+    )
     return Split(
         applied_plan=applied,
         rng=rng,

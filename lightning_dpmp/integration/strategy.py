@@ -1,8 +1,8 @@
 """DPMPStrategy: Lightning's lifecycle for data x tensor-model parallel training; the work is delegated.
 
-* ``set_world_ranks`` resolves the (dp, mp) :class:`~lightning_dpmp.integration.layout.Layout` once; ``dp``/``mp``
-  read it.
-* ``setup_environment`` initialises torch.distributed and builds the :class:`~lightning_dpmp.parallel.grid.Grid`.
+* The grid is the base class's (:class:`~lightning_dpmp.integration.grid_strategy.GridStrategy`): ``set_world_ranks``
+  resolves (dp, mp) once, ``setup_environment`` builds the :class:`~lightning_dpmp.parallel.grid.Grid`, the sampler
+  shards over DP only and ``reduce`` averages over the DP group.
 * ``setup`` is ``DDPStrategy.setup``; the model is planned and split in ``model_to_device``
   (:mod:`lightning_dpmp.integration.split`), wrapped in ``DistributedDataParallel(process_group=<dp group>)`` in
   ``configure_ddp`` so that gradients are averaged over DP only; norm clipping goes through the global norm and the
@@ -22,11 +22,8 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -35,21 +32,16 @@ from lightning_dpmp.integration import hooks, validate
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.delegate import leaves_sharded_rng, to_checkpointer
 from lightning_dpmp.integration.failfast import (
-    check_backend,
     check_sync_batchnorm,
-    die_with_parent,
-    is_launched_rank,
     warn_if_data_not_sharded,
-    warn_if_mp_spans_nodes,
 )
+from lightning_dpmp.integration.grid_strategy import GridStrategy
 from lightning_dpmp.integration.guard import ConsistencyGuard
-from lightning_dpmp.integration.launcher import DPMPScriptLauncher
-from lightning_dpmp.integration.layout import Layout, resolve_aliases, resolve_layout
+from lightning_dpmp.integration.layout import resolve_aliases
 from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.integration.split import split_model, unsplit_model
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.zero import shard_over_dp
-from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
@@ -60,7 +52,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DPMPStrategy"]
 
 
-class DPMPStrategy(DDPStrategy):
+class DPMPStrategy(GridStrategy):
     """Data parallel (``dp`` replicas) x tensor model parallel (``mp``-way split Linears) training, no plan needed.
 
     Args:
@@ -123,9 +115,8 @@ class DPMPStrategy(DDPStrategy):
         plan: Optional[Mapping[str, str]] = None,
         **ddp_kwargs: Any,
     ) -> None:
+        self.init_grid(dp, mp)  # dp/mp refused first, before any other argument
         plan_overrides, timeout_s = resolve_aliases(plan_overrides, plan, timeout_s, timeout)
-        check_parallel_size("dp", dp, allow_auto=True)
-        check_parallel_size("mp", mp, allow_auto=True)
         validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                  save_distributed_checkpoint, process_group_backend, start_method, timeout_s, zero)
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
@@ -142,14 +133,11 @@ class DPMPStrategy(DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self._dp_arg, self._mp_arg = dp, mp
-        self._layout: Optional[Layout] = None  # resolved in set_world_ranks, once devices and nodes are known
         self._plan_overrides = dict(plan_overrides) if plan_overrides else None
         self._sequence_parallel = bool(sequence_parallel)
         self._verify_plan = verify_plan
         self._consolidate_on_teardown = consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
-        self._grid: Optional[Grid] = None
         self._applied_plan: Optional[PlanResult] = None
         self._split_params: set[int] = set()
         self._rng: Optional[RNGTracker] = None
@@ -157,47 +145,10 @@ class DPMPStrategy(DDPStrategy):
         self._failed = False
         self._undo_sync_skip: Optional[Callable[[], None]] = None  # set by model_to_device outside fitting
 
-    # ------------------------------------------------------------------ sizes and topology
-    @property
-    def layout(self) -> Layout:
-        """The resolved (dp, mp), known once the Trainer has set devices and nodes (``set_world_ranks``)."""
-        if self._layout is None:
-            raise RuntimeError("DPMPStrategy's dp and mp are resolved when the Trainer sets devices and num_nodes.")
-        return self._layout
-
-    @property
-    def dp(self) -> int:
-        """Resolved data-parallel size."""
-        return self.layout.dp
-
-    @property
-    def mp(self) -> int:
-        """Resolved tensor-parallel size."""
-        return self.layout.mp
-
-    @property
-    def grid(self) -> Grid:
-        """This rank's :class:`Grid` (process groups and coordinates); available after ``setup_environment``."""
-        if self._grid is None:
-            raise RuntimeError(
-                "DPMPStrategy.grid is built in setup_environment(); it is not available before fit/validate starts."
-            )
-        return self._grid
-
-    @property
-    def grid_or_none(self) -> Optional[Grid]:
-        """:attr:`grid`, or ``None`` before ``setup_environment``."""
-        return self._grid
-
     @property
     def rng_tracker(self) -> Optional[RNGTracker]:
         """The per-MP-rank dropout streams of the split regions (``None`` with mp=1 or before setup)."""
         return self._rng
-
-    @property
-    def timeout(self) -> timedelta:
-        """The process-group timeout (``timeout_s``/``timeout``)."""
-        return compat.ddp_timeout(self)
 
     @property
     def plan_overrides(self) -> Optional[dict[str, str]]:
@@ -214,20 +165,6 @@ class DPMPStrategy(DDPStrategy):
         """Deprecated alias of :attr:`applied_plan`."""
         warnings.warn("DPMPStrategy.plan is deprecated; use applied_plan", DeprecationWarning, stacklevel=2)
         return self._applied_plan
-
-    @property
-    def dp_rank(self) -> int:
-        """Index of this rank's data shard (also the DistributedSampler rank)."""
-        return self.global_rank // self.mp
-
-    @property
-    def mp_rank(self) -> int:
-        return self.global_rank % self.mp
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data shards (= ``dp``): shard an IterableDataset by ``dp_rank`` of ``dp_size``."""
-        return self.dp
 
     # ------------------------------------------------------------------ training-time checks
     @override
@@ -252,41 +189,6 @@ class DPMPStrategy(DDPStrategy):
         if self._guard.every_n_steps and self.lightning_module is not None and self._grid is not None:
             self._guard.check(self.lightning_module, None, self._grid, self.root_device, where="the end of training")
         super().on_train_end()
-
-    @override
-    def set_world_ranks(self) -> None:
-        # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
-        if self.parallel_devices:
-            self._layout = resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
-            world = self.num_processes * self.num_nodes
-            check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
-            check_backend(self.process_group_backend, self.parallel_devices)
-            # The connector sets the layer sync just before this call.
-            check_sync_batchnorm(compat.layer_sync(self), self.mp)
-        super().set_world_ranks()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # All ranks of an MP group read the same batch: the sampler shards over DP only.
-        return {"num_replicas": self.dp, "rank": self.dp_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if compat.start_method(self) == "popen":
-            compat.set_launcher(self, DPMPScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
-        else:
-            super()._configure_launcher()
-
-    @override
-    def setup_environment(self) -> None:
-        if is_launched_rank(self.cluster_environment, self.local_rank):
-            die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
-        super().setup_environment()  # initialises the default process group
-        check_world_size(self.dp, self.mp, dist.get_world_size())
-        warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
-        self._grid = build_grid(self.dp, self.mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout
 
     # ------------------------------------------------------------------ model setup
     @override
@@ -369,26 +271,6 @@ class DPMPStrategy(DDPStrategy):
         device_ctx = torch.device("meta") if empty_init else nullcontext()
         with device_ctx, self.precision_plugin.tensor_init_context():
             yield
-
-    # ------------------------------------------------------------------ reductions
-    @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
-    ) -> Union[Tensor, Any]:
-        """Reduce across the DP group by default: MP ranks hold the same values, so the world would count each mp
-        times."""
-        if group is None and self._grid is not None:
-            group = self._grid.dp_group
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # Decisions (early stopping, checkpointing) must agree on every rank: reduce over the whole world.
-        if not compat.distributed_is_initialized():
-            return decision
-        t = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return bool(t == self.world_size) if all else bool(t)
 
     # ------------------------------------------------------------------ teardown
     @override

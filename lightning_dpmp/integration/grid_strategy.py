@@ -1,0 +1,162 @@
+"""The strategy's 2-D process grid: (dp, mp) resolved once, the DP-only sampler, and the DP/MP process groups.
+
+:class:`GridStrategy` is the part of :class:`~lightning_dpmp.DPMPStrategy` that knows nothing of models: it
+resolves ``dp``/``mp`` when the Trainer sets devices and nodes (``set_world_ranks``, before any process starts),
+installs the launcher, builds the :class:`~lightning_dpmp.parallel.grid.Grid` in ``setup_environment``, shards the
+sampler over DP only and reduces logged values over the DP group. It owns every attribute it reads.
+
+Example:
+    >>> s = GridStrategy()
+    >>> s.init_grid(dp=2, mp="auto")
+    >>> s.grid_or_none is None   # built in setup_environment, once the processes exist
+    True
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from typing_extensions import override
+
+import lightning_dpmp.compat as compat
+from lightning_dpmp.integration.failfast import (
+    check_backend,
+    check_sync_batchnorm,
+    die_with_parent,
+    is_launched_rank,
+    warn_if_mp_spans_nodes,
+)
+from lightning_dpmp.integration.launcher import DPMPScriptLauncher
+from lightning_dpmp.integration.layout import Layout, resolve_layout
+from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
+
+__all__ = ["GridStrategy"]
+
+Size = Union[int, Literal["auto"]]
+
+
+class GridStrategy(DDPStrategy):
+    """``DDPStrategy`` over a dp x mp grid (MP innermost: rank = dp_rank * mp + mp_rank); no model logic."""
+
+    _dp_arg: Size = "auto"
+    _mp_arg: Size = "auto"
+    _layout: Optional[Layout] = None  # resolved in set_world_ranks, once devices and nodes are known
+    _grid: Optional[Grid] = None  # built in setup_environment
+
+    def init_grid(self, dp: Size, mp: Size) -> None:
+        """Record the requested sizes (``"auto"`` allowed); refuse a bad value before anything starts."""
+        check_parallel_size("dp", dp, allow_auto=True)
+        check_parallel_size("mp", mp, allow_auto=True)
+        self._dp_arg, self._mp_arg = dp, mp
+        self._layout, self._grid = None, None
+
+    # ------------------------------------------------------------------ sizes and topology
+    @property
+    def layout(self) -> Layout:
+        """The resolved (dp, mp), known once the Trainer has set devices and nodes (``set_world_ranks``)."""
+        if self._layout is None:
+            raise RuntimeError("DPMPStrategy's dp and mp are resolved when the Trainer sets devices and num_nodes.")
+        return self._layout
+
+    @property
+    def dp(self) -> int:
+        """Resolved data-parallel size."""
+        return self.layout.dp
+
+    @property
+    def mp(self) -> int:
+        """Resolved tensor-parallel size."""
+        return self.layout.mp
+
+    @property
+    def grid(self) -> Grid:
+        """This rank's :class:`Grid` (process groups and coordinates); available after ``setup_environment``."""
+        if self._grid is None:
+            raise RuntimeError(
+                "DPMPStrategy.grid is built in setup_environment(); it is not available before fit/validate starts."
+            )
+        return self._grid
+
+    @property
+    def grid_or_none(self) -> Optional[Grid]:
+        """:attr:`grid`, or ``None`` before ``setup_environment``."""
+        return self._grid
+
+    @property
+    def timeout(self) -> timedelta:
+        """The process-group timeout (``timeout_s``/``timeout``)."""
+        return compat.ddp_timeout(self)
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data shard (also the DistributedSampler rank)."""
+        return self.global_rank // self.mp
+
+    @property
+    def mp_rank(self) -> int:
+        return self.global_rank % self.mp
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data shards (= ``dp``): shard an IterableDataset by ``dp_rank`` of ``dp_size``."""
+        return self.dp
+
+    @override
+    def set_world_ranks(self) -> None:
+        # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
+        if self.parallel_devices:
+            self._layout = resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
+            world = self.num_processes * self.num_nodes
+            check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
+            check_backend(self.process_group_backend, self.parallel_devices)
+            # The connector sets the layer sync just before this call.
+            check_sync_batchnorm(compat.layer_sync(self), self.mp)
+        super().set_world_ranks()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All ranks of an MP group read the same batch: the sampler shards over DP only.
+        return {"num_replicas": self.dp, "rank": self.dp_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if compat.start_method(self) == "popen":
+            compat.set_launcher(self, DPMPScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes))
+        else:
+            super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        if is_launched_rank(self.cluster_environment, self.local_rank):
+            die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
+        super().setup_environment()  # initialises the default process group
+        check_world_size(self.dp, self.mp, dist.get_world_size())
+        warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
+        self._grid = build_grid(self.dp, self.mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout
+
+    # ------------------------------------------------------------------ reductions
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce across the DP group by default: MP ranks hold the same values, so the world would count each mp
+        times."""
+        if group is None and self._grid is not None:
+            group = self._grid.dp_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Decisions (early stopping, checkpointing) must agree on every rank: reduce over the whole world.
+        if not compat.distributed_is_initialized():
+            return decision
+        t = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return bool(t == self.world_size) if all else bool(t)
