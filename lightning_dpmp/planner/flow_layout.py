@@ -16,19 +16,22 @@ from lightning_dpmp.planner.trace import OpCall, Trace
 if TYPE_CHECKING:  # the analysis state lives with the driver; the rules only read and update it
     from lightning_dpmp.planner.flow import _Region, _Shard
 
-__all__ = ["LayoutRules"]
+__all__ = ["AnalysisState", "LayoutRules"]
 
 
-class LayoutRules:
-    """Rules for ops that move the split dim of one tensor, and for concatenations."""
+class AnalysisState:
+    """What the rule mixins read from the analysis that mixes them in (lightning_dpmp.planner.flow._Analysis)."""
 
-    # Provided by the analysis that mixes this in (lightning_dpmp.planner.flow._Analysis).
     trace: Trace
     mp: int
     regions: list[_Region]
     find: Callable[[int], int]
     need_blocks: Callable[[_Shard, int], bool]
     _shape: Callable[[Optional[int]], tuple]
+
+
+class LayoutRules(AnalysisState):
+    """Rules for ops that move the split dim of one tensor, and for concatenations."""
 
     def _getitem(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
         """Indexing and slicing keep the split when the split dim is taken whole (``x[..., :d // 2]`` on the

@@ -9,28 +9,22 @@ the op table (``flow.OPS``); each rule returns per-output ``(dim, raw)`` or a st
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
+from lightning_dpmp.planner.flow_layout import AnalysisState
 from lightning_dpmp.planner.ops import BINARY, FIRST_ONLY, UNARY
-from lightning_dpmp.planner.trace import OpCall, Trace
+from lightning_dpmp.planner.trace import OpCall
 
 if TYPE_CHECKING:  # the analysis state lives with the driver; the rules only read and update it
-    from lightning_dpmp.planner.flow import _Region, _Shard
+    from lightning_dpmp.planner.flow import _Shard
 
 __all__ = ["ValueRules"]
 
 
-class ValueRules:
+class ValueRules(AnalysisState):
     """Rules for point-wise, reducing, contracting and attention-like ops."""
 
-    # Provided by the analysis that mixes this in (lightning_dpmp.planner.flow._Analysis).
-    trace: Trace
-    mp: int
-    regions: list[_Region]
-    uniform: dict[int, dict[int, Optional[tuple[str, int]]]]
-    find: Callable[[int], int]
-    need_blocks: Callable[[_Shard, int], bool]
-    _shape: Callable[[Optional[int]], tuple]
+    uniform: dict[int, dict[int, Optional[tuple[str, int]]]]  # provided by the analysis, as AnalysisState's
 
     def _elementwise(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
         """Point-wise ops: split operands must line up (broadcasting from the right) on one split dim."""
