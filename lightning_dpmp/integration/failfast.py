@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "check_sync_batchnorm",
     "die_with_parent",
     "is_launched_rank",
+    "loaders_of",
     "warn_if_data_not_sharded",
     "warn_if_mp_spans_nodes",
 ]
@@ -95,11 +96,14 @@ def check_sync_batchnorm(layer_sync: Any, mp: int) -> None:
         )
 
 
-def _loaders(obj: Any) -> list[Any]:
-    if isinstance(obj, dict):
-        return [x for v in obj.values() for x in _loaders(v)]
+def loaders_of(obj: Any) -> list[Any]:
+    """The dataloaders inside ``trainer.train_dataloader``'s structure (mappings, sequences, a CombinedLoader)."""
+    if isinstance(obj, Mapping):
+        return [x for v in obj.values() for x in loaders_of(v)]
     if isinstance(obj, (list, tuple)):
-        return [x for v in obj for x in _loaders(v)]
+        return [x for v in obj for x in loaders_of(v)]
+    if hasattr(obj, "flattened"):  # Lightning's CombinedLoader
+        return loaders_of(list(obj.flattened))
     return [] if obj is None else [obj]
 
 
@@ -112,7 +116,7 @@ def warn_if_data_not_sharded(loaders: Any, use_distributed_sampler: bool, dp: in
     """
     if dp == 1:
         return None  # a single replica reads everything; MP ranks read the same loader with the same seed
-    iterable = [dl for dl in _loaders(loaders) if isinstance(getattr(dl, "dataset", None), IterableDataset)]
+    iterable = [dl for dl in loaders_of(loaders) if isinstance(getattr(dl, "dataset", None), IterableDataset)]
     if iterable:
         kind = type(iterable[0].dataset).__name__
         why = f"the training data is an IterableDataset ({kind}), which no sampler can shard"

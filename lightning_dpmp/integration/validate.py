@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
 from lightning_dpmp.checkpoint.integrity import check_checkpoint_file
+from lightning_dpmp.integration.failfast import loaders_of
 from lightning_dpmp.planner.user_plan import check_plan_on_model, check_styles
 
 __all__ = [
@@ -218,7 +219,7 @@ def warn_if_data_smaller_than_dp(loaders: Any, use_distributed_sampler: bool, dp
     """Warn (and return the message) when a training dataset has fewer samples than ``dp``. Call it on rank 0 only."""
     if dp <= 1 or not use_distributed_sampler:
         return None
-    for loader in _loaders(loaders):
+    for loader in loaders_of(loaders):
         dataset = getattr(loader, "dataset", None)
         if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             continue
@@ -233,13 +234,3 @@ def warn_if_data_smaller_than_dp(loaders: Any, use_distributed_sampler: bool, dp
             warnings.warn(msg, DataSizeWarning, stacklevel=2)
             return msg
     return None
-
-
-def _loaders(obj: Any) -> list[Any]:
-    if isinstance(obj, Mapping):
-        return [x for v in obj.values() for x in _loaders(v)]
-    if isinstance(obj, (list, tuple)):
-        return [x for v in obj for x in _loaders(v)]
-    if hasattr(obj, "flattened"):  # Lightning's CombinedLoader
-        return _loaders(list(obj.flattened))
-    return [] if obj is None else [obj]
