@@ -5,6 +5,11 @@ resolves ``dp``/``mp`` when the Trainer sets devices and nodes (``set_world_rank
 installs the launcher, builds the :class:`~lightning_dpmp.parallel.grid.Grid` in ``setup_environment``, shards the
 sampler over DP only and reduces logged values over the DP group. It owns every attribute it reads.
 
+With ``dp="auto", mp="auto"`` only the world size is fixed before launch: the layout stays *pending*
+(:attr:`layout_pending`; reading ``dp``/``mp`` raises a clear error), ``setup_environment`` initialises the world
+group only, and the subclass chooses the split at setup, once it has traced the model, through :meth:`set_layout`,
+which builds the DP/MP groups then (:mod:`lightning_dpmp.integration.autolayout`).
+
 Example:
     >>> s = GridStrategy()
     >>> s.init_grid(dp=2, mp="auto")
@@ -46,19 +51,43 @@ class GridStrategy(DDPStrategy):
     _dp_arg: Size = "auto"
     _mp_arg: Size = "auto"
     _layout: Optional[Layout] = None  # resolved in set_world_ranks, once devices and nodes are known
-    _grid: Optional[Grid] = None  # built in setup_environment
+    _grid: Optional[Grid] = None  # built in setup_environment (or in set_layout when the layout was pending)
+    _pending: bool = False  # dp="auto", mp="auto": the split of the world is chosen at setup (set_layout)
+    _chosen: Optional[Layout] = None  # a measured choice, kept for later runs of the same strategy
+    _layout_report: str = ""  # how the layout was chosen, for the plan printout
 
     def init_grid(self, dp: Size, mp: Size) -> None:
         """Record the requested sizes (``"auto"`` allowed); refuse a bad value before anything starts."""
         check_parallel_size("dp", dp, allow_auto=True)
         check_parallel_size("mp", mp, allow_auto=True)
         self._dp_arg, self._mp_arg = dp, mp
-        self._layout, self._grid = None, None
+        self._layout, self._grid, self._pending, self._chosen, self._layout_report = None, None, False, None, ""
+
+    @property
+    def chooses_layout(self) -> bool:
+        """Whether (dp, mp) is chosen at setup by measurement (both ``"auto"``) rather than given."""
+        return self._dp_arg == "auto" and self._mp_arg == "auto"
+
+    @property
+    def layout_pending(self) -> bool:
+        """True between launch and setup while ``dp="auto", mp="auto"`` waits for its choice (:meth:`set_layout`)."""
+        return self._pending
+
+    @property
+    def layout_report(self) -> str:
+        """How the layout was chosen (the ranked table of ``mp="auto"``), ``""`` for given sizes."""
+        return self._layout_report
 
     # ------------------------------------------------------------------ sizes and topology
     @property
     def layout(self) -> Layout:
         """The resolved (dp, mp), known once the Trainer has set devices and nodes (``set_world_ranks``)."""
+        if self._pending:
+            raise RuntimeError(
+                "DPMPStrategy(dp='auto', mp='auto') chooses dp and mp at setup, after tracing the model and measuring"
+                " the links; they are not known before Trainer.fit/validate/test/predict reaches the strategy's setup"
+                " (give dp= or mp= as integers to know them earlier)."
+            )
         if self._layout is None:
             raise RuntimeError("DPMPStrategy's dp and mp are resolved when the Trainer sets devices and num_nodes.")
         return self._layout
@@ -110,12 +139,18 @@ class GridStrategy(DDPStrategy):
     def set_world_ranks(self) -> None:
         # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
         if self.parallel_devices:
-            self._layout = resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
-            world = self.num_processes * self.num_nodes
-            check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
             check_backend(self.process_group_backend, self.parallel_devices)
-            # The connector sets the layer sync just before this call.
-            check_sync_batchnorm(compat.layer_sync(self), self.mp)
+            if self.chooses_layout and self._chosen is None:
+                self._layout, self._pending = None, True  # any world splits; the split is chosen at setup
+            else:
+                self._layout = self._chosen or resolve_layout(
+                    self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes
+                )
+                self._pending = False
+                world = self.num_processes * self.num_nodes
+                check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
+                # The connector sets the layer sync just before this call.
+                check_sync_batchnorm(compat.layer_sync(self), self.mp)
         super().set_world_ranks()
 
     @property
@@ -137,6 +172,20 @@ class GridStrategy(DDPStrategy):
         if is_launched_rank(self.cluster_environment, self.local_rank):
             die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
         super().setup_environment()  # initialises the default process group
+        if not self._pending:  # else the groups are built in set_layout, once the subclass has chosen (dp, mp)
+            self._build_grid()
+
+    def set_layout(self, layout: Layout, report: str = "", keep: bool = False) -> None:
+        """Fix a pending layout and build its DP/MP groups (collective over the world: every rank, same layout).
+
+        ``keep``: later runs of this strategy (``fit`` then ``validate``) reuse it instead of choosing again.
+        """
+        self._layout, self._pending, self._layout_report = layout, False, report
+        if keep:
+            self._chosen = layout
+        self._build_grid()
+
+    def _build_grid(self) -> None:
         check_world_size(self.dp, self.mp, dist.get_world_size())
         warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
         self._grid = build_grid(self.dp, self.mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout

@@ -87,6 +87,7 @@ def split_model(
     summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""
     rank_zero_info(
         f"{applied.text}\n  grid: dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank){summary}"
+        + (f"\n{strategy.layout_report}" if getattr(strategy, "layout_report", "") else "")
     )
     return Split(
         applied_plan=applied,

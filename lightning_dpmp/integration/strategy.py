@@ -29,6 +29,7 @@ from typing_extensions import override
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks, validate
+from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.delegate import leaves_sharded_rng, to_checkpointer
 from lightning_dpmp.integration.failfast import (
@@ -56,9 +57,11 @@ class DPMPStrategy(GridStrategy):
     """Data parallel (``dp`` replicas) x tensor model parallel (``mp``-way split Linears) training, no plan needed.
 
     Args:
-        dp: data-parallel size, or ``"auto"`` (the number of nodes; or world // mp when ``mp`` is given).
-        mp: tensor-parallel size, or ``"auto"`` (devices per node; or world // dp when ``dp`` is given).
-            ``dp * mp`` must equal ``devices * num_nodes``.
+        dp: data-parallel size, or ``"auto"`` (world // mp when ``mp`` is given).
+        mp: tensor-parallel size, or ``"auto"`` (world // dp when ``dp`` is given). Both ``"auto"`` (the default):
+            the world size is fixed and its split is chosen at setup, after tracing the model, by measuring the
+            links and ranking every ``(dp, mp)`` with the cost model (:mod:`lightning_dpmp.integration.autolayout`;
+            the table is in the plan printout). ``dp * mp`` must equal ``devices * num_nodes``.
         plan_overrides: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
             ``"column_gather"``, ``"vocab"``, ``"replicate"``, ``"heads"``, ``"experts"`` (see
             :mod:`lightning_dpmp.planner.styles`); the first matching glob wins. The plan applied is
@@ -195,7 +198,8 @@ class DPMPStrategy(GridStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         # DDPStrategy.setup does the lifecycle; the split happens in model_to_device, the DP-only wrap in configure_ddp.
         self._failed = False
-        check_sync_batchnorm(compat.layer_sync(self), self.mp)
+        if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (model_to_device)
+            check_sync_batchnorm(compat.layer_sync(self), self.mp)
         self._undo_sync_skip = None
         super().setup(trainer)
         if self._undo_sync_skip is not None:
@@ -215,8 +219,13 @@ class DPMPStrategy(GridStrategy):
         if not meta:
             super().model_to_device()
         trainer = self.lightning_module.trainer
+        if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
+            choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
+            self.set_layout(choice.layout, choice.text, keep=choice.measured)
         split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
         self._applied_plan, self._rng = split.applied_plan, split.rng
+        if self.layout_report:
+            self._applied_plan.text += "\n" + self.layout_report
         self._sequence_partial, self._split_params = split.sequence_partial, split.split_params
         route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
         if trainer.state.fn != TrainerFn.FITTING:
@@ -307,10 +316,10 @@ class DPMPStrategy(GridStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"dpmp"`` (dp = nodes, mp = devices per node); registering again is a no-op."""
+        """Register ``"dpmp"`` (dp and mp chosen at setup, ``mp="auto"``); registering again is a no-op."""
         if "dpmp" not in strategy_registry:
             strategy_registry.register(
-                "dpmp", cls, description="Data x tensor-model parallel (dp = nodes, mp = devices per node)"
+                "dpmp", cls, description="Data x tensor-model parallel (dp x mp chosen at setup by measurement)"
             )
         if "dpmp_spawn" not in strategy_registry:
             strategy_registry.register(

@@ -184,7 +184,7 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
     with only_rank_zero_reports(strategy.global_rank):
         check_ckpt_path(call.get("ckpt_path"))
         model = call.get("model")
-        if model is not None and not _builds_in_configure_model(model):
+        if model is not None and not _builds_in_configure_model(model) and not strategy.layout_pending:  # else at setup
             check_plan_on_model(model, strategy.plan_overrides, strategy.mp)
 
 
