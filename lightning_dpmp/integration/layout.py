@@ -33,7 +33,9 @@ class Layout:
 
 
 def resolve_layout(dp: Size, mp: Size, devices: int, num_nodes: int) -> Layout:
-    """Resolve ``"auto"`` sizes: both auto -> (nodes, devices per node); one auto -> world // the other."""
+    """Resolve ``"auto"`` sizes: one auto -> world // the other; both auto -> (nodes, devices per node), the rule
+    ``DPMPStrategy(dp="auto", mp="auto")`` falls back to where it cannot choose by measurement at setup
+    (:mod:`lightning_dpmp.integration.autolayout`: no batch to trace)."""
     world = devices * num_nodes
     if dp == "auto" and mp == "auto":
         return Layout(num_nodes, max(devices, 1))

@@ -1,6 +1,7 @@
 """One 4-process launch for ``DPMPStrategy(dp="auto", mp="auto")``: two float64 fits of ResMLP with the measured
 link figures replaced, one latency-bound (expected: dp=4 x mp=1) and one bandwidth-bound (expected: mp > 1), and
-one with this machine's own measured figures (whatever it picks must train right), each recording the choice, the ranked table and a consolidated checkpoint for the pytest side's parity check.
+one with this machine's own measured figures (whatever it picks must train right), each recording the choice, the
+ranked table and a consolidated checkpoint for the pytest side's parity check.
 
 Usage (from the repo root): python tests/distributed/autolayout_worker.py OUT_DIR
 """

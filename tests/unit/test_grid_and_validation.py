@@ -69,6 +69,10 @@ def test_registry_names_and_auto_sizes():
     DPMPStrategy.register_strategies(StrategyRegistry)  # a second registration is harmless
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="dpmp", logger=False)
     assert isinstance(trainer.strategy, DPMPStrategy)
+    # "dpmp" is DPMPStrategy(dp="auto", mp="auto"): the split of the world is chosen at setup (issue 16), no longer
+    # dp = nodes x mp = devices per node; reading it earlier is a clear error (tests/unit/test_autolayout.py).
+    assert trainer.strategy.layout_pending
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DPMPStrategy(dp=1), logger=False)
     assert (trainer.strategy.dp, trainer.strategy.mp) == (1, 2)
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=DPMPStrategy(dp=2), logger=False)

@@ -1,0 +1,94 @@
+"""The selection logic of ``mp="auto"`` in one process: candidates, the plan-based cost of a traced model, the
+ranking, and the strategy's pending layout (nothing may read dp/mp before the choice)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+from lightning_dpmp import DPMPStrategy
+from lightning_dpmp.integration.autolayout import candidate_layouts, rank_candidates
+from lightning_dpmp.integration.layout import Layout
+from lightning_dpmp.planner.cost import LayoutCost, Links, model_cost, predict_layout, rank_layouts, ring_s
+from lightning_dpmp.planner.plan import make_plan
+from lightning_dpmp.planner.trace import trace_step
+from tests.support.models import build
+
+SLOW_MESSAGES = Links(intra_bw=1e12, intra_latency=1e-2, flops=1e12, mem_bw=1e12)
+SLOW_BYTES = Links(intra_bw=1e5, intra_latency=1e-9, flops=1e12, mem_bw=1e12)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    model, ds = build("resmlp")
+    x, y = ds[0:2]
+    trace = trace_step(model, lambda: model.training_step((x, y), 0))
+    return {lay.mp: model_cost(model, make_plan(model, lay.mp, trace), trace, 4) for lay in candidate_layouts(4)}
+
+
+def test_candidates():
+    assert candidate_layouts(6) == [Layout(6, 1), Layout(3, 2), Layout(2, 3), Layout(1, 6)]
+    assert candidate_layouts(4, mp_one_only=True) == [Layout(4, 1)]
+    assert candidate_layouts(1) == [Layout(1, 1)]
+
+
+def test_model_cost_follows_the_plan(costs):
+    one, two = costs[1], costs[2]
+    assert one.split_params == 0 and one.mp_collectives == []
+    assert two.tokens == 2 and two.split_params + two.replicated_params == one.replicated_params
+    # fc1/fc2 of 2 blocks are a column -> row pair each: 2 backward + 2 forward all-reduces, plus the input
+    # layer's gather pair (the 3-output head stays whole)
+    ops = sorted((p, o) for p, o, _ in two.mp_collectives)
+    assert ops.count(("forward", "all_reduce")) == 2 and ops.count(("backward", "all_reduce")) == 2
+
+
+def test_two_figures_two_choices(costs):
+    lay = candidate_layouts(4)
+    latency_bound = rank_candidates(costs, SLOW_MESSAGES, lay, 4, 4, 1, True)
+    bandwidth_bound = rank_candidates(costs, SLOW_BYTES, lay, 4, 4, 1, True)
+    assert (latency_bound[0].dp, latency_bound[0].mp) == (4, 1)
+    assert bandwidth_bound[0].mp > 1
+    assert [r.tokens_per_s for r in latency_bound] == sorted((r.tokens_per_s for r in latency_bound), reverse=True)
+    # evaluation counts the forward only: no gradient all-reduce, so nothing favours MP there
+    forward = rank_candidates(costs, SLOW_BYTES, lay, 4, 4, 1, training=False)
+    assert (forward[0].dp, forward[0].mp) == (4, 1) and all(r.dp_exposed_s == 0 for r in forward)
+
+
+def test_ranking_prefers_fitting_then_throughput_then_small_mp():
+    def row(dp, mp, tps, fits=True):
+        return LayoutCost(dp, mp, 0, 0, 0, 0, 1, tps, 0, 0, 0, fits)
+
+    ranked = rank_layouts([row(1, 4, 10.0), row(2, 2, 10.0 * (1 + 1e-12)), row(4, 1, 99.0, fits=False)])
+    assert [(r.dp, r.mp) for r in ranked] == [(2, 2), (1, 4), (4, 1)]
+
+
+def test_prediction_arithmetic(costs):
+    r = predict_layout(costs[2], SLOW_BYTES, 2, 2, devices_per_node=4, elem_bytes=4)
+    expected_mp = sum(ring_s(b, 2, SLOW_BYTES.intra_bw, SLOW_BYTES.intra_latency, op)
+                      for _, op, b in costs[2].mp_collectives)
+    assert r.mp_comm_s == pytest.approx(expected_mp)
+    assert r.tokens_per_s == pytest.approx(2 * costs[2].tokens / r.step_s)
+    spans = predict_layout(costs[4], SLOW_BYTES, 1, 4, devices_per_node=2, elem_bytes=4)
+    assert "MP group spans nodes" in spans.notes
+
+
+def test_pending_layout_before_setup():
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=DPMPStrategy(), logger=False)
+    strategy = trainer.strategy
+    assert strategy.chooses_layout and strategy.layout_pending
+    with pytest.raises(RuntimeError, match="chooses dp and mp at setup"):
+        _ = strategy.dp
+    assert strategy.layout_report == ""
+    # an integer keeps today's behaviour exactly
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=DPMPStrategy(mp=2), logger=False)
+    assert not trainer.strategy.layout_pending and (trainer.strategy.dp, trainer.strategy.mp) == (2, 2)
+    # a kept (measured) choice is reused by later runs of the same strategy
+    strategy._chosen = Layout(2, 2)
+    strategy.set_world_ranks()
+    assert not strategy.layout_pending and (strategy.dp, strategy.mp) == (2, 2)
+
+
+def test_element_bytes_by_precision():
+    from lightning_dpmp.integration.autolayout import _elem_bytes
+
+    assert (_elem_bytes("64-true"), _elem_bytes("32-true"), _elem_bytes("bf16-mixed")) == (8, 4, 2)
