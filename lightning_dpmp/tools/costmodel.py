@@ -32,9 +32,10 @@ or from the command line (``python -m lightning_dpmp.costmodel --help``, :mod:`l
 
     python -m lightning_dpmp.costmodel --model gpt-1.3b --hardware dgx-a100 --devices 64
 
-``DPMPStrategy(dp="auto", mp="auto")`` keeps meaning "dp = nodes, mp = devices per node" (the registry's
-``"dpmp"`` relies on it); the cost model is consulted explicitly, through :func:`recommend`, because the model's
-shape and the link figures are not known to the strategy when Lightning asks it for the world layout.
+This model plans *before* launch, from a shape and preset link figures, at a fixed global batch.
+``DPMPStrategy(dp="auto", mp="auto")`` chooses at setup instead, from the traced model's own plan at every ``mp``
+and links it measures itself, at the loader's fixed per-rank batch (so by tokens/s):
+:mod:`lightning_dpmp.planner.cost` holds that model, and both share one ring formula (:func:`ring_s`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from lightning_dpmp.planner.cost import ring_s
 
 __all__ = ["GPTShape", "Hardware", "Layout", "predict", "recommend", "valid_layouts"]
 
@@ -238,9 +241,7 @@ def valid_layouts(shape: GPTShape, devices: int) -> list[tuple[int, int]]:
 
 
 def _ring_allreduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
+    return ring_s(nbytes, n, bw, latency, "all_reduce")  # the formula mp="auto" ranks with, too
 
 
 def predict(shape: GPTShape, hw: Hardware, dp: int, mp: int, sequence_parallel: bool = False,

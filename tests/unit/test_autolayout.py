@@ -92,3 +92,31 @@ def test_element_bytes_by_precision():
     from lightning_dpmp.integration.autolayout import _elem_bytes
 
     assert (_elem_bytes("64-true"), _elem_bytes("32-true"), _elem_bytes("bf16-mixed")) == (8, 4, 2)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_transformer_costs_count_the_blocks_collectives(name):
+    model, ds = build(name)
+    ids, targets = ds[0:2]
+    trace = trace_step(model, lambda: model.training_step((ids, targets), 0))
+    cost = model_cost(model, make_plan(model, 2, trace), trace, 4)
+    assert cost.tokens == ids.numel()  # rows per Linear call: batch x sequence
+    # 2 blocks x (2 forward + 2 backward all-reduces), the vocab embedding's forward all-reduce and the
+    # vocab-parallel loss's two; nothing gathered
+    ops = [(p, o) for p, o, _ in cost.mp_collectives]
+    assert ops.count(("backward", "all_reduce")) >= 4 and ("forward", "all_gather") not in ops
+    assert cost.split_params > 0 and cost.split_matmul > cost.replicated_matmul
+
+
+def test_no_trace_falls_back_to_todays_rule(monkeypatch):
+    import lightning_dpmp.integration.autolayout as autolayout
+
+    class FakeStrategy:
+        num_processes, num_nodes = 4, 1
+
+    monkeypatch.setattr(autolayout, "_trace", lambda *a: None)
+    choice = autolayout.choose_layout(FakeStrategy(), object(), meta=False, plan_overrides=None)
+    assert choice.layout == Layout(1, 4) and not choice.measured
+    assert "fell back to dp = nodes, mp = devices per node" in choice.text
+    one = autolayout.choose_layout(type("One", (), {"num_processes": 1, "num_nodes": 1})(), None, False, None)
+    assert one.layout == Layout(1, 1)
