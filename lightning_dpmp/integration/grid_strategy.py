@@ -147,6 +147,9 @@ class GridStrategy(DDPStrategy):
                     self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes
                 )
                 self._pending = False
+                if self._chosen is not None:
+                    self._layout_report = (f"  layout: dp={self.dp} x mp={self.mp}, kept from this strategy's"
+                                           " earlier mp='auto' choice")
                 world = self.num_processes * self.num_nodes
                 check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
                 # The connector sets the layer sync just before this call.

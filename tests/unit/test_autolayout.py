@@ -86,6 +86,7 @@ def test_pending_layout_before_setup():
     strategy._chosen = Layout(2, 2)
     strategy.set_world_ranks()
     assert not strategy.layout_pending and (strategy.dp, strategy.mp) == (2, 2)
+    assert "kept from this strategy's earlier mp='auto' choice" in strategy.layout_report
 
 
 def test_element_bytes_by_precision():
