@@ -129,8 +129,13 @@ def measure_links(device: torch.device, devices_per_node: int, num_nodes: int, d
     return box[0]
 
 
-def _elem_bytes(precision: str) -> int:
-    return 8 if precision.startswith("64") else 4 if precision.startswith("32") else 2
+def _elem_bytes(precision: str) -> tuple[int, int]:
+    """Bytes per ``(activation, parameter/gradient)`` element at a Lightning precision: mixed precision computes
+    (and all-reduces activations) in 16 bits but keeps float32 parameters and gradients."""
+    if precision.startswith(("64", "32")):
+        n = 8 if precision.startswith("64") else 4
+        return n, n
+    return 2, 4 if "mixed" in precision else 2
 
 
 def _model_costs(module: torch.nn.Module, trace: Trace, layouts: list[Layout], overrides: Optional[dict],
@@ -189,13 +194,13 @@ def choose_layout(strategy: Any, trainer: Any, meta: bool, plan_overrides: Optio
     if trace is None:
         return _fallback(strategy, "no batch to trace at this stage (or the step did not run outside the loop)")
     t0 = time.perf_counter()
-    elem = _elem_bytes(str(trainer.precision))
-    dtype = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}[elem]
+    act, elem = _elem_bytes(str(trainer.precision))
+    dtype = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}[act]
     links = measure_links(strategy.root_device, strategy.num_processes, strategy.num_nodes, dtype)
     seconds = time.perf_counter() - t0
     box: list[Any] = [None]
     if strategy.global_rank == 0:
-        costs = _model_costs(strategy.lightning_module, trace, layouts, plan_overrides, elem)
+        costs = _model_costs(strategy.lightning_module, trace, layouts, plan_overrides, act)
         training = trainer.state.fn == TrainerFn.FITTING
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if training else 1
         table = rank_candidates(costs, links, layouts, strategy.num_processes, elem, accumulate, training)

@@ -92,7 +92,8 @@ def test_pending_layout_before_setup():
 def test_element_bytes_by_precision():
     from lightning_dpmp.integration.autolayout import _elem_bytes
 
-    assert (_elem_bytes("64-true"), _elem_bytes("32-true"), _elem_bytes("bf16-mixed")) == (8, 4, 2)
+    assert [_elem_bytes(p) for p in ("64-true", "32-true", "bf16-mixed", "bf16-true")] == [(8, 8), (4, 4), (2, 4),
+                                                                                            (2, 2)]
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
