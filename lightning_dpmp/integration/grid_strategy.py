@@ -140,6 +140,9 @@ class GridStrategy(DDPStrategy):
         # Called by the Trainer's connector as soon as devices and num_nodes are known: before any process starts.
         if self.parallel_devices:
             check_backend(self.process_group_backend, self.parallel_devices)
+            world = self.num_processes * self.num_nodes
+            if self._chosen is not None and self._chosen.dp * self._chosen.mp != world:
+                self._chosen = None  # chosen for another world size (a new Trainer): choose again
             if self.chooses_layout and self._chosen is None:
                 self._layout, self._pending = None, True  # any world splits; the split is chosen at setup
             else:
@@ -150,7 +153,6 @@ class GridStrategy(DDPStrategy):
                 if self._chosen is not None:
                     self._layout_report = (f"  layout: dp={self.dp} x mp={self.mp}, kept from this strategy's"
                                            " earlier mp='auto' choice")
-                world = self.num_processes * self.num_nodes
                 check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
                 # The connector sets the layer sync just before this call.
                 check_sync_batchnorm(compat.layer_sync(self), self.mp)
