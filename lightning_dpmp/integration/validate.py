@@ -84,9 +84,12 @@ def check_init_args(
     ``check_consistency_every_n_steps`` are checked where they are used)."""
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
         raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
-    if zero not in (0, 1) or isinstance(zero, bool):
-        raise ValueError(f"`zero` must be 0 (off) or 1 (optimizer state sharded over DP), got {zero!r}.")
-    if zero and save_distributed_checkpoint:
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise ValueError(
+            f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters),"
+            f" got {zero!r}."
+        )
+    if zero == 1 and save_distributed_checkpoint:
         raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
     check_styles(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
