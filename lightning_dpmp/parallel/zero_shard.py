@@ -77,11 +77,16 @@ class FlatLayout:
 
 
 # ------------------------------------------------------------------------------------------ collectives
-# gloo on torch 2.13 has both tensor collectives (measured); the list forms are the fallback for older builds.
+# gloo on torch 2.13 has both tensor collectives (measured); torch 2.13 names them ``*_single`` (the ``*_tensor``
+# names warn there); the list forms are the fallback for backends without them.
+_RS = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_AG = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def reduce_scatter_flat(out: Tensor, flat: Tensor, group: Any, async_op: bool) -> Any:
     """SUM-reduce ``flat`` over ``group``, this rank's ``1/n`` slice into ``out``."""
     try:
-        return dist.reduce_scatter_tensor(out, flat, group=group, async_op=async_op)
+        return _RS(out, flat, group=group, async_op=async_op)
     except (RuntimeError, NotImplementedError):  # pragma: no cover - backends without the tensor form
         return dist.reduce_scatter(out, list(flat.chunk(dist.get_world_size(group))), group=group, async_op=async_op)
 
@@ -89,7 +94,7 @@ def reduce_scatter_flat(out: Tensor, flat: Tensor, group: Any, async_op: bool) -
 def all_gather_flat(full: Tensor, shard: Tensor, group: Any, async_op: bool) -> Any:
     """Every rank's ``shard`` concatenated into ``full`` (in rank order)."""
     try:
-        return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+        return _AG(full, shard, group=group, async_op=async_op)
     except (RuntimeError, NotImplementedError):  # pragma: no cover - backends without the tensor form
         return dist.all_gather(list(full.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op)
 

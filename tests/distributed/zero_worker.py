@@ -3,8 +3,8 @@
 Usage: python tests/distributed/zero_worker.py DP MP OUT_DIR [RESUME_DIR]
   every layout: resmlp and gpt at zero=2 and zero=3 (20 AdamW steps, norm clipping, float64): consolidated
     checkpoint, DP collectives of one step, bytes held per rank after a step (from the tensors) and memory_report;
-  (2, 2): also gradient accumulation 2 at zero=2 and zero=3, and zero=3 runs of 10 steps saved (consolidated and
-    sharded) for the resume checks;
+  (2, 2): also gradient accumulation 2 at zero=2 and zero=3, and a zero=3 run (AdamW + StepLR) of 10 steps saved in on_train_end
+    (still sharded) as a consolidated file ``mid_c.ckpt`` and a sharded folder ``mid_s.ckpt``;
   (4, 1) with RESUME_DIR: zero=2 resumes the sharded (2,2,zero=3) checkpoint, zero=0 the consolidated one, to 20.
 """
 
@@ -23,8 +23,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
+from tests.distributed.checkpoint_worker import SaveAtTrainEnd, SchedResMLP  # noqa: E402
 from tests.distributed.parity_worker import CLIP, GLOBAL_BATCH, SEED, STEPS  # noqa: E402
-from tests.support.models import build  # noqa: E402
+from tests.support.models import build, make_dataset  # noqa: E402
 
 
 def _storage_bytes(tensors) -> int:
@@ -74,19 +75,12 @@ class Probe(L.Callback):
             self.res["local_numel"] = sum(p.numel() * p.element_size() for p in pl_module.parameters())
 
 
-def fit(dp, mp, name, zero, out, tag, steps=STEPS, accumulate=1, ckpt_path=None, distributed=False, save_at=None):
+def fit(dp, mp, name, zero, out, tag, steps=STEPS, accumulate=1, ckpt_path=None, callbacks=()):
     L.seed_everything(SEED, workers=True)
-    model, dataset = build(name)
+    model, dataset = (SchedResMLP(), make_dataset()) if name == "sched" else build(name)  # sched: AdamW + StepLR
     probe = Probe()
-    callbacks = [probe]
-    if save_at is not None:
-        class SaveAt(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                if trainer.global_step == save_at and not getattr(self, "done", False):
-                    self.done = True
-                    trainer.save_checkpoint(os.path.join(out, f"{tag}_at{save_at}.ckpt"))
-        callbacks.append(SaveAt())
-    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, zero=zero, save_distributed_checkpoint=distributed)
+    callbacks = [probe, *callbacks]
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, zero=zero)
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * mp, strategy=strategy, precision="64-true", max_steps=steps,
         accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False,
@@ -105,13 +99,11 @@ def main(dp: int, mp: int, out: str, resume: str) -> dict:
     if (dp, mp) == (2, 2):
         for zero in (2, 3):
             res[f"accum_z{zero}"] = fit(dp, mp, "resmlp", zero, out, f"accum_z{zero}", accumulate=2)
-        fit(dp, mp, "resmlp", 3, out, "mid_consolidated", save_at=10)
-        fit(dp, mp, "resmlp", 3, out, "mid_sharded", save_at=10, distributed=True)
+        save = SaveAtTrainEnd([(True, os.path.join(out, "mid_s.ckpt")), (False, os.path.join(out, "mid_c.ckpt"))])
+        fit(dp, mp, "sched", 3, out, "mid", steps=STEPS // 2, callbacks=[save])
     if resume:
-        res["resume_z2_from_sharded_z3"] = fit(dp, mp, "resmlp", 2, out, "resume_z2",
-                                               ckpt_path=os.path.join(resume, "mid_sharded_at10.ckpt"))
-        res["resume_z0_from_consolidated_z3"] = fit(dp, mp, "resmlp", 0, out, "resume_z0",
-                                                    ckpt_path=os.path.join(resume, "mid_consolidated_at10.ckpt"))
+        fit(dp, mp, "sched", 2, out, "resume_z2", ckpt_path=os.path.join(resume, "mid_s.ckpt"))
+        fit(dp, mp, "sched", 0, out, "resume_z0", ckpt_path=os.path.join(resume, "mid_c.ckpt"))
     return res
 
 
