@@ -205,7 +205,8 @@ class DPMPStrategy(GridStrategy):
     def on_train_end(self) -> None:
         if self._guard.every_n_steps and self.lightning_module is not None and self._grid is not None:
             with self.parameters_whole():
-                self._guard.check(self.lightning_module, None, self._grid, self.root_device, where="the end of training")
+                end = "the end of training"
+                self._guard.check(self.lightning_module, None, self._grid, self.root_device, where=end)
         super().on_train_end()
 
     # ------------------------------------------------------------------ model setup

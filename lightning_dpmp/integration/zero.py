@@ -121,13 +121,15 @@ def then_finish_zero(closure: Callable[[], Any], engine: ZeroEngine, mp_group: A
 
     def run() -> Any:
         result = closure()
-        sync_sequence_partial_grads(engine.shard_params("partial"), mp_group)
+        sync_sequence_partial_grads(list[Any](engine.shard_params("partial")), mp_group)
         return result
 
     return run
 
 
-def memory_report(module: Optional[nn.Module], optimizers: Sequence[Any], engine: Optional[ZeroEngine]) -> dict[str, int]:
+def memory_report(
+    module: Optional[nn.Module], optimizers: Sequence[Any], engine: Optional[ZeroEngine]
+) -> dict[str, int]:
     """Bytes this rank holds now, counted from the storages of the tensors themselves (a freed view counts 0):
     ``parameters`` (the module's and the ZeRO shards), ``gradients``, ``optimizer_state`` and ``buffers``."""
     params: list[Any] = list(module.parameters()) if module is not None else []

@@ -15,8 +15,8 @@
   and freed after the optimizer step. A module called several times per step is gathered again for each call.
 
 Example:
-    >>> engine = ZeroEngine(module, optimizers, level=3, dp_group=grid.dp_group, split=ids, partial=ids2)  # doctest: +SKIP
-    >>> optimizers = engine.optimizers                                       # over the shards  # doctest: +SKIP
+    >>> engine = ZeroEngine(module, optimizers, 3, grid.dp_group, split_ids, partial_ids)  # doctest: +SKIP
+    >>> optimizers = engine.optimizers                                    # over the shards  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Usage: python tests/distributed/zero_worker.py DP MP OUT_DIR [RESUME_DIR]
   every layout: resmlp and gpt at zero=2 and zero=3 (20 AdamW steps, norm clipping, float64): consolidated
     checkpoint, DP collectives of one step, bytes held per rank after a step (from the tensors) and memory_report;
-  (2, 2): also gradient accumulation 2 at zero=2 and zero=3, and a zero=3 run (AdamW + StepLR) of 10 steps saved in on_train_end
-    (still sharded) as a consolidated file ``mid_c.ckpt`` and a sharded folder ``mid_s.ckpt``;
+  (2, 2): also gradient accumulation 2 at zero=2 and zero=3, and a zero=3 run (AdamW + StepLR) of 10 steps saved
+    in on_train_end (still sharded) as a consolidated file ``mid_c.ckpt`` and a sharded folder ``mid_s.ckpt``;
+    Then the GPT with sequence parallelism and the consistency guard at zero=3, and one built on the meta device
+    (``init_module(empty_init=True)``) trained in bf16-mixed at zero=3;
   (4, 1) with RESUME_DIR: zero=2 resumes the sharded (2,2,zero=3) checkpoint, zero=0 the consolidated one, to 20.
 """
 
@@ -75,17 +77,23 @@ class Probe(L.Callback):
             self.res["local_numel"] = sum(p.numel() * p.element_size() for p in pl_module.parameters())
 
 
-def fit(dp, mp, name, zero, out, tag, steps=STEPS, accumulate=1, ckpt_path=None, callbacks=()):
+def fit(dp, mp, name, zero, out, tag, steps=STEPS, accumulate=1, ckpt_path=None, callbacks=(), precision="64-true",
+        meta=False, **strategy_kw):
     L.seed_everything(SEED, workers=True)
-    model, dataset = (SchedResMLP(), make_dataset()) if name == "sched" else build(name)  # sched: AdamW + StepLR
+    if not meta:  # built right after seeding, as the single-process reference builds it
+        model, dataset = (SchedResMLP(), make_dataset()) if name == "sched" else build(name)  # sched: AdamW + StepLR
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, zero=zero, **strategy_kw)
     probe = Probe()
     callbacks = [probe, *callbacks]
-    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, zero=zero)
     trainer = L.Trainer(
-        accelerator="cpu", devices=dp * mp, strategy=strategy, precision="64-true", max_steps=steps,
+        accelerator="cpu", devices=dp * mp, strategy=strategy, precision=precision, max_steps=steps,
         accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )
+    if meta:  # Trainer.init_module(empty_init=True): each rank materialises only its MP shard, then its 1/dp of it
+        dataset = build(name)[1]  # the data are real tensors
+        with trainer.init_module(empty_init=True):
+            model, _ = build(name)
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp // accumulate), ckpt_path=ckpt_path)
     trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))  # after fit: dense again, consolidated
     return probe.res
@@ -101,6 +109,18 @@ def main(dp: int, mp: int, out: str, resume: str) -> dict:
             res[f"accum_z{zero}"] = fit(dp, mp, "resmlp", zero, out, f"accum_z{zero}", accumulate=2)
         save = SaveAtTrainEnd([(True, os.path.join(out, "mid_s.ckpt")), (False, os.path.join(out, "mid_c.ckpt"))])
         fit(dp, mp, "sched", 3, out, "mid", steps=STEPS // 2, callbacks=[save])
+        # sequence parallelism and the consistency guard (every 5 steps, gathering the parameters to check them)
+        res["gpt_sp_z3"] = fit(dp, mp, "gpt", 3, out, "gpt_sp_z3", sequence_parallel=True,
+                               check_consistency_every_n_steps=5)
+        losses: list = []
+
+        class Losses(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses.append(float(outputs["loss"]))
+
+        res["meta_bf16_z3"] = fit(dp, mp, "gpt", 3, out, "meta_bf16_z3", precision="bf16-mixed", meta=True,
+                                  callbacks=[Losses()])
+        res["meta_bf16_z3"]["losses"] = losses
     if resume:
         fit(dp, mp, "sched", 2, out, "resume_z2", ckpt_path=os.path.join(resume, "mid_s.ckpt"))
         fit(dp, mp, "sched", 0, out, "resume_z0", ckpt_path=os.path.join(resume, "mid_c.ckpt"))
