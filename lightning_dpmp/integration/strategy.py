@@ -134,6 +134,7 @@ class DPMPStrategy(GridStrategy):
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
         self._zero = zero
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
+        validate.check_zero_without_ddp(zero, ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

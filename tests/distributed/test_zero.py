@@ -101,9 +101,10 @@ def test_bytes_held_per_rank_under_zero3(layout):
         for r in ranks:
             res = r[f"{name}_z3"]
             held, local = res["held"], res["local_numel"]
-            # Each rank holds 1/dp of its MP-local parameters: total/(dp*mp) when everything is MP-split (mp=1 here),
-            # plus the MP-replicated rest (norms, biases, the 3-class head) at mp>1.
-            target = dense / (dp * mp) if mp == 1 else local / dp
+            # Each rank holds 1/dp of its MP-local parameters: total/(dp*mp) at mp=1, and for the GPT at (2,2) too
+            # (measured +3.4%: norms, biases, wpe are MP-replicated); ResMLP's replicated 3-class head and norms are
+            # 7% of its MP-local parameters, so there the target is MP-local/dp.
+            target = dense / (dp * mp) if mp == 1 or name == "gpt" else local / dp
             print(f"{name} dp={dp} mp={mp} zero=3: held {held}, total/(dp*mp) = {dense / (dp * mp):.0f}")
             for key, factor in (("parameters", 1), ("gradients", 1), ("optimizer_state", 2)):  # AdamW: 2 moments
                 assert abs(held[key] - factor * target) <= 0.05 * factor * target, (name, key, held, target)
@@ -141,8 +142,9 @@ def test_resume_across_dp_mp_and_zero(grid41):
     model = CW.SchedResMLP().double()
     single(2 * CW.STEPS).fit(model, loader(), ckpt_path=str(out / "ref10.ckpt"))
     ref = {"state_dict": model.state_dict()}
-    # (2,2,zero=3) sharded folder -> (4,1,zero=2); (2,2,zero=3) consolidated file -> (4,1,zero=0).
-    for tag in ("resume_z2", "resume_z0"):
+    # (2,2,zero=3) sharded folder -> (4,1,zero=2); (2,2,zero=3) consolidated file -> (4,1,zero=0);
+    # (4,1,zero=0) consolidated file -> (4,1,zero=3).
+    for tag in ("resume_z2", "resume_z0", "resume_z3"):
         worst = _diff(torch.load(out / f"{tag}.ckpt", weights_only=True), ref)
         print(f"{tag}: max |w - w_ref| = {worst:.2e}")
         assert worst <= TOL, (tag, worst)

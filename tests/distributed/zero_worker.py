@@ -7,7 +7,8 @@ Usage: python tests/distributed/zero_worker.py DP MP OUT_DIR [RESUME_DIR]
     in on_train_end (still sharded) as a consolidated file ``mid_c.ckpt`` and a sharded folder ``mid_s.ckpt``;
     Then the GPT with sequence parallelism and the consistency guard at zero=3, and one built on the meta device
     (``init_module(empty_init=True)``) trained in bf16-mixed at zero=3;
-  (4, 1) with RESUME_DIR: zero=2 resumes the sharded (2,2,zero=3) checkpoint, zero=0 the consolidated one, to 20.
+  (4, 1) with RESUME_DIR: zero=2 resumes the sharded (2,2,zero=3) checkpoint, zero=0 the consolidated one, to 20;
+    zero=3 resumes a (4,1,zero=0) checkpoint of 10 steps.
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ def main(dp: int, mp: int, out: str, resume: str) -> dict:
     if resume:
         fit(dp, mp, "sched", 2, out, "resume_z2", ckpt_path=os.path.join(resume, "mid_s.ckpt"))
         fit(dp, mp, "sched", 0, out, "resume_z0", ckpt_path=os.path.join(resume, "mid_c.ckpt"))
+        # and the other way: a zero=0 checkpoint (consolidated, saved in on_train_end) resumed at zero=3
+        save = SaveAtTrainEnd([(False, os.path.join(out, "mid_z0_c.ckpt"))])
+        fit(dp, mp, "sched", 0, out, "mid_z0", steps=STEPS // 2, callbacks=[save])
+        fit(dp, mp, "sched", 3, out, "resume_z3", ckpt_path=os.path.join(out, "mid_z0_c.ckpt"))
     return res
 
 

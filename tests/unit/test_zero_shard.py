@@ -121,3 +121,15 @@ def test_engine_steps_like_the_plain_optimizer(world1, level, tied):
     for (n, a), b in zip(net.named_parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-12), n
     assert len(released[0].state) == len(ref_opt.state)
+
+
+def test_zero_argument_errors_name_the_values():
+    from lightning_dpmp import DPMPStrategy
+
+    with pytest.raises(ValueError, match=r"got 4"):
+        DPMPStrategy(dp=2, mp=1, zero=4)
+    with pytest.raises(ValueError, match=r"zero=1 writes consolidated"):
+        DPMPStrategy(dp=2, mp=1, zero=1, save_distributed_checkpoint=True)
+    with pytest.raises(ValueError, match=r"zero=3 .*\['static_graph'\]"):
+        DPMPStrategy(dp=2, mp=1, zero=3, static_graph=True)
+    DPMPStrategy(dp=2, mp=2, zero=3, save_distributed_checkpoint=True)  # both formats at zero=2/3
