@@ -88,7 +88,7 @@ class ZeroEngine:
             for j, g in enumerate(opt.param_groups):
                 for p in g["params"]:
                     opt_of.setdefault(id(p), (i, j))
-        self.units = find_units(module) if level == 3 else find_units(module)
+        self.units = find_units(module)  # zero=2 buckets by unit too: each block's reduce-scatter overlaps the backward
         unit_of = self._assign_units(module)
         self._broadcast_from_first(module)
         keyed: dict[tuple[Any, ...], list[nn.Parameter]] = {}
