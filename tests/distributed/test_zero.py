@@ -26,7 +26,7 @@ RUNS = [(name, zero) for name in ("resmlp", "gpt") for zero in (2, 3)]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero_reference")
-    return {name: reference_run(name, "64-true", tmp / f"{name}.ckpt") for name in ("resmlp", "gpt")}
+    return {name: reference_run(name, "64-true", tmp / f"{name}.ckpt") for name in ("resmlp", "gpt", "gpt_frozen")}
 
 
 def _launch(tmp_path_factory, dp: int, mp: int, *extra: str):
@@ -151,7 +151,7 @@ def test_resume_across_dp_mp_and_zero(grid41):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_guard_meta_init_and_bf16_compose(grid22, reference):
+def test_sequence_parallel_guard_meta_init_bf16_and_frozen_compose(grid22, reference):
     out, ranks = grid22
     worst = _diff(torch.load(out / "gpt_sp_z3.ckpt", weights_only=True), reference["gpt"])
     assert worst <= TOL, worst  # the partial kind's shard gradients summed over MP; the guard checked every 5 steps
@@ -161,3 +161,9 @@ def test_sequence_parallel_guard_meta_init_and_bf16_compose(grid22, reference):
         losses = meta["losses"]
         assert len(losses) == 20 and all(torch.isfinite(torch.tensor(losses)))
         assert sum(losses[-5:]) < sum(losses[:5])
+        frozen = r["gpt_frozen_z3"]  # frozen attention sharded and gathered (for forward and backward), not reduced
+        assert frozen["held"]["parameters"] == frozen["local_numel"] // 2
+        assert frozen["counts"]["dp/reduce_scatter"] == 6 and frozen["counts"]["dp/all_gather"] == 2 + 2 * 6
+    ckpt = torch.load(out / "gpt_frozen_z3.ckpt", weights_only=True)
+    assert _diff(ckpt, reference["gpt_frozen"]) <= TOL
+    assert ckpt["optimizer_states"][0]["state"].keys() == reference["gpt_frozen"]["optimizer_states"][0]["state"].keys()

@@ -5,7 +5,7 @@ Usage: python tests/distributed/zero_worker.py DP MP OUT_DIR [RESUME_DIR]
     checkpoint, DP collectives of one step, bytes held per rank after a step (from the tensors) and memory_report;
   (2, 2): also gradient accumulation 2 at zero=2 and zero=3, and a zero=3 run (AdamW + StepLR) of 10 steps saved
     in on_train_end (still sharded) as a consolidated file ``mid_c.ckpt`` and a sharded folder ``mid_s.ckpt``;
-    Then the GPT with sequence parallelism and the consistency guard at zero=3, and one built on the meta device
+    Then the GPT with frozen attention, the GPT with sequence parallelism and the consistency guard at zero=3, and one built on the meta device
     (``init_module(empty_init=True)``) trained in bf16-mixed at zero=3;
   (4, 1) with RESUME_DIR: zero=2 resumes the sharded (2,2,zero=3) checkpoint, zero=0 the consolidated one, to 20;
     zero=3 resumes a (4,1,zero=0) checkpoint of 10 steps.
@@ -110,6 +110,7 @@ def main(dp: int, mp: int, out: str, resume: str) -> dict:
             res[f"accum_z{zero}"] = fit(dp, mp, "resmlp", zero, out, f"accum_z{zero}", accumulate=2)
         save = SaveAtTrainEnd([(True, os.path.join(out, "mid_s.ckpt")), (False, os.path.join(out, "mid_c.ckpt"))])
         fit(dp, mp, "sched", 3, out, "mid", steps=STEPS // 2, callbacks=[save])
+        res["gpt_frozen_z3"] = fit(dp, mp, "gpt_frozen", 3, out, "gpt_frozen_z3")  # frozen attention: gathered only
         # sequence parallelism and the consistency guard (every 5 steps, gathering the parameters to check them)
         res["gpt_sp_z3"] = fit(dp, mp, "gpt", 3, out, "gpt_sp_z3", sequence_parallel=True,
                                check_consistency_every_n_steps=5)
