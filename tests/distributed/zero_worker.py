@@ -5,8 +5,8 @@ Usage: python tests/distributed/zero_worker.py DP MP OUT_DIR [RESUME_DIR]
     checkpoint, DP collectives of one step, bytes held per rank after a step (from the tensors) and memory_report;
   (2, 2): also gradient accumulation 2 at zero=2 and zero=3, and a zero=3 run (AdamW + StepLR) of 10 steps saved
     in on_train_end (still sharded) as a consolidated file ``mid_c.ckpt`` and a sharded folder ``mid_s.ckpt``;
-    Then the GPT with frozen attention, the GPT with sequence parallelism and the consistency guard at zero=3, and one built on the meta device
-    (``init_module(empty_init=True)``) trained in bf16-mixed at zero=3;
+    Then, at zero=3, the GPT with frozen attention, the GPT with sequence parallelism and the consistency guard,
+    and one built on the meta device (``init_module(empty_init=True)``) trained in bf16-mixed;
   (4, 1) with RESUME_DIR: zero=2 resumes the sharded (2,2,zero=3) checkpoint, zero=0 the consolidated one, to 20;
     zero=3 resumes a (4,1,zero=0) checkpoint of 10 steps.
 """
