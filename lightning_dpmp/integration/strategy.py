@@ -198,7 +198,8 @@ class DPMPStrategy(GridStrategy):
         # Before the step: parameters as the previous step left them, and the batch this step will use.
         if self._guard.every_n_steps and self.lightning_module is not None:
             step = self.lightning_module.trainer.global_step
-            with self.parameters_whole():
+            due = step % self._guard.every_n_steps == 0  # zero=3 gathers the parameters only for a check
+            with self.parameters_whole() if due else nullcontext():
                 self._guard.maybe_check(step, self.lightning_module, batch, self._grid, self.root_device)
         super().on_train_batch_start(batch, batch_idx)
 
