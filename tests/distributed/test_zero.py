@@ -156,6 +156,8 @@ def test_sequence_parallel_guard_meta_init_bf16_and_frozen_compose(grid22, refer
     worst = _diff(torch.load(out / "gpt_sp_z3.ckpt", weights_only=True), reference["gpt"])
     assert worst <= TOL, worst  # the partial kind's shard gradients summed over MP; the guard checked every 5 steps
     for r in ranks:
+        sp = r["gpt_sp_z3"]  # a step the guard does not check gathers nothing extra
+        assert sp["counts"]["dp/all_gather"] == sp["buckets"]["root"] + 2 * sp["buckets"]["child"]
         meta = r["meta_bf16_z3"]
         assert abs(meta["held"]["parameters"] - meta["local_numel"] / 2) <= 0.05 * meta["local_numel"] / 2
         losses = meta["losses"]
