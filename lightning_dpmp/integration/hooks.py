@@ -28,11 +28,12 @@ from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_sequence_part
 __all__ = ["install", "remove", "then_sum_sequence_partial"]
 
 
-def install(plugin: Any, split_params: set[int], group: Any) -> None:
-    """Shadow the plugin's ``clip_grad_by_norm`` on this instance with the global-norm clip."""
+def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = None) -> None:
+    """Shadow the plugin's ``clip_grad_by_norm`` on this instance with the global-norm clip; ``dp_group`` when
+    the gradients are DP shards (ZeRO-2/3)."""
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val), split_params, group)
+        clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val), split_params, group, dp_group)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
 

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -42,10 +43,17 @@ from lightning_dpmp.integration.layout import resolve_aliases
 from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.integration.split import split_model, unsplit_model
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
-from lightning_dpmp.integration.zero import shard_over_dp
+from lightning_dpmp.integration.zero import (
+    build_engine,
+    memory_report,
+    repoint_schedulers,
+    shard_over_dp,
+    then_finish_zero,
+)
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
+from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.materialize import is_meta
 
 log = logging.getLogger(__name__)
@@ -79,7 +87,11 @@ class DPMPStrategy(GridStrategy):
             600 when neither this nor ``timeout`` is given.
         timeout: the same as a ``timedelta``, as ``DDPStrategy`` takes it; give one of the two.
         zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.integration.zero`): 1/dp
-            of it per rank, same training trajectory; checkpoints stay consolidated.
+            of it per rank, same training trajectory; checkpoints stay consolidated. 2 shards the gradients too
+            (reduce-scattered over DP in buckets during the backward, parameters all-gathered after the step; no
+            DDP wrapper), 3 the parameters as well (gathered per block for its forward and again for its backward,
+            freed after; :mod:`lightning_dpmp.parallel.zero_engine`). Levels 2/3 need an element-wise optimizer
+            (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB) and write both checkpoint formats.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -125,6 +137,7 @@ class DPMPStrategy(GridStrategy):
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
         self._zero = zero
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
+        validate.check_zero_without_ddp(zero, ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -147,6 +160,7 @@ class DPMPStrategy(GridStrategy):
         self._sequence_partial: list[torch.nn.Parameter] = []
         self._failed = False
         self._undo_sync_skip: Optional[Callable[[], None]] = None  # set by model_to_device outside fitting
+        self._zero_engine: Optional[ZeroEngine] = None  # zero=2/3 while fitting
 
     @property
     def rng_tracker(self) -> Optional[RNGTracker]:
@@ -177,6 +191,9 @@ class DPMPStrategy(GridStrategy):
             use_sampler = compat.uses_distributed_sampler(trainer)
             warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
             validate.warn_if_data_smaller_than_dp(trainer.train_dataloader, use_sampler, self.dp)
+        if self.is_global_zero:
+            held = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in self.memory_report().items())
+            rank_zero_info(f"  bytes held per rank (rank 0, zero={self._zero}): {held}")
         super().on_train_start()
 
     @override
@@ -184,13 +201,17 @@ class DPMPStrategy(GridStrategy):
         # Before the step: parameters as the previous step left them, and the batch this step will use.
         if self._guard.every_n_steps and self.lightning_module is not None:
             step = self.lightning_module.trainer.global_step
-            self._guard.maybe_check(step, self.lightning_module, batch, self._grid, self.root_device)
+            due = step % self._guard.every_n_steps == 0  # zero=3 gathers the parameters only for a check
+            with self.parameters_whole() if due else nullcontext():
+                self._guard.maybe_check(step, self.lightning_module, batch, self._grid, self.root_device)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_train_end(self) -> None:
         if self._guard.every_n_steps and self.lightning_module is not None and self._grid is not None:
-            self._guard.check(self.lightning_module, None, self._grid, self.root_device, where="the end of training")
+            with self.parameters_whole():
+                end = "the end of training"
+                self._guard.check(self.lightning_module, None, self._grid, self.root_device, where=end)
         super().on_train_end()
 
     # ------------------------------------------------------------------ model setup
@@ -204,8 +225,9 @@ class DPMPStrategy(GridStrategy):
         super().setup(trainer)
         if self._undo_sync_skip is not None:
             self._undo_sync_skip()
-        if self.mp > 1:
-            hooks.install(self.precision_plugin, self._split_params, self.grid.mp_group)
+        if self.mp > 1 or self._zero_engine is not None:
+            dp_group = self.grid.dp_group if self._zero_engine is not None else None
+            hooks.install(self.precision_plugin, self._split_params, self.grid.mp_group, dp_group)
 
     @override
     def model_to_device(self) -> None:
@@ -234,8 +256,8 @@ class DPMPStrategy(GridStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if self.dp == 1:
-            return  # no DP replicas to average over: no DDP wrapper
+        if self.dp == 1 or self._zero >= 2:
+            return  # no DP replicas to average over, or ZeRO-2/3 reduce-scatters the gradients itself
         # With mp=1 the DP group is the world: give DDP the default group, exactly as DDPStrategy does.
         compat.ddp_kwargs(self)["process_group"] = self.grid.dp_group if self.mp > 1 else None
         super().configure_ddp()
@@ -244,16 +266,45 @@ class DPMPStrategy(GridStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:
         # The precision plugin runs `closure` (backward) inside optimizer.step, then clips: the sequence-parallel
         # partial gradients must be summed between the two, so the sum runs at the end of the closure.
+        if self._zero_engine is not None:
+            closure = then_finish_zero(closure, self._zero_engine, self.grid.mp_group)
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._zero_engine.after_step()
+            return out
         if self._sequence_partial:
             mine = {id(p) for p in self.precision_plugin.main_params(optimizer)}
             partial = [p for p in self._sequence_partial if id(p) in mine]
             closure = hooks.then_sum_sequence_partial(closure, partial, self.grid.mp_group)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._zero_engine is None:
+            with super().block_backward_sync():
+                yield
+            return
+        with self._zero_engine.no_sync():  # accumulating micro-batch: zero=2 keeps gradients local
+            yield
+
+    def parameters_whole(self) -> Any:
+        """A context in which the module's parameters hold their values (zero=3 gathers them over DP, then frees)."""
+        return self._zero_engine.gathered() if self._zero_engine is not None else nullcontext()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now: ``parameters``, ``gradients``, ``optimizer_state``, ``buffers``, counted from
+        the tensors' storages (parameters freed by zero=3 count 0; its DP shards count)."""
+        return memory_report(self.lightning_module, self.optimizers, self._zero_engine)
+
     def _step_then_leave_sharded_rng(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        engine = self._zero_engine
+        if engine is not None:
+            engine.gather_root()  # zero=3: the parameters outside the repeated blocks, for this step
         try:
             return getattr(super(), name)(*args, **kwargs)
         finally:
+            if engine is not None and name != "training_step":
+                engine.free_root()  # a training step's root stays until its optimizer step
             if self._rng is not None:
                 self._rng.exit()  # the data pipeline between steps must see the replicated RNG stream
 
@@ -269,7 +320,12 @@ class DPMPStrategy(GridStrategy):
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         super().setup_optimizers(trainer)
-        if self._zero and self.dp > 1:
+        if self._zero >= 2 and self.dp > 1:
+            assert self.lightning_module is not None
+            self._zero_engine = build_engine(self.lightning_module, self.optimizers, self.lr_scheduler_configs,
+                                             self._zero, self.grid.dp_group, self._split_params, self._sequence_partial)
+            self.optimizers = self._zero_engine.optimizers
+        elif self._zero and self.dp > 1:
             self.optimizers = shard_over_dp(self.optimizers, self.lr_scheduler_configs, self.grid.dp_group)
 
     @contextmanager
@@ -290,6 +346,11 @@ class DPMPStrategy(GridStrategy):
     @override
     def teardown(self) -> None:
         lm = self.lightning_module
+        if self._zero_engine is not None and not self._failed:
+            plain = self._zero_engine.release()  # whole parameters and a plain optimizer, as without ZeRO
+            repoint_schedulers(self.optimizers, plain, self.lr_scheduler_configs)
+            self.optimizers = plain
+        self._zero_engine = None
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
             unsplit_model(self)  # before super(): it moves the module to CPU, where NCCL cannot gather
         hooks.remove(self.precision_plugin)

@@ -6,6 +6,11 @@ shards into a folder (:mod:`lightning_dpmp.checkpoint.sharded`). Both load after
 so each rank reads only its slices. The strategy owns one :class:`StrategyCheckpointer` and delegates its checkpoint
 hooks to it.
 
+ZeRO-2/3: every hook sees the model as it is without ZeRO (:meth:`StrategyCheckpointer._plain`): parameters
+gathered over DP into the MP-local ones, and a plain optimizer over them holding the per-parameter state gathered
+from the shards; a load goes into that plain view, then back into the shards. Both formats therefore resume into
+any (dp, mp, zero).
+
 Example:
     >>> trainer.save_checkpoint("last.ckpt")                  # collective; rank 0 writes  # doctest: +SKIP
     >>> trainer.fit(model, ckpt_path="last.ckpt")             # any (dp, mp)                # doctest: +SKIP
@@ -73,11 +78,27 @@ class StrategyCheckpointer:
         grid = self.strategy.grid_or_none
         return grid is not None and not self.distributed and grid.dp_rank == 0
 
+    def _engine(self) -> Any:
+        return getattr(self.strategy, "_zero_engine", None)
+
+    def _plain(self, optimizer: Any, with_state: bool) -> Any:
+        """``optimizer`` as without ZeRO-2/3 (a plain optimizer over the module's parameters; collective over DP
+        ``with_state``), or ``optimizer`` itself when it is not a ZeRO-2/3 one."""
+        engine, inner = self._engine(), compat.unwrap_optimizer(optimizer)
+        if engine is None or not any(inner is o for o in engine.optimizers):
+            return optimizer
+        return engine.plain_optimizer(next(i for i, o in enumerate(engine.optimizers) if o is inner), with_state)
+
     def module_state_dict(self) -> dict[str, Any]:
         """The module's state: dense on the ranks that write a consolidated file, local shards elsewhere."""
         lm = self.strategy.lightning_module
         assert lm is not None
-        state = lm.state_dict()
+        engine = self._engine()
+        if engine is not None:
+            with engine.gathered():  # zero=3: freed again after, so keep copies
+                state = {k: v.clone() if isinstance(v, Tensor) else v for k, v in lm.state_dict().items()}
+        else:
+            state = lm.state_dict()
         dims = shard_dims(lm)
         if not dims or not self._gathers():
             return state  # local shards: sharded saves write them as they are, and DP ranks > 0 do not write
@@ -86,6 +107,7 @@ class StrategyCheckpointer:
     def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
         """The optimizer's state (``default``: Lightning's), consolidated to dense shapes where :meth:`_gathers`."""
         grid = self.strategy.grid_or_none
+        optimizer = self._plain(optimizer, with_state=True)
         if is_zero(optimizer) and grid is not None:
             # ZeRO-1: the DP group's first rank gathers the partitions; each such rank holds its MP shard's state
             state = zero_state_dict(optimizer, keep=grid.dp_rank == 0)
@@ -118,7 +140,8 @@ class StrategyCheckpointer:
                 raise TypeError("DPMPStrategy(save_distributed_checkpoint=True) does not take `storage_options`.")
             checkpoint["dpmp"]["format"] = "sharded"
             assert st.lightning_module is not None
-            save_sharded(checkpoint, path, st.lightning_module, st.optimizers, st.grid_or_none, st.root_device.type)
+            optimizers = [self._plain(o, with_state=False) for o in st.optimizers]  # for the parameter names
+            save_sharded(checkpoint, path, st.lightning_module, optimizers, st.grid_or_none, st.root_device.type)
             return
         if "://" in path or type(st.checkpoint_io) is not TorchCheckpointIO:
             write = lambda: st.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
@@ -145,7 +168,8 @@ class StrategyCheckpointer:
         lm = st.lightning_module
         assert lm is not None
         if is_sharded_checkpoint(found):
-            return load_sharded(found, lm, st.optimizers, st.grid, lm.strict_loading, st.root_device.type)
+            optimizers = [self._plain(o, with_state=False) for o in st.optimizers]  # for the parameter names
+            return load_sharded(found, lm, optimizers, st.grid, lm.strict_loading, st.root_device.type)
         if "://" in found or not os.path.exists(found):
             return st.checkpoint_io.load_checkpoint(found, weights_only=True)
         return load_checked(found, load_file)  # a truncated file: named, and said to be incomplete
@@ -172,14 +196,20 @@ class StrategyCheckpointer:
             check_state_matches(dense_shapes(lm, st.grid.mp_group), found, strict)  # names the first difference
             if shard_dims(lm):
                 state = shard_state_dict(state, shard_dims(lm), st.grid.mp_group, shard_blocks(lm))
-        lm.load_state_dict(state, strict=strict)
+        engine = self._engine()
+        if engine is None:
+            lm.load_state_dict(state, strict=strict)
+            return
+        with engine.gathered(write_back=True):  # zero=2/3: into the parameters, then into the DP shards
+            lm.load_state_dict(state, strict=strict)
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the optimizer states (sharded to this rank's slices), then the RNG streams."""
         from lightning_dpmp.checkpoint.sharded import LOCAL_LAYOUT_KEY
 
         st = self.strategy
-        for optimizer, state in zip(st.optimizers, checkpoint["optimizer_states"]):
+        for original, state in zip(st.optimizers, checkpoint["optimizer_states"]):
+            optimizer = self._plain(original, with_state=False)  # zero=2/3: loaded as without ZeRO, then sharded
             if st.grid_or_none is not None and st.mp > 1 and not checkpoint.get(LOCAL_LAYOUT_KEY):
                 lm = st.lightning_module
                 state = shard_optimizer_state(
@@ -187,6 +217,10 @@ class StrategyCheckpointer:
                 )
             optimizer.load_state_dict(state)
             compat.optimizer_to_device(optimizer, st.root_device)
+            if optimizer is not original:
+                engine = self._engine()
+                engine.load_plain(next(i for i, o in enumerate(engine.optimizers) if o is compat.unwrap_optimizer(
+                    original)), optimizer)
         # Called last before the fit loop runs: the RNG streams continue where the saving run left them.
         restore_rng_from(checkpoint, st.dp, st.mp, st.global_rank, st.root_device)
         tracker = checkpoint.get(_TRACKER_KEY)

@@ -46,6 +46,7 @@ __all__ = [
     "check_ckpt_path",
     "check_init_args",
     "check_plan_at_setup",
+    "check_zero_without_ddp",
     "ddp_kwargs_from_user",
     "only_rank_zero_reports",
     "warn_if_data_smaller_than_dp",
@@ -84,9 +85,12 @@ def check_init_args(
     ``check_consistency_every_n_steps`` are checked where they are used)."""
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
         raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
-    if zero not in (0, 1) or isinstance(zero, bool):
-        raise ValueError(f"`zero` must be 0 (off) or 1 (optimizer state sharded over DP), got {zero!r}.")
-    if zero and save_distributed_checkpoint:
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise ValueError(
+            f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters),"
+            f" got {zero!r}."
+        )
+    if zero == 1 and save_distributed_checkpoint:
         raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
     check_styles(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
@@ -101,6 +105,15 @@ def check_init_args(
         close = difflib.get_close_matches(str(start_method), _START_METHODS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"`start_method` must be one of {', '.join(_START_METHODS)}, got {start_method!r}{hint}.")
+
+
+def check_zero_without_ddp(zero: int, ddp_kwargs: Mapping[str, Any]) -> None:
+    """zero=2/3 reduce-scatter the gradients themselves, with no DDP wrapper: DDP options would be ignored."""
+    if zero >= 2 and ddp_kwargs:
+        raise ValueError(
+            f"zero={zero} shards gradients over DP without DistributedDataParallel, so DDP options do not apply;"
+            f" got {sorted(ddp_kwargs)}. Drop them, or use zero=0 or zero=1."
+        )
 
 
 def ddp_kwargs_from_user(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,13 @@
-"""ZeRO-1 over the DP group: each DP rank keeps the optimizer state of 1/dp of the parameters.
+"""ZeRO over the DP group. ZeRO-1: each DP rank keeps the optimizer state of 1/dp of the parameters; ZeRO-2/3:
+the gradients (and, at 3, the parameters) too, through :class:`~lightning_dpmp.parallel.zero_engine.ZeroEngine`.
 
 torch's ``ZeroRedundancyOptimizer`` partitions the optimizer state across a process group and broadcasts the
 updated parameters after each step. Given the DP group, it composes with tensor parallelism: the MP shards are
 what gets partitioned, so each rank holds 1/(dp·mp) of AdamW's moments. AdamW is element-wise, so the update, and
 with it the training trajectory, is the same as without ZeRO.
+
+ZeRO-2/3 (:func:`build_engine`) need no DDP wrapper: the engine reduce-scatters the gradients over DP itself.
+:func:`memory_report` counts what a rank holds, from the tensors' storages, at every level.
 
 Example:
     >>> optimizers = shard_over_dp(optimizers, scheduler_configs, grid.dp_group)   # doctest: +SKIP
@@ -12,14 +16,22 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
+from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 import lightning_dpmp.compat as compat
+from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
+from lightning_dpmp.parallel.zero_engine import ZeroEngine
+from lightning_dpmp.parallel.zero_shard import storage_bytes
 
-__all__ = ["is_zero", "optimizer_state_bytes", "shard_over_dp", "zero_state_dict"]
+__all__ = [
+    "build_engine", "is_zero", "memory_report", "optimizer_state_bytes", "repoint_schedulers", "shard_over_dp",
+    "then_finish_zero", "zero_state_dict",
+]
 
 
 def _constructor_defaults(cls: Any, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -81,3 +93,55 @@ def unshard(zero: Any, moved: Any, full_state: dict[str, Any]) -> Optimizer:
     if full_state:
         plain.load_state_dict(full_state)
     return plain
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO-2/3
+def repoint_schedulers(old: Sequence[Any], new: Sequence[Any], scheduler_configs: list[Any]) -> None:
+    """LR schedulers of ``old[i]`` now drive ``new[i]`` (their state lives in the param groups, which are copied)."""
+    for o, n in zip(old, new):
+        for cfg in scheduler_configs:
+            if getattr(cfg.scheduler, "optimizer", None) is compat.unwrap_optimizer(o):
+                cfg.scheduler.optimizer = n
+
+
+def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, dp_group: Any,
+                 split_params: set[int], sequence_partial: Sequence[nn.Parameter]) -> ZeroEngine:
+    """Shard ``module`` and its optimizers over ``dp_group`` (zero=``level``); schedulers re-pointed, and the ids of
+    the MP-split shards added to ``split_params`` so that the global-norm clip sums their squares over MP."""
+    plain = [compat.unwrap_optimizer(o) for o in optimizers]
+    engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in sequence_partial})
+    repoint_schedulers(plain, engine.optimizers, scheduler_configs)
+    split_params.update(id(p) for p in engine.shard_params("split"))
+    return engine
+
+
+def then_finish_zero(closure: Callable[[], Any], engine: ZeroEngine, mp_group: Any) -> Callable[[], Any]:
+    """``closure`` (forward and backward; the engine's end-of-backward already waited for the reduce-scatters),
+    then the MP sum of the sequence-parallel partial shards' gradients, before the clip and the step."""
+
+    def run() -> Any:
+        result = closure()
+        sync_sequence_partial_grads(list[Any](engine.shard_params("partial")), mp_group)
+        return result
+
+    return run
+
+
+def memory_report(
+    module: Optional[nn.Module], optimizers: Sequence[Any], engine: Optional[ZeroEngine]
+) -> dict[str, int]:
+    """Bytes this rank holds now, counted from the storages of the tensors themselves (a freed view counts 0):
+    ``parameters`` (the module's and the ZeRO shards), ``gradients``, ``optimizer_state`` and ``buffers``."""
+    params: list[Any] = list(module.parameters()) if module is not None else []
+    if engine is not None:
+        params += engine.shard_params() + [b.shard for b in engine.buckets if not b.trainable]
+    inner = [compat.unwrap_optimizer(o) for o in optimizers]
+    inner = [o.optim if isinstance(o, ZeroRedundancyOptimizer) else o for o in inner]
+    state = [v for o in inner for s in o.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    seen: set[int] = set()
+    return {
+        "parameters": storage_bytes(params, seen),
+        "gradients": storage_bytes([p.grad for p in params if p.grad is not None], seen),
+        "optimizer_state": storage_bytes(state, seen),
+        "buffers": storage_bytes(list(module.buffers()) if module is not None else [], seen),
+    }

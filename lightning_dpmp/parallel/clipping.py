@@ -2,7 +2,8 @@
 
 Each rank of an MP group holds 1/mp of every split parameter and all of every replicated one. The global squared
 norm is the MP-sum of the split parameters' squared norms plus the replicated parameters' squared norm counted
-once; every rank then scales by the same factor, exactly as single-process ``clip_grad_norm_`` would.
+once; every rank then scales by the same factor, exactly as single-process ``clip_grad_norm_`` would. Under
+ZeRO-2/3 the gradients are flat DP shards (zero padding): the squares are then also summed over ``dp_group``.
 
 Example:
     >>> params = [torch.nn.Parameter(torch.ones(3))]
@@ -26,10 +27,11 @@ from lightning_dpmp.parallel.comm import all_reduce_sum
 __all__ = ["clip_grad_norm_", "grad_norm", "sync_sequence_partial_grads"]
 
 
-def grad_norm(params: Iterable[Tensor], split: set[int], group: Any) -> Tensor:
-    """The 2-norm of the dense gradient; ``split`` holds ``id()`` of the parameters that are MP shards."""
+def grad_norm(params: Iterable[Tensor], split: set[int], group: Any, dp_group: Any = None) -> Tensor:
+    """The 2-norm of the dense gradient; ``split`` holds ``id()`` of the parameters that are MP shards;
+    ``dp_group``: the gradients are also sharded over DP (ZeRO-2/3), every rank's part summed."""
     grads = [(p.grad, id(p) in split) for p in params if p.grad is not None]
-    if not grads:
+    if not grads:  # the same on every rank: DP shards get gradients from the same graph
         return torch.tensor(0.0)
     device, dtype = grads[0][0].device, grads[0][0].dtype
     sq = torch.zeros(2, device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -37,13 +39,19 @@ def grad_norm(params: Iterable[Tensor], split: set[int], group: Any) -> Tensor:
         sq[0 if is_split else 1] += torch.linalg.vector_norm(g.detach(), 2, dtype=sq.dtype) ** 2
     # One all-reduce for the split part only; the replicated part is identical on every MP rank.
     sharded = all_reduce_sum(sq[:1].clone(), group)
-    return (sharded[0] + sq[1]).sqrt()
+    total = sharded[0] + sq[1]
+    if dp_group is not None:  # each DP rank holds 1/dp of every flat gradient (the padding is zero)
+        total = all_reduce_sum(total.reshape(1), dp_group)[0]
+    return total.sqrt()
 
 
-def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, split: set[int], group: Any) -> Tensor:
-    """Scale gradients in place so that their dense 2-norm is at most ``max_norm``; returns the norm before."""
+def clip_grad_norm_(
+    params: Iterable[Tensor], max_norm: float, split: set[int], group: Any, dp_group: Any = None
+) -> Tensor:
+    """Scale gradients in place so that their dense 2-norm is at most ``max_norm``; returns the norm before.
+    ``dp_group``: the gradients are DP shards (ZeRO-2/3)."""
     params = [p for p in params if p.grad is not None]
-    total = grad_norm(params, split, group)
+    total = grad_norm(params, split, group, dp_group)
     # Same formula as torch.nn.utils.clip_grad_norm_, so single-process and sharded runs clip alike.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:

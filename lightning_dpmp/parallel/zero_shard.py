@@ -1,0 +1,274 @@
+"""ZeRO-2/3 over the DP group, the flat-shard layer: buffers, their DP slices, and the optimizer over the slices.
+
+The trainable MP-local parameters are laid out in flat buffers (:class:`FlatLayout`), one per bucket: the
+parameters of one unit (a repeated block, or the root rest), one optimizer param group, one *kind* and one dtype.
+Kinds keep apart what the global-norm clip and the sequence-parallel sum treat differently: ``"split"`` (MP shards:
+their squares are summed over MP), ``"replicated"``, ``"partial"`` (sequence-parallel partial gradients, summed
+over MP once per step) and ``"frozen"`` (never reduced, only gathered, ZeRO-3). Each buffer is padded to a multiple
+of ``dp``; DP rank ``r`` owns the contiguous slice ``[r·n/dp, (r+1)·n/dp)``, held as a flat ``nn.Parameter``, the
+*shard*. The module's parameters become views into the gathered buffer (``Bucket.full``), so gathering the buffer
+updates them without a copy, and freeing its storage (ZeRO-3) frees them; autograd's saved tensors are those views,
+so they see the data gathered again before the backward.
+
+The user's optimizer is rebuilt as the same class over the shards, with the same hyper-parameters per group
+(:func:`rebuild_optimizer`). That is exact for element-wise optimizers (SGD, Adam, AdamW, RMSprop, ...); an
+optimizer whose update depends on a parameter's shape (Adafactor, Shampoo, LAMB's per-tensor trust ratio, LBFGS)
+would see flat slices instead and is not supported; torch's own such classes are refused.
+
+Example:
+    >>> layout = FlatLayout.of([3, 4], dp=2)          # two parameters of 3 and 4 elements
+    >>> layout.total, layout.shard, layout.owned(1)
+    (8, 4, (4, 8))
+    >>> layout.pieces(1)                                # (param index, param lo, param hi, shard lo)
+    [(1, 1, 4, 0)]
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "Bucket", "FlatLayout", "all_gather_flat", "optimizer_defaults", "rebuild_optimizer", "reduce_scatter_flat",
+    "storage_bytes",
+]
+
+KINDS = ("split", "replicated", "partial", "frozen")
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter lies in a flat buffer padded to a multiple of ``dp``, and which slice each rank owns."""
+
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    total: int  # padded length
+    shard: int  # total // dp
+    dp: int
+
+    @classmethod
+    def of(cls, numels: list[int], dp: int) -> FlatLayout:
+        offsets, at = [], 0
+        for n in numels:
+            offsets.append(at)
+            at += n
+        total = -(-at // dp) * dp if at else dp
+        return cls(tuple(numels), tuple(offsets), total, total // dp, dp)
+
+    def owned(self, rank: int) -> tuple[int, int]:
+        """``[lo, hi)`` of the flat buffer that DP rank ``rank`` owns."""
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """The parts of each parameter inside ``rank``'s slice: ``(index, param lo, param hi, shard lo)``."""
+        lo, hi = self.owned(rank)
+        out = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((i, a - off, b - off, a - lo))
+        return out
+
+
+# ------------------------------------------------------------------------------------------ collectives
+# gloo on torch 2.13 has both tensor collectives (measured); torch 2.13 names them ``*_single`` (the ``*_tensor``
+# names warn there); the list forms are the fallback for backends without them.
+_RS = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_AG = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def reduce_scatter_flat(out: Tensor, flat: Tensor, group: Any, async_op: bool) -> Any:
+    """SUM-reduce ``flat`` over ``group``, this rank's ``1/n`` slice into ``out``."""
+    try:
+        return _RS(out, flat, group=group, async_op=async_op)
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - backends without the tensor form
+        return dist.reduce_scatter(out, list(flat.chunk(dist.get_world_size(group))), group=group, async_op=async_op)
+
+
+def all_gather_flat(full: Tensor, shard: Tensor, group: Any, async_op: bool) -> Any:
+    """Every rank's ``shard`` concatenated into ``full`` (in rank order)."""
+    try:
+        return _AG(full, shard, group=group, async_op=async_op)
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - backends without the tensor form
+        return dist.all_gather(list(full.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op)
+
+
+def storage_bytes(tensors: list[Tensor], seen: Optional[set[int]] = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` as allocated now (a freed view counts 0)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if st.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+# ------------------------------------------------------------------------------------------ a bucket
+class Bucket:
+    """One flat buffer over ``params`` (same dtype and device), its DP shard, and its pending collectives.
+
+    Args:
+        params: the MP-local parameters, in module order.
+        kind: one of ``KINDS``.
+        unit: index of the unit (``-1`` the root) whose forward uses them.
+        opt_key: ``(optimizer index, param group index)``; ``None`` for parameters no optimizer steps.
+        group: the DP process group; ``dp``/``rank`` its size and this rank's index in it.
+    """
+
+    def __init__(self, params: list[nn.Parameter], kind: str, unit: int, opt_key: Optional[tuple[int, int]],
+                 group: Any, dp: int, rank: int) -> None:
+        self.params, self.kind, self.unit, self.opt_key = params, kind, unit, opt_key
+        self.group, self.dp, self.rank = group, dp, rank
+        self.layout = FlatLayout.of([p.numel() for p in params], dp)
+        p0 = params[0]
+        self.full = torch.zeros(self.layout.total, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for p, off in zip(params, self.layout.offsets):
+                self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                # The parameter keeps its object (and attributes) but now lives in the flat buffer.
+                p.data = self.full[off : off + p.numel()].view(p.shape)
+        lo, hi = self.layout.owned(rank)
+        self.shard = nn.Parameter(self.full[lo:hi].clone(), requires_grad=self.trainable)
+        self.gathered = True
+        self._gather_work: Any = None
+        self._rs: Optional[tuple[Any, Tensor, Tensor]] = None  # (work, out, flat input kept alive)
+        self.fired: set[int] = set()
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind != "frozen" and self.opt_key is not None
+
+    # ---------------------------------------------------------------- parameters
+    def gather(self, async_op: bool = False) -> None:
+        """Make the full buffer (and so the module's parameters) hold the current values of every rank's shard."""
+        if self.gathered:
+            if not async_op:
+                self.wait_gather()
+            return
+        st = self.full.untyped_storage()
+        st.resize_(self.layout.total * self.full.element_size())
+        with torch.no_grad():
+            work = all_gather_flat(self.full, self.shard.detach(), self.group, async_op)
+        self.gathered = True
+        self._gather_work = work if async_op else None
+
+    def wait_gather(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+
+    def free(self) -> None:
+        """Release the full buffer's storage (ZeRO-3): the module's parameters become empty views until gathered."""
+        if not self.gathered:
+            return
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def params_to_shard(self) -> None:
+        """Copy this rank's slice of the full buffer into the shard (after parameters were written, e.g. loaded)."""
+        lo, hi = self.layout.owned(self.rank)
+        with torch.no_grad():
+            self.shard.copy_(self.full[lo:hi])
+
+    # ---------------------------------------------------------------- gradients
+    def launch_reduce_scatter(self) -> None:
+        """Flatten the parameters' gradients (absent ones are zero), free them, and start the DP reduce-scatter."""
+        if self._rs is not None:
+            return
+        flat = torch.zeros(self.layout.total, dtype=self.full.dtype, device=self.full.device)
+        for p, off in zip(self.params, self.layout.offsets):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.detach().reshape(-1))
+                p.grad = None
+        out = torch.empty(self.layout.shard, dtype=flat.dtype, device=flat.device)
+        self._rs = (reduce_scatter_flat(out, flat, self.group, async_op=True), out, flat)
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter and add the DP average into the shard's gradient."""
+        if self._rs is None:
+            return
+        work, out, _ = self._rs
+        work.wait()
+        self._rs = None
+        out.div_(self.dp)  # SUM / dp: DDP's average
+        if self.shard.grad is None:
+            self.shard.grad = out
+        else:
+            self.shard.grad.add_(out)
+
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    # ---------------------------------------------------------------- optimizer state
+    def export_state(self, shard_state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per-parameter optimizer state from the shard's (collective over DP): element-wise tensors gathered and
+        cut per parameter, everything else (``step``) copied."""
+        per: list[dict[str, Any]] = [{} for _ in self.params]
+        for key, value in shard_state.items():
+            if isinstance(value, Tensor) and value.shape == self.shard.shape:
+                full = torch.empty(self.layout.total, dtype=value.dtype, device=value.device)
+                all_gather_flat(full, value.detach().contiguous(), self.group, async_op=False)
+                for i, (p, off) in enumerate(zip(self.params, self.layout.offsets)):
+                    per[i][key] = full[off : off + p.numel()].view(p.shape).clone()
+            else:
+                for d in per:
+                    d[key] = value.clone() if isinstance(value, Tensor) else value
+        return per
+
+    def import_state(self, per: list[Optional[dict[str, Any]]]) -> dict[str, Any]:
+        """The shard's optimizer state from per-parameter states (no communication): this rank's slices."""
+        known = [d for d in per if d]
+        if not known:
+            return {}
+        out: dict[str, Any] = {}
+        for key, value in known[0].items():
+            if isinstance(value, Tensor) and value.shape == self.params[per.index(known[0])].shape:
+                flat = torch.zeros(self.layout.shard, dtype=value.dtype, device=self.shard.device)
+                for i, a, b, s in self.layout.pieces(self.rank):
+                    if per[i] and key in per[i]:  # type: ignore[operator]
+                        flat[s : s + b - a].copy_(per[i][key].reshape(-1)[a:b])  # type: ignore[index]
+                out[key] = flat
+            else:
+                out[key] = value.clone() if isinstance(value, Tensor) else value
+        return out
+
+
+# ------------------------------------------------------------------------------------------ the optimizer
+def _refused() -> tuple[type, ...]:
+    names = ("Adafactor", "LBFGS", "SparseAdam", "Muon")  # torch's own classes whose update is not element-wise
+    return tuple(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
+
+
+def optimizer_defaults(cls: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``defaults`` minus keys its constructor does not take (AdamW's ``decoupled_weight_decay``)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in defaults.items() if k in accepted}
+
+
+def rebuild_optimizer(opt: Optimizer, groups: list[list[nn.Parameter]]) -> Optimizer:
+    """The same optimizer class over ``groups`` (one list of shard parameters per original param group), with each
+    group's hyper-parameters; raises for torch's optimizers whose update depends on a parameter's shape."""
+    if isinstance(opt, _refused()):
+        raise ValueError(
+            f"zero=2/3 steps flat slices of the parameters, so {type(opt).__name__} (its update depends on each"
+            " parameter's shape) would compute a different update; use an element-wise optimizer (SGD, Adam,"
+            " AdamW, ...) or zero<=1."
+        )
+    if opt.state:
+        raise RuntimeError("zero=2/3 must rebuild the optimizer before its first step (it already holds state).")
+    new_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": params}
+                  for g, params in zip(opt.param_groups, groups)]
+    return type(opt)(new_groups, **optimizer_defaults(type(opt), opt.defaults))
