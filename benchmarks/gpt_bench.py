@@ -13,13 +13,18 @@ global batch, AdamW, no gradient clipping (ModelParallelStrategy cannot clip by 
 * step time: time between successive ``on_train_batch_start`` on rank 0 (forward, backward, DP and MP
   communication, optimizer); the median over steps after ``--warmup``; tokens/s = global batch tokens / that.
 * per-rank parameter, gradient and optimizer-state bytes (local shards; DTensors counted by their local part);
-  peak RSS of every rank (``ru_maxrss``).
+  peak RSS of every rank (``ru_maxrss``, mostly the Python runtime). Memory of the tensors, measured on one extra,
+  untimed step: *held* = parameters + gradients + optimizer state (+ DDP's gradient buckets, added as one more
+  gradient's bytes where DDP wraps the model) when the step ends; *peak* = what was held when the step began plus
+  the highest running total of allocations minus frees during it (``torch.profiler`` memory events: activations,
+  gathered parameters, communication buffers, the optimizer's temporaries).
 * MP and DP bytes per step: the collectives one extra (untimed) step issues from Python/autograd, by group, sized
   as the full tensor of the collective (all-reduce: the tensor; all-gather: the output; reduce-scatter: the input);
   DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient bytes).
 
 Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy), ``..._sp`` (sequence parallel), ``..._async`` (input-gradient all-reduce
 overlapped with the weight-gradient matmul), ``..._compiled`` (each transformer block ``torch.compile``d),
+``..._zero<k>`` (``zero=k``: 1 optimizer state, 2 + gradients, 3 + parameters sharded over DP),
 ``mps_<dp>x<mp>`` (ModelParallelStrategy: ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2
 ``fully_shard`` over the data-parallel axis), ``ddp_<n>`` (DDPStrategy).
 """
@@ -130,8 +135,59 @@ class _CollectiveBytes:
         self.mode = Mode()
 
 
-def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
+def _held(trainer: Any, pl_module: Any, kind: str) -> dict[str, int]:
+    """Bytes this rank holds now: parameters, gradients, optimizer state, and DDP's gradient buckets.
+
+    DPMPStrategy counts from its tensors' storages (:meth:`DPMPStrategy.memory_report`: the ZeRO-3 parameters freed
+    between uses count 0, their DP shards count); other strategies' tensors are counted here (DTensors by their
+    local part). DDP's reducer copies gradients into buckets of its own that no Python tensor shows, so where DDP
+    wraps the model (DDPStrategy; DPMPStrategy at zero<=1 with dp>1) they are added as one more gradient's bytes.
+    """
     import torch
+
+    params = list(pl_module.parameters())
+    if kind == "dpmp":
+        rep = trainer.strategy.memory_report()
+        out = {k: rep[k] for k in ("parameters", "gradients", "optimizer_state")}
+    else:
+        opt = trainer.optimizers[0]
+        out = {
+            "parameters": sum(_nbytes(p) for p in params),
+            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_state": sum(_nbytes(v) for st in opt.state.values() for v in st.values()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0),
+        }
+    s = trainer.strategy
+    ddp = kind == "ddp" or (kind == "dpmp" and s.dp > 1 and getattr(s, "_zero", 0) < 2)
+    out["ddp_buckets"] = sum(_nbytes(p) for p in params if p.requires_grad) if ddp else 0
+    return out
+
+
+class _AllocationPeak:
+    """The highest running total of CPU/GPU allocations minus frees inside the ``with`` block, from the profiler's
+    memory events (``profile_memory=True``; it sees every allocation through torch's allocators, whoever makes it)."""
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.peak = 0
+
+    def __enter__(self) -> "_AllocationPeak":
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.prof.__exit__(*exc)
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
+        running = 0
+        for _, nbytes in events:
+            running += nbytes
+            self.peak = max(self.peak, running)
+
+
+def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
 
@@ -154,20 +210,25 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
             self.starts.append(time.perf_counter())
             self.cpu.append(time.process_time())
-            if batch_idx == args.steps:  # the extra, untimed step: count its collectives
+            if batch_idx == args.steps:  # the extra, untimed step: count its collectives and its memory
+                self.held_start = _held(trainer, pl_module, kind)
+                self.profiler = _AllocationPeak()
+                self.profiler.__enter__()
                 self.counter = _CollectiveBytes(self._groups(trainer))
                 self.counter.mode.__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
             if self.counter is not None:
                 self.counter.mode.__exit__(None, None, None)
-                params = sum(_nbytes(p) for p in pl_module.parameters())
-                grads = sum(_nbytes(p.grad) for p in pl_module.parameters() if p.grad is not None)
-                opt = trainer.optimizers[0]
-                states = sum(_nbytes(v) for st in opt.state.values() for v in st.values()
-                             if isinstance(v, torch.Tensor) and v.dim() > 0)
+                self.profiler.__exit__(None, None, None)
+                held = _held(trainer, pl_module, kind)
                 local_numel = sum(_local(p).numel() for p in pl_module.parameters())
-                self.memory = {"param_bytes": params, "grad_bytes": grads, "optim_bytes": states,
+                # Peak during the step = what was held when it began + the highest running sum of the allocations
+                # (and frees) the profiler saw in it, forward, backward, communication buffers and optimizer step.
+                start_total = sum(self.held_start.values())
+                self.memory = {"param_bytes": held["parameters"], "grad_bytes": held["gradients"],
+                               "optim_bytes": held["optimizer_state"], "bucket_bytes": held["ddp_buckets"],
+                               "held_bytes": sum(held.values()), "peak_bytes": start_total + self.profiler.peak,
                                "param_numel": local_numel}
                 self._write(trainer)
                 self.counter = None
@@ -363,7 +424,7 @@ def worker(args: argparse.Namespace) -> None:
     from tests.support.models import make_lm_dataset
 
     name = args.config
-    m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled)*)", name)
+    m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3])*)", name)
     if not m:
         raise SystemExit(f"unknown config {name!r}")
     kind, a, b, flags = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4)
@@ -377,7 +438,9 @@ def worker(args: argparse.Namespace) -> None:
 
         if "_async" in flags:
             _async_linear_patch()
-        strategy: Any = DPMPStrategy(dp=dp, mp=mp, sequence_parallel="_sp" in flags, verify_plan=False)
+        zero = re.search(r"_zero(\d)", flags)
+        strategy: Any = DPMPStrategy(dp=dp, mp=mp, sequence_parallel="_sp" in flags, verify_plan=False,
+                                     zero=int(zero.group(1)) if zero else 0)
     elif kind == "mps":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -440,6 +503,9 @@ def summarise(config: str, runs: list[dict[str, Any]], args: argparse.Namespace)
         "grad_mb": max(x["grad_bytes"] for x in runs[0]["ranks"]) / 2**20,
         "optim_mb": max(x["optim_bytes"] for x in runs[0]["ranks"]) / 2**20,
         "param_numel": max(x["param_numel"] for x in runs[0]["ranks"]),
+        "bucket_mb": max(x["bucket_bytes"] for x in runs[0]["ranks"]) / 2**20,
+        "held_mb": max(x["held_bytes"] for x in runs[0]["ranks"]) / 2**20,
+        "peak_mb": max(x["peak_bytes"] for r in runs for x in r["ranks"]) / 2**20,
         "peak_rss_mb": max(x["peak_rss"] for r in runs for x in r["ranks"]) / 2**20,
         "mp_mb_per_step": mp_b / 2**20,
         "dp_mb_per_step": dp_b / 2**20,
@@ -475,23 +541,27 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
         f"{sum(p.numel() for p in net.parameters()):,} parameters; float32, AdamW, {args.world} CPU processes (gloo); "
         f"median of steps {args.warmup + 1}..{args.steps} over {args.rounds} interleaved round(s)",
         "",
-        "| layout | step s | CPU s/step/rank | tokens/s | param MB/rank | grad MB | optim MB | peak RSS MB"
-        " | MP MB/step | DP MB/step | MP collectives/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| layout | step s | CPU s/step/rank | tokens/s | param MB/rank | grad MB | optim MB | DDP bucket MB"
+        " | held MB | peak MB | peak RSS MB | MP MB/step | DP MB/step | MP collectives/step | DP collectives/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for c, r in rows.items():
         mp_calls = ", ".join(f"{k[3:]} {v}" for k, v in sorted(r["comm_calls"].items()) if k.startswith("mp/"))
+        dp_calls = ", ".join(f"{k[3:]} {v}" for k, v in sorted(r["comm_calls"].items()) if k.startswith("dp/"))
         lines.append(
             f"| {c} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['param_mb']:.2f} | "
-            f"{r['grad_mb']:.2f} | {r['optim_mb']:.2f} | {r['peak_rss_mb']:.0f} | {r['mp_mb_per_step']:.2f} | "
-            f"{r['dp_mb_per_step']:.2f} | {mp_calls or '-'} |"
+            f"{r['grad_mb']:.2f} | {r['optim_mb']:.2f} | {r['bucket_mb']:.2f} | {r['held_mb']:.2f} | "
+            f"{r['peak_mb']:.2f} | {r['peak_rss_mb']:.0f} | {r['mp_mb_per_step']:.2f} | "
+            f"{r['dp_mb_per_step']:.2f} | {mp_calls or '-'} | {dp_calls or '-'} |"
         )
     lines.append("")
     targets = (("dpmp_2x2", "mps_2x2", 2.0 if args.model == "hf_llama" else 1.5), ("dpmp_4x1", "ddp_4", 0.98),
                ("dpmp_2x2", "ddp_4", 1 / 1.2 if args.model == "hf_llama" else None))  # hf_llama: issue 11's targets
     for a, b, target in (*targets,
                          ("dpmp_2x2_async", "dpmp_2x2", None), ("dpmp_2x2_compiled", "dpmp_2x2", None),
-                         ("dpmp_2x2_sp", "dpmp_2x2", None)):
+                         ("dpmp_2x2_sp", "dpmp_2x2", None), ("dpmp_2x2_zero3", "mps_2x2", 1.5),
+                         ("dpmp_2x2_zero2", "mps_2x2", None), ("dpmp_2x2_zero1", "dpmp_2x2", 0.95),
+                         ("dpmp_2x2_zero0", "dpmp_2x2", 0.95)):
         r = _ratio(rows, a, b)
         if r is not None:
             verdict = "" if target is None else (f" (target >= {target}: {'holds' if r[0] >= target else 'MISSED'})")
@@ -499,6 +569,13 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
             per_round = ", ".join(f"{x:.3f}" for x in r[1])
             lines.append(f"- throughput {a} / {b}: {r[0]:.3f} (per round: {per_round}){verdict}; "
                          f"CPU time per step, {b} / {a}: {c[0]:.3f}")
+    for a, b in (("dpmp_2x2_zero3", "mps_2x2"), ("dpmp_2x2_zero2", "mps_2x2")):
+        if a in rows and b in rows:  # issue 14: zero=3 holds no more bytes per rank than ModelParallelStrategy+FSDP2
+            for key, what in (("held_mb", "held between steps"), ("peak_mb", "peak during a step")):
+                ok = rows[a][key] <= rows[b][key]
+                lines.append(f"- bytes {what}, {a} / {b}: {rows[a][key]:.2f} / {rows[b][key]:.2f} MB = "
+                             f"{rows[a][key] / rows[b][key]:.3f}" + (f" (target <= 1: {'holds' if ok else 'MISSED'})"
+                                                                      if a.endswith("zero3") else ""))
     for c, r in rows.items():
         m = re.fullmatch(r"dpmp_(\d+)x(\d+).*", c)
         if m:
@@ -508,7 +585,8 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
     text = "\n".join(lines)
     (out / "results.md").write_text(text + "\n")
     with open(out / "results.csv", "w") as f:
-        keys = ["config", "step_s", "cpu_s", "tokens_per_s", "param_mb", "grad_mb", "optim_mb", "peak_rss_mb",
+        keys = ["config", "step_s", "cpu_s", "tokens_per_s", "param_mb", "grad_mb", "optim_mb", "bucket_mb",
+                "held_mb", "peak_mb", "peak_rss_mb",
                 "mp_mb_per_step", "dp_mb_per_step"]
         f.write(",".join(keys) + "\n")
         for r in rows.values():
@@ -531,9 +609,15 @@ def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].bar(names, [rows[n]["tokens_per_s"] for n in names], color="tab:blue")
     axes[0].set_title("throughput (tokens/s, higher is better)")
-    state_mb = [rows[n]["param_mb"] + rows[n]["grad_mb"] + rows[n]["optim_mb"] for n in names]
-    axes[1].bar(names, state_mb, color="tab:green")
-    axes[1].set_title("param + grad + optimizer MB per rank")
+    x = range(len(names))
+    axes[1].bar([i - 0.2 for i in x], [rows[n]["held_mb"] for n in names], width=0.4, label="held between steps",
+                color="tab:green")
+    axes[1].bar([i + 0.2 for i in x], [rows[n]["peak_mb"] for n in names], width=0.4, label="peak in a step",
+                color="tab:olive")
+    axes[1].set_xticks(list(x))
+    axes[1].set_xticklabels(names)
+    axes[1].set_title("tensor MB per rank (lower is better)")
+    axes[1].legend()
     x = range(len(names))
     axes[2].bar([i - 0.2 for i in x], [rows[n]["mp_mb_per_step"] for n in names], width=0.4, label="MP")
     axes[2].bar([i + 0.2 for i in x], [rows[n]["dp_mb_per_step"] for n in names], width=0.4, label="DP")
