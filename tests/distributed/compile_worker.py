@@ -65,17 +65,21 @@ def worst(a: dict, b: dict) -> float:
 
 
 def collectives(group) -> dict:
-    """Tensor collectives vs list collectives on the same inputs, along every dim: bitwise equal?"""
+    """Tensor collectives vs list collectives on the same inputs, along every dim: gathers bitwise equal (and
+    contiguous); reduce-scatters bitwise equal on 2 ranks, and the largest difference to the float64 sum of each."""
     n, rank = comm.group_size(group), dist.get_rank()
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(4 * n, 6 * n, 2 * n, generator=gen, dtype=torch.float32)
-    out = {}
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    out: dict = {"size": n, "supported_cpu_gloo": comm.tensor_collectives_supported(group, torch.device("cpu"))}
     for d in (0, 1, 2, -1):
         g_t, g_l = comm._gather(x, d, group, tensor_api=True), comm._gather(x, d, group, tensor_api=False)
         r_t, r_l = comm._reduce_scatter(x, d, group, True), comm._reduce_scatter(x, d, group, False)
+        exact = torch.stack(parts).double().sum(0).chunk(n, d)[comm.group_rank(group)]
         out[f"gather_dim{d}"] = bool(torch.equal(g_t, g_l)) and g_t.is_contiguous()
         out[f"reduce_scatter_dim{d}"] = bool(torch.equal(r_t, r_l)) and r_t.is_contiguous()
-    out["supported_cpu_gloo"] = comm.tensor_collectives_supported(group, torch.device("cpu"))
+        out[f"reduce_scatter_dim{d}_err"] = max((r - exact).abs().max().item() for r in (r_t.double(), r_l.double()))
     return out
 
 
@@ -98,6 +102,8 @@ def main() -> None:
     results["async_vs_sync_float64"] = worst(overlapped["state"], sync["state"])
     results["overlapped_layers"] = [sync["overlapped"], overlapped["overlapped"]]
     results["moved"] = worst(sync["state"], build("gpt")[0].double().state_dict())
+    mp_groups = [dist.new_group(list(range(d * mp, (d + 1) * mp))) for d in range(dp)]  # every rank builds each
+    results["collectives_mp"] = collectives(mp_groups[dist.get_rank() // mp])
     results["collectives_world"] = collectives(None)
     rank = dist.get_rank()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
