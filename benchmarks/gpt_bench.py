@@ -22,10 +22,11 @@ global batch, AdamW, no gradient clipping (ModelParallelStrategy cannot clip by 
   as the full tensor of the collective (all-reduce: the tensor; all-gather: the output; reduce-scatter: the input);
   DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient bytes).
 
-Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy), ``..._sp`` (sequence parallel), ``..._async`` (input-gradient all-reduce
-overlapped with the weight-gradient matmul), ``..._compiled`` (each transformer block ``torch.compile``d),
-``..._zero<k>`` (``zero=k``: 1 optimizer state, 2 + gradients, 3 + parameters sharded over DP),
-``mps_<dp>x<mp>`` (ModelParallelStrategy: ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2
+Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy, eager, ``async_grad_allreduce=False``), ``..._sp`` (sequence
+parallel), ``..._async`` (``async_grad_allreduce=True``: the input-gradient all-reduce overlapped with the
+weight-gradient matmul), ``..._compiled`` (``compile=True``: each transformer block ``torch.compile``d after the
+split), ``..._zero<k>`` (``zero=k``: 1 optimizer state, 2 + gradients, 3 + parameters sharded over
+DP), ``mps_<dp>x<mp>`` (ModelParallelStrategy: ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2
 ``fully_shard`` over the data-parallel axis), ``ddp_<n>`` (DDPStrategy).
 """
 
@@ -353,67 +354,6 @@ def _lit_module(args: argparse.Namespace, kind: str, mp: int) -> Any:
     return Bench(GPT(**_model_kwargs(args)))
 
 
-def _async_linear_patch() -> None:
-    """Overlap the MP all-reduce of a column layer's input gradient with its weight-gradient matmul.
-
-    Replaces ``ColumnParallelLinear.forward`` for layers with their own entry (no sibling sharing it, no sequence
-    parallelism): one autograd Function does the matmul forward and, backward, starts ``all_reduce(async_op=True)``
-    on ``grad @ W`` before computing ``grad_W = grad^T x`` and ``grad_b``, then waits (Megatron's
-    ``LinearWithGradAccumulationAndAsyncCommunication``). Siblings sharing an entry (q/k/v) keep the shared copy:
-    their input gradient is complete only after all three backward matmuls.
-    """
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from lightning_dpmp.parallel import layers
-
-    class _LinearAsyncAllReduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, weight, bias, group):  # noqa: ANN001
-            ctx.save_for_backward(x, weight)
-            ctx.group, ctx.has_bias = group, bias is not None
-            return F.linear(x, weight, bias)
-
-        @staticmethod
-        def backward(ctx, grad):  # noqa: ANN001
-            x, weight = ctx.saved_tensors
-            grad_x = grad.matmul(weight)
-            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
-            grad_b = g2.sum(0) if ctx.has_bias else None
-            work.wait()
-            return grad_x, grad_w, grad_b, None
-
-    original = layers.ColumnParallelLinear.forward
-
-    def forward(self, x):  # noqa: ANN001
-        if self.shared_input is not None or self.sequence_dim is not None or self.mp == 1 or self.gather_output:
-            return original(self, x)
-        y = _LinearAsyncAllReduce.apply(x, self.weight, self.bias, self.group)
-        if self.vocab_logits:
-            from lightning_dpmp.parallel.loss import VocabShardedLogits
-
-            return VocabShardedLogits.wrap(y, self.group, self.out_features)
-        if self.rng is not None:
-            self.rng.enter()
-        return y
-
-    layers.ColumnParallelLinear.forward = forward
-
-
-def _compile_blocks_callback() -> Any:
-    from lightning.pytorch.callbacks import Callback
-
-    class CompileBlocks(Callback):
-        def on_fit_start(self, trainer, pl_module):  # noqa: ANN001  (after the strategy parallelised the model)
-            for block in pl_module.net.blocks:
-                block.compile()
-
-    return CompileBlocks()
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -436,10 +376,9 @@ def worker(args: argparse.Namespace) -> None:
     if kind == "dpmp":
         from lightning_dpmp import DPMPStrategy
 
-        if "_async" in flags:
-            _async_linear_patch()
         zero = re.search(r"_zero(\d)", flags)
         strategy: Any = DPMPStrategy(dp=dp, mp=mp, sequence_parallel="_sp" in flags, verify_plan=False,
+                                     compile="_compiled" in flags, async_grad_allreduce="_async" in flags,
                                      zero=int(zero.group(1)) if zero else 0)
     elif kind == "mps":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -449,8 +388,8 @@ def worker(args: argparse.Namespace) -> None:
         from lightning.pytorch.strategies import DDPStrategy
 
         strategy = DDPStrategy()
-    if "_compiled" in flags:
-        callbacks.append(_compile_blocks_callback())
+    if "_compiled" in flags and kind != "dpmp":
+        raise SystemExit(f"{name}: _compiled is DPMPStrategy(compile=True); not offered for {kind}")
     per_dp = args.global_batch // dp
     n_steps = args.steps + 1  # + the untimed counting step
     ds = make_lm_dataset(n=args.global_batch * n_steps, vocab=args.vocab, seq=args.seq, seed=1)

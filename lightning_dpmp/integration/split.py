@@ -28,7 +28,7 @@ from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.integration.zero import is_zero, unshard
-from lightning_dpmp.parallel.rng import RNGTracker
+from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.planner.materialize import materialize
 from lightning_dpmp.planner.parallelize import consolidate
@@ -71,7 +71,7 @@ def split_model(
     batch, notes = first_batch(trainer, strategy)
     run = step_runner(trainer, strategy, batch, meta) if batch is not None else None
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    rng = RNGTracker(seed, grid.mp_rank, device) if strategy.mp > 1 else None
+    rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(lm)) if strategy.mp > 1 else None
     applied = plan_module(
         lm, grid, run, dict(plan_overrides) if plan_overrides else None, verify and not meta, device, notes, rng,
         sequence_parallel, str(trainer.precision),

@@ -50,6 +50,8 @@ from lightning_dpmp.integration.zero import (
     shard_over_dp,
     then_finish_zero,
 )
+from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
+from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
@@ -95,6 +97,10 @@ class DPMPStrategy(GridStrategy):
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
+        compile: after the split, ``torch.compile`` each repeated block in place (or the whole model when it has
+            none; :mod:`lightning_dpmp.parallel.compiled`): no graph break inside a block, same parameter names.
+        async_grad_allreduce: overlap a column layer's input-gradient all-reduce with its weight gradient
+            (:mod:`lightning_dpmp.parallel.overlap`); ``None`` (default): on for CUDA, off on CPU/gloo.
         process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
         start_method: ``"popen"`` (default, Lightning's script launcher), ``"spawn"``, ``"fork"``.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``static_graph=True``).
@@ -119,6 +125,8 @@ class DPMPStrategy(GridStrategy):
         timeout_s: Optional[float] = None,
         check_consistency_every_n_steps: int = 0,
         zero: int = 0,
+        compile: bool = False,
+        async_grad_allreduce: Optional[bool] = None,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -134,6 +142,8 @@ class DPMPStrategy(GridStrategy):
         plan_overrides, timeout_s = resolve_aliases(plan_overrides, plan, timeout_s, timeout)
         validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                  save_distributed_checkpoint, process_group_backend, start_method, timeout_s, zero)
+        validate.check_speed_flags(compile, async_grad_allreduce)
+        self._compile, self._async_grad_allreduce = compile, async_grad_allreduce
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
         self._zero = zero
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
@@ -250,6 +260,10 @@ class DPMPStrategy(GridStrategy):
             self._applied_plan.text += "\n" + self.layout_report
         self._sequence_partial, self._split_params = split.sequence_partial, split.split_params
         route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
+        overlap = self._async_grad_allreduce
+        set_async_grad_allreduce(self.model, self.root_device.type == "cuda" if overlap is None else overlap)
+        if self._compile:
+            compile_blocks(self.lightning_module)  # after the split and the plan's eager verification
         if trainer.state.fn != TrainerFn.FITTING:
             # split_model already broadcast rank 0's dense weights before the split.
             self._undo_sync_skip = compat.skip_ddp_state_sync(self.model)
@@ -353,6 +367,8 @@ class DPMPStrategy(GridStrategy):
         self._zero_engine = None
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
             unsplit_model(self)  # before super(): it moves the module to CPU, where NCCL cannot gather
+        if self._compile and lm is not None:
+            uncompile_blocks(lm)
         hooks.remove(self.precision_plugin)
         super().teardown()
 

@@ -116,6 +116,15 @@ def check_zero_without_ddp(zero: int, ddp_kwargs: Mapping[str, Any]) -> None:
         )
 
 
+def check_speed_flags(compile: Any = False, async_grad_allreduce: Any = None) -> None:
+    """Refuse non-boolean ``compile`` and ``async_grad_allreduce`` (which may also be ``None``: by device)."""
+    if not isinstance(compile, bool):
+        raise TypeError(f"`compile` must be True or False, got {compile!r} ({type(compile).__name__}).")
+    if async_grad_allreduce is not None and not isinstance(async_grad_allreduce, bool):
+        raise TypeError(f"`async_grad_allreduce` must be True, False or None (on for CUDA), got "
+                        f"{async_grad_allreduce!r} ({type(async_grad_allreduce).__name__}).")
+
+
 def ddp_kwargs_from_user(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The ``**ddp_kwargs`` to keep: those that differ from ``DistributedDataParallel``'s own defaults.
 

@@ -162,7 +162,7 @@ class HeadParallelMultiheadAttention(_ParallelLinear):
             attn_mask = kpm if attn_mask is None else attn_mask + kpm
         p = self.dropout if self.training else 0.0
         if self.rng is not None:
-            self.rng.enter()  # per-head dropout masks differ across MP ranks (different heads)
+            self.rng.enter_for(self.training)  # per-head dropout masks differ across MP ranks (different heads)
         weights: Optional[Tensor] = None
         if need_weights:
             if is_causal and attn_mask is None:

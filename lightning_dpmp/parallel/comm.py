@@ -4,6 +4,15 @@ Each primitive is a tiny ``torch.autograd.Function`` whose forward and backward 
 reduces, the other copies, and what one gathers, the other splits. All of them are the identity when the group has
 one member, so ``mp=1`` costs nothing. ``dim`` names a tensor dimension (the last, feature, one by default).
 
+Two paths, chosen per call:
+
+* eager: in-place c10d calls, the gathers and reduce-scatters as tensor collectives (``all_gather_into_tensor``,
+  ``reduce_scatter_tensor``: one contiguous buffer, no per-rank list) where the backend has them for the tensor's
+  device (:func:`tensor_collectives_supported`), the list versions otherwise; both give the same numbers.
+* under ``torch.compile``: functional collectives (``torch.distributed._functional_collectives``), which Dynamo
+  traces into the graph, so a compiled block has no graph break at its collectives. Out of place, hence no
+  ``mark_dirty`` and no defensive clone there.
+
 Example:
     >>> x = partial = torch.ones(2, 4)
     >>> y = copy_to_group(x, grid.mp_group)        # forward: identity, backward: all-reduce
@@ -16,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 __all__ = [
@@ -28,6 +38,7 @@ __all__ = [
     "reduce_from_group",
     "reduce_scatter_to_sequence",
     "scatter_to_group",
+    "tensor_collectives_supported",
 ]
 
 
@@ -52,21 +63,72 @@ def all_reduce_sum(tensor: Tensor, group: Optional[Any]) -> Tensor:
     return tensor
 
 
+# torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def tensor_collectives_supported(group: Any, device: torch.device) -> bool:
+    """Whether ``group``'s backend has ``all_gather_into_tensor``/``reduce_scatter_tensor`` for ``device`` tensors.
+
+    NCCL has them for CUDA; gloo for CPU tensors (checked on torch 2.13), not reliably for CUDA ones. The one
+    place that decides between the tensor and the list collectives.
+    """
+    backend = str(dist.get_backend(group)).lower()  # "gloo", "nccl" or a per-device "cpu:gloo,cuda:nccl"
+    if device.type == "cuda":
+        return "nccl" in backend
+    return device.type == "cpu" and "gloo" in backend
+
+
+def _sum_out_of_place(x: Tensor, group: Any) -> Tensor:
+    """Functional SUM all-reduce (traced by Dynamo): a new tensor, ``x`` untouched."""
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
 def _split(x: Tensor, dim: int, group: Any) -> Tensor:
     # The chunk is a view; .contiguous() so that later in-place collectives and matmuls see dense memory.
     return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
 
 
-def _gather(x: Tensor, dim: int, group: Any) -> Tensor:
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+def _gather(x: Tensor, dim: int, group: Any, tensor_api: Optional[bool] = None) -> Tensor:
+    """All-gather along ``dim``, ranks in order; ``tensor_api`` forces (True) or refuses (False) the tensor
+    collective (default: where the backend supports it)."""
+    n, d = group_size(group), dim % x.dim()
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        stacked = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group)).view(n, *x.shape)
+    else:
+        if tensor_api is None:
+            tensor_api = tensor_collectives_supported(group, x.device)
+        if not tensor_api:
+            parts = [torch.empty_like(x) for _ in range(n)]
+            dist.all_gather(parts, x, group=group)
+            return torch.cat(parts, dim=d)
+        stacked = x.new_empty((n, *x.shape))  # rank r's tensor at [r]: gathered along dim 0 of one buffer
+        _all_gather_single(stacked.view(n * x.shape[0], *x.shape[1:]), x, group=group)
+    # (n, ..., x_d, ...) -> (..., n * x_d, ...): a view for dim 0, one copy (as torch.cat's) otherwise.
+    return stacked.movedim(0, d).flatten(d, d + 1)
 
 
-def _reduce_scatter(x: Tensor, dim: int, group: Any) -> Tensor:
-    parts = [p.contiguous() for p in x.chunk(group_size(group), dim=dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+def _reduce_scatter(x: Tensor, dim: int, group: Any, tensor_api: Optional[bool] = None) -> Tensor:
+    """Sum over the group, keep this rank's chunk along ``dim``; ``tensor_api`` as in :func:`_gather`."""
+    n, d = group_size(group), dim % x.dim()
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        if tensor_api is None:
+            tensor_api = tensor_collectives_supported(group, x.device)
+        if not tensor_api:
+            parts = [p.contiguous() for p in x.chunk(n, dim=dim)]
+            out = torch.empty_like(parts[0])
+            dist.reduce_scatter(out, parts, group=group)
+            return out
+    # Rank r's chunk at [r] of one contiguous buffer (free for dim 0; one copy, as the chunks' .contiguous()).
+    chunks = x.unflatten(d, (n, x.shape[d] // n)).movedim(d, 0).contiguous()
+    flat = chunks.flatten(0, 1)
+    if compiling:
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "sum", 0, group)).view(chunks.shape[1:])
+    out = x.new_empty(chunks.shape[1:])
+    _reduce_scatter_single(out, flat, group=group)
     return out
 
 
@@ -80,6 +142,8 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        if torch.compiler.is_compiling():
+            return _sum_out_of_place(grad, ctx.group), None
         # Clone: autograd may hand this same gradient tensor to another branch (e.g. both sides of a residual add),
         # and an in-place all-reduce would change it under that branch's feet.
         return all_reduce_sum(grad.contiguous().clone(), ctx.group), None
@@ -90,6 +154,8 @@ class _ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        if torch.compiler.is_compiling():
+            return _sum_out_of_place(x, group)
         # The input is a partial sum freshly made by a matmul and saved by no one: reduce it in place, no copy.
         if not x.is_contiguous():
             return all_reduce_sum(x.contiguous(), group)

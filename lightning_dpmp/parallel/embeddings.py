@@ -84,7 +84,7 @@ class VocabParallelEmbedding(_ParallelLinear):
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_dim is not None:  # sequence parallel: sum the shards and keep this rank's tokens
             if self.rng is not None:
-                self.rng.enter()  # from here on each rank holds different tokens: per-rank dropout masks
+                self.rng.enter_for(self.training)  # from here on each rank holds different tokens: per-rank masks
             return reduce_scatter_to_sequence(rows, self.group, self.sequence_dim)
         return reduce_from_group(rows, self.group)
 

@@ -37,6 +37,8 @@ class SharedInputCopy:
         self._out: Optional[Tensor] = None
 
     def __call__(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced(x)
         # The key includes the version counter and grad mode so that a tensor modified in place, or a copy made
         # under no_grad, is never reused. The references are strong (autograd keeps the tensor's data, not its
         # Python object), and are dropped as soon as the gradient has gone through, so no activation outlives
@@ -50,8 +52,23 @@ class SharedInputCopy:
             out.register_hook(self._release)
         return out
 
-    def _release(self, grad: Tensor) -> None:
+    def _traced(self, x: Tensor) -> Tensor:
+        # Under torch.compile this code runs once, while Dynamo traces a block, not at every step: the identity
+        # test is between traced tensors (the siblings get the one entry node of the graph), with no id, no
+        # version key and no hook. The block's reset hooks (lightning_dpmp.parallel.compiled) clear the fields
+        # at its start and end, so no guard reads a previous step's tensor and nothing is kept between steps.
+        if self._src is x and self._out is not None:
+            return self._out
+        out = enter_region(x, self.group, self.sequence_dim)
+        self._src, self._out = x, out
+        return out
+
+    def reset(self) -> None:
+        """Forget the last entry (a compiled block calls this before and after its forward)."""
         self._key = self._src = self._out = None
+
+    def _release(self, grad: Tensor) -> None:
+        self.reset()
 
 
 GATHERED = "gathered"  # sequence_dim value: the enclosing module already all-gathered the sequence

@@ -35,9 +35,10 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence, scatter_to_group
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
+from lightning_dpmp.parallel.overlap import linear_with_async_input_grad
 from lightning_dpmp.parallel.sharding import _ParallelLinear, divide, gather_tensor
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "set_async_grad_allreduce"]
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -58,11 +59,15 @@ class ColumnParallelLinear(_ParallelLinear):
             so no later code (rank-conditional or not) can start a collective.
         name: the module name, for error messages of the sharded logits.
 
+    ``async_grad_allreduce`` (attribute, default False; :func:`set_async_grad_allreduce`): overlap the input-gradient
+    all-reduce with the weight gradient (:mod:`lightning_dpmp.parallel.overlap`) when this layer has its own entry.
+
     Example:
         >>> fc = ColumnParallelLinear(16, 64, group=grid.mp_group)  # weight: (64 // mp, 16)
     """
 
     _shard_dims = {"weight": 0, "bias": 0}
+    async_grad_allreduce: bool = False
 
     def __init__(
         self,
@@ -103,9 +108,19 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
+    @property
+    def overlaps_input_grad(self) -> bool:
+        """The backward all-reduces its input gradient asynchronously, beside the weight gradient."""
+        own_copy = self.shared_input is None and self.sequence_dim is None and self.mp > 1
+        return self.async_grad_allreduce and own_copy
+
     def forward(self, x: Tensor) -> Tensor:
-        x = self.shared_input(x) if self.shared_input is not None else enter_region(x, self.group, self.sequence_dim)
-        y = self._matmul(x, self.bias)
+        if self.overlaps_input_grad:
+            y = linear_with_async_input_grad(x, self.weight, self.bias, self.group, transposed=self.out_dim == 1)
+        else:
+            entry = self.shared_input
+            x = entry(x) if entry is not None else enter_region(x, self.group, self.sequence_dim)
+            y = self._matmul(x, self.bias)
         if self.gather_output or self.vocab_logits and (self.training, torch.is_grad_enabled()) != self.vocab_mode:
             return gather_tensor(y, y.dim() - 1, self.group, self.blocks)  # full logits outside the proven mode
         if self.vocab_logits:
@@ -113,7 +128,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
             return VocabShardedLogits.wrap(y, self.group, self.out_features, self.name)
         if self.rng is not None:
-            self.rng.enter()  # a sharded region starts: dropout masks differ per MP rank until the row layer
+            self.rng.enter_for(self.training)  # a sharded region starts: masks differ per MP rank until the row layer
         return y
 
     def extra_repr(self) -> str:
@@ -182,3 +197,14 @@ class RowParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
+
+
+def set_async_grad_allreduce(module: torch.nn.Module, enabled: bool) -> int:
+    """Turn the overlapped input-gradient all-reduce on or off in every column layer of ``module``; returns how
+    many layers overlap now (those with their own entry: shared and sequence-parallel entries keep theirs)."""
+    count = 0
+    for mod in module.modules():
+        if isinstance(mod, ColumnParallelLinear):
+            mod.async_grad_allreduce = bool(enabled)
+            count += int(mod.overlaps_input_grad)
+    return count

@@ -7,6 +7,10 @@ hidden units); drawing "the same" random stream there would correlate the masks 
 inside such a region (entered by column layers, left by row layers), as Megatron's RNG tracker does on CUDA.
 It uses plain ``torch.Generator`` state, so it works on CPU and CUDA alike.
 
+When the model has no active dropout (every rate 0, :func:`has_dropout`), the layers skip the switch altogether
+(:meth:`RNGTracker.enter_for`): reading and writing generator state is a graph break under ``torch.compile``
+and a cost in eager, for masks nobody draws. Likewise in eval mode, where dropout draws nothing.
+
 Example:
     >>> import torch.nn.functional as F
     >>> h = torch.ones(4, 8)
@@ -19,8 +23,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
-__all__ = ["RNGTracker"]
+__all__ = ["RNGTracker", "has_dropout"]
 
 _OFFSET = 2718  # keeps the sharded stream apart from the replicated one for every mp_rank
 
@@ -31,11 +36,31 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-class RNGTracker:
-    """Holds the sharded-region generator state of this rank; ``enter``/``exit`` are idempotent."""
+def has_dropout(module: nn.Module) -> bool:
+    """Whether any dropout in ``module`` can draw a mask: a ``nn.Dropout*`` with ``p > 0``, or a numeric
+    attribute whose name contains "drop" (``attention_dropout``, ``attn_pdrop``, ``nn.MultiheadAttention.dropout``:
+    rates passed to functional dropout) above 0. Conservative: a rate it cannot read counts as active."""
+    for mod in module.modules():
+        if isinstance(mod, nn.modules.dropout._DropoutNd):
+            if mod.p > 0:
+                return True
+            continue
+        for name, value in vars(mod).items():
+            if "drop" in name.lower() and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if value > 0:
+                    return True
+    return False
 
-    def __init__(self, seed: int, mp_rank: int, device: torch.device) -> None:
+
+class RNGTracker:
+    """Holds the sharded-region generator state of this rank; ``enter``/``exit`` are idempotent.
+
+    ``active`` (default True): whether the model has dropout to draw; set from :func:`has_dropout` at setup.
+    """
+
+    def __init__(self, seed: int, mp_rank: int, device: torch.device, active: bool = True) -> None:
         self.device = device
+        self.active = active
         gen = torch.Generator(device=device)
         gen.manual_seed(int(seed) + _OFFSET + int(mp_rank))
         self._sharded_state: torch.Tensor = gen.get_state()
@@ -44,6 +69,11 @@ class RNGTracker:
     @property
     def inside(self) -> bool:
         return self._saved is not None
+
+    def enter_for(self, training: bool) -> None:
+        """A split region starts in a module in ``training`` mode: switch only if a mask can be drawn there."""
+        if training and self.active:
+            self.enter()
 
     def enter(self) -> None:
         """Switch the default generator to the sharded stream (no-op if already inside)."""

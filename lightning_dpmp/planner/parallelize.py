@@ -125,7 +125,7 @@ class _SequenceScatter:
 
     def __call__(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
         if self.rng is not None:
-            self.rng.enter()  # sequence-split regions hold different tokens per rank: different dropout masks
+            self.rng.enter_for(module.training)  # sequence-split regions: different tokens per rank, different masks
         return scatter_to_group(output, self.group, output.dim() - 2)
 
 

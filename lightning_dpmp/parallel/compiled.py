@@ -1,0 +1,70 @@
+"""``torch.compile`` of a parallelised model, block by block, in place.
+
+The repeated blocks (children of an ``nn.ModuleList`` that own parameters: transformer layers) are compiled with
+``nn.Module.compile``, which keeps the module objects and so every parameter name and state-dict key; one
+compiled code object then serves every block of the same shape. A model without such a list is compiled whole.
+
+Inside a block nothing breaks the graph: the collectives are functional ones under compile
+(:mod:`lightning_dpmp.parallel.comm`), the shared q/k/v entry is resolved while tracing
+(:meth:`~lightning_dpmp.parallel.entry.SharedInputCopy.reset` hooks installed here clear it around each block's
+forward), and the dropout RNG switch is skipped when no dropout is active (:mod:`lightning_dpmp.parallel.rng`).
+
+Example:
+    >>> names = compile_blocks(model)      # after the split, before the first step  # doctest: +SKIP
+    >>> uncompile_blocks(model)            # eager again (teardown)                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_dpmp.parallel.entry import SharedInputCopy
+
+__all__ = ["compile_blocks", "repeated_blocks", "uncompile_blocks"]
+
+_HOOKS = "_dpmp_compile_hooks"  # module attribute: the reset hooks' handles, removed by uncompile_blocks
+
+
+def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost ``nn.ModuleList`` children that own parameters, by name (nested lists stay inside them)."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, mod in module.named_modules():
+        if not isinstance(mod, nn.ModuleList) or any(name.startswith(f"{b}.") for b, _ in out):
+            continue
+        for i, child in enumerate(mod):
+            if next(child.parameters(), None) is not None:
+                out.append((f"{name}.{i}" if name else str(i), child))
+    return out
+
+
+def _reset_entries(entries: list[SharedInputCopy]) -> Any:
+    def hook(*_: Any) -> None:
+        for entry in entries:
+            entry.reset()
+
+    return hook
+
+
+def compile_blocks(module: nn.Module, **compile_kwargs: Any) -> list[str]:
+    """Compile each repeated block of ``module`` in place (or ``module`` itself when it has none); returns the
+    names compiled ("" for the whole module). ``compile_kwargs`` go to ``torch.compile``."""
+    blocks = repeated_blocks(module) or [("", module)]
+    for _, block in blocks:
+        entries = list({id(e): e for m in block.modules()
+                        if isinstance(e := getattr(m, "shared_input", None), SharedInputCopy)}.values())
+        if entries:  # traced with the block: the entry starts and ends every forward empty
+            hook = _reset_entries(entries)
+            block.__dict__[_HOOKS] = [block.register_forward_pre_hook(hook), block.register_forward_hook(hook)]
+        block.compile(**compile_kwargs)
+    return [name for name, _ in blocks]
+
+
+def uncompile_blocks(module: nn.Module) -> None:
+    """Undo :func:`compile_blocks`: every module of ``module`` runs eagerly again, without the reset hooks."""
+    for mod in module.modules():
+        for handle in mod.__dict__.pop(_HOOKS, []):
+            handle.remove()
+        if getattr(mod, "_compiled_call_impl", None) is not None:
+            mod._compiled_call_impl = None
