@@ -1,8 +1,11 @@
 """``torch.compile`` of a parallelised model, block by block, in place.
 
-The repeated blocks (children of an ``nn.ModuleList`` that own parameters: transformer layers) are compiled with
-``nn.Module.compile``, which keeps the module objects and so every parameter name and state-dict key; one
-compiled code object then serves every block of the same shape. A model without such a list is compiled whole.
+The repeated blocks (children of an ``nn.ModuleList`` that own parameters: transformer layers) get a compiled
+``forward`` (an instance attribute over the class's), which keeps the module objects and so every parameter name
+and state-dict key; one compiled code object then serves every block of the same shape. A model without such a
+list is compiled whole. Only ``forward`` is compiled, not ``nn.Module.__call__``: the module's hooks run eagerly
+around it, so the ZeRO-3 gather/free hooks (:mod:`lightning_dpmp.parallel.zero_engine`), whose collectives are
+asynchronous and whose storage resizes Dynamo cannot trace, never enter the graph.
 
 Inside a block nothing breaks the graph: the collectives are functional ones under compile
 (:mod:`lightning_dpmp.parallel.comm`), the shared q/k/v entry is resolved while tracing
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_dpmp.parallel.entry import SharedInputCopy
@@ -25,6 +29,7 @@ from lightning_dpmp.parallel.entry import SharedInputCopy
 __all__ = ["compile_blocks", "repeated_blocks", "uncompile_blocks"]
 
 _HOOKS = "_dpmp_compile_hooks"  # module attribute: the reset hooks' handles, removed by uncompile_blocks
+_COMPILED = "_dpmp_compiled"  # module attribute: its ``forward`` instance attribute is ours, removed by uncompile
 
 
 def repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -54,10 +59,11 @@ def compile_blocks(module: nn.Module, **compile_kwargs: Any) -> list[str]:
     for _, block in blocks:
         entries = list({id(e): e for m in block.modules()
                         if isinstance(e := getattr(m, "shared_input", None), SharedInputCopy)}.values())
-        if entries:  # traced with the block: the entry starts and ends every forward empty
+        if entries:  # eager, around the compiled forward: the entry starts and ends every forward empty
             hook = _reset_entries(entries)
             block.__dict__[_HOOKS] = [block.register_forward_pre_hook(hook), block.register_forward_hook(hook)]
-        block.compile(**compile_kwargs)
+        block.forward = torch.compile(block.forward, **compile_kwargs)  # type: ignore[method-assign]
+        block.__dict__[_COMPILED] = True
     return [name for name, _ in blocks]
 
 
@@ -66,5 +72,5 @@ def uncompile_blocks(module: nn.Module) -> None:
     for mod in module.modules():
         for handle in mod.__dict__.pop(_HOOKS, []):
             handle.remove()
-        if getattr(mod, "_compiled_call_impl", None) is not None:
-            mod._compiled_call_impl = None
+        if mod.__dict__.pop(_COMPILED, False):
+            mod.__dict__.pop("forward", None)  # the class's forward again

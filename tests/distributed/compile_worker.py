@@ -96,6 +96,10 @@ def main() -> None:
             "graph_breaks": compiled["graph_breaks"], "unique_graphs": compiled["unique_graphs"],
             "blocks": compiled["blocks"],
         }
+    if dp > 1:  # ZeRO-3's gather/free hooks run eagerly around the compiled blocks
+        zero3 = fit(dp, mp, "gpt", "32-true", steps=4, compile=True, zero=3)
+        results["zero3_compiled_vs_eager"] = worst(zero3["state"], fit(dp, mp, "gpt", "32-true", steps=4)["state"])
+        results["zero3_graph_breaks"] = zero3["graph_breaks"]
     sync = fit(dp, mp, "gpt", "64-true", steps=6, accumulate=2, async_grad_allreduce=False)
     overlapped = fit(dp, mp, "gpt", "64-true", steps=6, accumulate=2, async_grad_allreduce=True)
     L.seed_everything(SEED)

@@ -40,6 +40,16 @@ def test_compiled_matches_eager_without_graph_breaks(run):
 
 
 @pytest.mark.slow
+def test_compiled_blocks_under_zero3_keep_the_hooks_out_of_the_graph(run):
+    dp, mp, ranks = run
+    if dp == 1:
+        pytest.skip("ZeRO-3 shards over DP: checked at dp=2")
+    for rank, res in enumerate(ranks):
+        assert res["zero3_graph_breaks"] == {}, (rank, res["zero3_graph_breaks"])
+        assert res["zero3_compiled_vs_eager"] <= 1e-4, (rank, res["zero3_compiled_vs_eager"])
+
+
+@pytest.mark.slow
 def test_async_input_grad_allreduce_matches_sync(run):
     dp, mp, ranks = run
     for rank, res in enumerate(ranks):
