@@ -101,6 +101,28 @@ def default_store() -> Optional[Any]:
         return None
 
 
+def coalesced_collectives(group: Any, device: torch.device, async_ops: bool) -> contextlib.AbstractContextManager:
+    """A context in which the collectives issued over ``group`` run as one coalesced operation (NCCL groups them;
+    gloo runs ``allgather_into_tensor_coalesced``/``reduce_scatter_tensor_coalesced``). It yields an object whose
+    ``wait()`` waits for all of them (``async_ops``), else they are done on exit.
+
+    Relies on: ``torch.distributed._coalescing_manager`` (private; torch 2.13, no public twin). Without it, a
+    context that lets each collective run by itself (synchronously) and whose ``wait()`` does nothing.
+    """
+    manager = getattr(dist, "_coalescing_manager", None)
+    if manager is None:
+        return contextlib.nullcontext(_NoWait())
+    # A device asks the backend to group the calls itself (``startCoalescing``: NCCL); gloo has no such mode and
+    # without a device the manager collects the calls and issues the backend's one ``*_coalesced`` op.
+    native = device.type == "cuda" and dist.get_backend(group) == "nccl"
+    return manager(group=group, device=device if native else None, async_ops=async_ops)
+
+
+class _NoWait:
+    def wait(self) -> None:
+        return None
+
+
 def distributed_is_initialized() -> bool:
     """Public torch (replaces Lightning's ``_distributed_is_initialized``)."""
     return dist.is_available() and dist.is_initialized()

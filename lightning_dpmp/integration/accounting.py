@@ -34,6 +34,7 @@ _OPS = {
     "allgather_into_tensor_coalesced_": "all_gather",
     "reduce_scatter_": "reduce_scatter",
     "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "broadcast_": "broadcast",
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",

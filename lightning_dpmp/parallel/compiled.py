@@ -62,7 +62,7 @@ def compile_blocks(module: nn.Module, **compile_kwargs: Any) -> list[str]:
         if entries:  # eager, around the compiled forward: the entry starts and ends every forward empty
             hook = _reset_entries(entries)
             block.__dict__[_HOOKS] = [block.register_forward_pre_hook(hook), block.register_forward_hook(hook)]
-        block.forward = torch.compile(block.forward, **compile_kwargs)  # type: ignore[method-assign]
+        block.forward = torch.compile(block.forward, **compile_kwargs)
         block.__dict__[_COMPILED] = True
     return [name for name, _ in blocks]
 

@@ -1,11 +1,14 @@
 """ZeRO-2/3 over the DP group, the schedule: when buckets reduce-scatter gradients and gather parameters.
 
-* **zero=2.** Parameters stay whole. A bucket's gradients are reduce-scattered (SUM, then ``/dp``, as DDP averages)
+* **Collectives per unit.** A unit's buckets (one per param group, kind and dtype) are gathered, and their
+  gradients reduce-scattered, in one coalesced collective (:func:`~lightning_dpmp.parallel.zero_shard.gather_buckets`,
+  :func:`~lightning_dpmp.parallel.zero_shard.reduce_scatter_buckets`): one DP round trip per unit and direction.
+* **zero=2.** Parameters stay whole. A unit's gradients are reduce-scattered (SUM, then ``/dp``, as DDP averages)
   as soon as all its parameters' gradients have accumulated (``register_post_accumulate_grad_hook``), so the
   reduce-scatters overlap the rest of the backward; the full gradients are freed; the end of the backward waits
   for them. Under gradient accumulation (:meth:`ZeroEngine.no_sync`) gradients accumulate locally and are
   reduce-scattered once, on the last micro-batch. After the optimizer steps the shards, each bucket is
-  all-gathered back into the parameters (:meth:`ZeroEngine.after_step`).
+  all-gathered back into the parameters, all in one collective (:meth:`ZeroEngine.after_step`).
 * **zero=3.** Parameters are sharded too. Units are the children of every ``nn.ModuleList``/``nn.Sequential``
   that own parameters (the repeated blocks) plus one root unit for the rest (and for any parameter that two units
   reach: tied weights). A unit is gathered just before its forward (the next one prefetched, asynchronously),
@@ -30,7 +33,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dpmp.parallel.zero_shard import Bucket, optimizer_defaults, rebuild_optimizer
+from lightning_dpmp.parallel.zero_shard import (
+    Bucket,
+    gather_buckets,
+    optimizer_defaults,
+    rebuild_optimizer,
+    reduce_scatter_buckets,
+)
 
 __all__ = ["ZeroEngine", "find_units"]
 
@@ -103,6 +112,7 @@ class ZeroEngine:
         self.by_unit: dict[int, list[Bucket]] = {}
         for b in self.buckets:
             self.by_unit.setdefault(b.unit, []).append(b)
+        self._trainable_by_unit = {u: [b for b in bs if b.trainable] for u, bs in self.by_unit.items()}
         self.plain_groups = [[dict(g) for g in opt.param_groups] for opt in optimizers]
         self.optimizers = [
             rebuild_optimizer(opt, [[b.shard for b in self.buckets if b.opt_key == (i, j)]
@@ -154,18 +164,19 @@ class ZeroEngine:
             if not (self.sync or self.level == 3):
                 return  # accumulating locally (zero=2): one reduce-scatter on the last micro-batch
             b.fired.add(id(p))
-            if len(b.fired) == len(b.params):
-                b.launch_reduce_scatter()
+            unit = self._trainable_by_unit[b.unit]
+            if len(b.fired) == len(b.params) and all(len(x.fired) == len(x.params) for x in unit):
+                reduce_scatter_buckets(unit, self.group)  # the unit's buckets in one collective
                 if self.level == 3 and b.unit >= 0:
-                    b.free()  # every backward use of these parameters has run
+                    for x in unit:
+                        x.free()  # every backward use of these parameters has run
         return hook
 
     def _end_of_backward(self) -> None:
         self._queued = False
         if self.sync or self.level == 3:
-            for b in self.buckets:
-                if b.trainable and b.has_grads():
-                    b.launch_reduce_scatter()  # parameters that got no gradient this time
+            # Parameters that got no gradient this time: whatever is left, in one collective.
+            reduce_scatter_buckets([b for b in self.buckets if b.trainable and b.has_grads()], self.group)
             for b in self.buckets:
                 b.finish_reduce_scatter()
                 b.fired.clear()
@@ -175,8 +186,7 @@ class ZeroEngine:
                     self._free(u)
 
     def _gather(self, u: int, async_op: bool = False) -> None:
-        for b in self.by_unit.get(u, []):
-            b.gather(async_op)
+        gather_buckets(self.by_unit.get(u, []), self.group, async_op)  # the unit's buckets in one collective
 
     def _free(self, u: int) -> None:
         for b in self.by_unit.get(u, []):
@@ -235,19 +245,14 @@ class ZeroEngine:
         works = [b for b in self.buckets if b.trainable]
         for b in works:
             b.gathered = False  # stale: the shard was updated
-            b.gather(async_op=True)
-        for b in works:
-            b.wait_gather()
+        gather_buckets(works, self.group, async_op=False)  # every bucket in one collective
 
     @contextmanager
     def gathered(self, write_back: bool = False) -> Iterator[None]:
         """The module's parameters whole for the duration (zero=3 gathers and frees again); ``write_back`` copies
         what was written into them back into the shards (a checkpoint load)."""
         was = [b.gathered for b in self.buckets]
-        for b in self.buckets:
-            b.gather(async_op=True)
-        for b in self.buckets:
-            b.wait_gather()
+        gather_buckets(self.buckets, self.group, async_op=False)
         try:
             yield
         finally:
@@ -300,7 +305,7 @@ class ZeroEngine:
                 for p in b.params:
                     p.data = p.data.clone()
         self.buckets = []
-        self.by_unit = {}
+        self.by_unit, self._trainable_by_unit = {}, {}
         return plains
 
     def shard_params(self, kind: Optional[str] = None) -> list[nn.Parameter]:

@@ -34,9 +34,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+import lightning_dpmp.compat as compat
+
 __all__ = [
-    "Bucket", "FlatLayout", "all_gather_flat", "optimizer_defaults", "rebuild_optimizer", "reduce_scatter_flat",
-    "storage_bytes",
+    "Bucket", "FlatLayout", "all_gather_flat", "gather_buckets", "optimizer_defaults", "rebuild_optimizer",
+    "reduce_scatter_buckets", "reduce_scatter_flat", "storage_bytes",
 ]
 
 KINDS = ("split", "replicated", "partial", "frozen")
@@ -153,16 +155,22 @@ class Bucket:
     # ---------------------------------------------------------------- parameters
     def gather(self, async_op: bool = False) -> None:
         """Make the full buffer (and so the module's parameters) hold the current values of every rank's shard."""
-        if self.gathered:
+        if not self.begin_gather():
             if not async_op:
                 self.wait_gather()
             return
-        st = self.full.untyped_storage()
-        st.resize_(self.layout.total * self.full.element_size())
         with torch.no_grad():
             work = all_gather_flat(self.full, self.shard.detach(), self.group, async_op)
-        self.gathered = True
         self._gather_work = work if async_op else None
+
+    def begin_gather(self) -> bool:
+        """Allocate the full buffer for a gather the caller issues (:func:`gather_buckets`); False if it holds
+        the values already."""
+        if self.gathered:
+            return False
+        self.full.untyped_storage().resize_(self.layout.total * self.full.element_size())
+        self.gathered = True
+        return True
 
     def wait_gather(self) -> None:
         if self._gather_work is not None:
@@ -186,15 +194,21 @@ class Bucket:
     # ---------------------------------------------------------------- gradients
     def launch_reduce_scatter(self) -> None:
         """Flatten the parameters' gradients (absent ones are zero), free them, and start the DP reduce-scatter."""
+        ready = self.prepare_reduce_scatter()
+        if ready is not None:
+            self._rs = (reduce_scatter_flat(ready[0], ready[1], self.group, async_op=True), *ready)
+
+    def prepare_reduce_scatter(self) -> Optional[tuple[Tensor, Tensor]]:
+        """``(out, flat)`` for a reduce-scatter the caller issues (:func:`reduce_scatter_buckets`): the gradients
+        flattened into ``flat`` (absent ones are zero) and freed; ``None`` if one is already under way."""
         if self._rs is not None:
-            return
+            return None
         flat = torch.zeros(self.layout.total, dtype=self.full.dtype, device=self.full.device)
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
                 flat[off : off + p.numel()].copy_(p.grad.detach().reshape(-1))
                 p.grad = None
-        out = torch.empty(self.layout.shard, dtype=flat.dtype, device=flat.device)
-        self._rs = (reduce_scatter_flat(out, flat, self.group, async_op=True), out, flat)
+        return torch.empty(self.layout.shard, dtype=flat.dtype, device=flat.device), flat
 
     def finish_reduce_scatter(self) -> None:
         """Wait for the reduce-scatter and add the DP average into the shard's gradient."""
@@ -244,6 +258,59 @@ class Bucket:
             else:
                 out[key] = value.clone() if isinstance(value, Tensor) else value
         return out
+
+
+# ------------------------------------------------------------------------------------------ several buckets at once
+# One coalesced collective per call, not one per bucket: a block's MP-split and MP-replicated buckets (and a frozen
+# one) are gathered, and reduce-scattered, together, so each costs one DP round trip, as one FSDP unit does.
+def gather_buckets(buckets: list[Bucket], group: Any, async_op: bool) -> None:
+    """Gather every bucket of ``buckets`` that is not gathered, in one coalesced all-gather over ``group``; unless
+    ``async_op``, wait for all of them (also for gathers already under way)."""
+    todo = [b for b in buckets if b.begin_gather()]
+    if len(todo) == 1:
+        with torch.no_grad():
+            work = all_gather_flat(todo[0].full, todo[0].shard.detach(), group, async_op)
+        todo[0]._gather_work = work if async_op else None
+    elif todo:
+        with torch.no_grad(), compat.coalesced_collectives(group, todo[0].full.device, async_op) as cm:
+            for b in todo:
+                all_gather_flat(b.full, b.shard.detach(), group, async_op=False)
+        work = _WaitOnce(cm)
+        for b in todo:
+            b._gather_work = work if async_op else None
+    if not async_op:
+        for b in buckets:
+            b.wait_gather()
+
+
+def reduce_scatter_buckets(buckets: list[Bucket], group: Any) -> None:
+    """Start the DP reduce-scatter of every bucket's gradients in one coalesced collective (asynchronous; each
+    bucket's :meth:`Bucket.finish_reduce_scatter` waits)."""
+    todo = [(b, ready) for b in buckets if (ready := b.prepare_reduce_scatter()) is not None]
+    if len(todo) == 1:
+        b, (out, flat) = todo[0]
+        b._rs = (reduce_scatter_flat(out, flat, group, async_op=True), out, flat)
+    elif todo:
+        with compat.coalesced_collectives(group, todo[0][1][1].device, async_ops=True) as cm:
+            for _, (out, flat) in todo:
+                reduce_scatter_flat(out, flat, group, async_op=False)
+        work = _WaitOnce(cm)
+        for b, (out, flat) in todo:
+            b._rs = (work, out, flat)
+
+
+class _WaitOnce:
+    """The coalesced work of several buckets, waited for once: gloo copies a coalesced op's results into the
+    outputs when it is waited for, so a second wait would overwrite a bucket that was already used (divided by dp,
+    or freed) with the raw results again."""
+
+    def __init__(self, work: Any) -> None:
+        self.work: Any = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
 
 
 # ------------------------------------------------------------------------------------------ the optimizer

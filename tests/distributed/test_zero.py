@@ -83,11 +83,13 @@ def test_exact_dp_collectives_per_step(layout):
             res = r[f"{name}_z{zero}"]
             b, counts = res["buckets"], res["counts"]
             # One bucket per unit (2 blocks + the root) and kind: MP-split and replicated at mp=2, replicated at mp=1.
-            assert b == {"total": 3 * (2 if mp > 1 else 1), "root": 2 if mp > 1 else 1, "child": 4 if mp > 1 else 2}
-            assert counts["dp/reduce_scatter"] == b["total"]  # one per bucket, in the backward
-            # zero=2: one all-gather per bucket after the step; zero=3: the root once, each block for its forward
-            # and again for its backward.
-            assert counts["dp/all_gather"] == (b["total"] if zero == 2 else b["root"] + 2 * b["child"])
+            assert b["total"] == 3 * (2 if mp > 1 else 1) and b["root"] == (2 if mp > 1 else 1)
+            assert b["child"] == (4 if mp > 1 else 2) and b["units"] == 3 and b["child_units"] == 2
+            # A unit's buckets go in one coalesced collective: one reduce-scatter per unit, in the backward.
+            assert counts["dp/reduce_scatter"] == b["units"]
+            # zero=2: one all-gather of every bucket after the step; zero=3: the root once, each block for its
+            # forward and again for its backward.
+            assert counts["dp/all_gather"] == (1 if zero == 2 else 1 + 2 * b["child_units"])
             assert counts["dp/all_reduce"] == 1  # the global-norm clip (no DDP all-reduce of gradients)
             assert not any(k.startswith("dp/broadcast") for k in counts)
 
@@ -124,7 +126,7 @@ def test_gradient_accumulation_reduce_scatters_once_per_step_at_zero2(grid22, re
         counts = ranks[0][f"accum_z{zero}"]["counts"]
         # zero=2: accumulated locally, reduce-scattered on the last micro-batch; zero=3: every micro-batch
         # (the full gradients are freed as they are produced).
-        assert counts["dp/reduce_scatter"] == 6 * (1 if zero == 2 else 2)
+        assert counts["dp/reduce_scatter"] == 3 * (1 if zero == 2 else 2)  # 3 units (2 blocks + the root)
 
 
 @pytest.mark.slow
@@ -157,7 +159,7 @@ def test_sequence_parallel_guard_meta_init_bf16_and_frozen_compose(grid22, refer
     assert worst <= TOL, worst  # the partial kind's shard gradients summed over MP; the guard checked every 5 steps
     for r in ranks:
         sp = r["gpt_sp_z3"]  # a step the guard does not check gathers nothing extra
-        assert sp["counts"]["dp/all_gather"] == sp["buckets"]["root"] + 2 * sp["buckets"]["child"]
+        assert sp["counts"]["dp/all_gather"] == 1 + 2 * sp["buckets"]["child_units"]
         meta = r["meta_bf16_z3"]
         assert abs(meta["held"]["parameters"] - meta["local_numel"] / 2) <= 0.05 * meta["local_numel"] / 2
         losses = meta["losses"]
@@ -165,7 +167,8 @@ def test_sequence_parallel_guard_meta_init_bf16_and_frozen_compose(grid22, refer
         assert sum(losses[-5:]) < sum(losses[:5])
         frozen = r["gpt_frozen_z3"]  # frozen attention sharded and gathered (for forward and backward), not reduced
         assert frozen["held"]["parameters"] == frozen["local_numel"] // 2
-        assert frozen["counts"]["dp/reduce_scatter"] == 6 and frozen["counts"]["dp/all_gather"] == 2 + 2 * 6
+        # 2 blocks + the root, each gathered (its frozen and trainable buckets together) in one collective
+        assert frozen["counts"]["dp/reduce_scatter"] == 3 and frozen["counts"]["dp/all_gather"] == 1 + 2 * 2
     ckpt = torch.load(out / "gpt_frozen_z3.ckpt", weights_only=True)
     assert _diff(ckpt, reference["gpt_frozen"]) <= TOL
     assert ckpt["optimizer_states"][0]["state"].keys() == reference["gpt_frozen"]["optimizer_states"][0]["state"].keys()

@@ -74,6 +74,9 @@ class Probe(L.Callback):
                 "total": len([b for b in engine.buckets if b.trainable]),
                 "root": len([b for b in engine.buckets if b.unit < 0]),
                 "child": len([b for b in engine.buckets if b.unit >= 0]),
+                # units: the collectives' unit (one coalesced gather / reduce-scatter per unit)
+                "units": len({b.unit for b in engine.buckets if b.trainable}),
+                "child_units": len({b.unit for b in engine.buckets if b.unit >= 0}),
             }
             self.res["local_numel"] = sum(p.numel() * p.element_size() for p in pl_module.parameters())
 
