@@ -145,9 +145,14 @@ class ConsistencyGuard:
         self.every_n_steps = every_n_steps
         self._last_step: Optional[int] = None
 
+    def due(self, step: int, grid: Any) -> bool:
+        """Whether :meth:`maybe_check` checks at this batch: the first batch of every N-th optimizer step."""
+        return bool(self.every_n_steps) and grid is not None and step % self.every_n_steps == 0 \
+            and step != self._last_step
+
     def maybe_check(self, step: int, module: nn.Module, batch: Any, grid: Any, device: torch.device) -> None:
         """Check at the first batch of every N-th optimizer step (once per step under gradient accumulation)."""
-        if not self.every_n_steps or grid is None or step % self.every_n_steps or step == self._last_step:
+        if not self.due(step, grid):
             return
         self._last_step = step
         self.check(module, batch, grid, device, where=f"step {step}")

@@ -44,10 +44,10 @@ from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.integration.split import split_model, unsplit_model
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.zero import (
-    build_engine,
+    memory_line,
     memory_report,
-    repoint_schedulers,
-    shard_over_dp,
+    release_engine,
+    shard_optimizers,
     then_finish_zero,
 )
 from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
@@ -202,8 +202,7 @@ class DPMPStrategy(GridStrategy):
             warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
             validate.warn_if_data_smaller_than_dp(trainer.train_dataloader, use_sampler, self.dp)
         if self.is_global_zero:
-            held = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in self.memory_report().items())
-            rank_zero_info(f"  bytes held per rank (rank 0, zero={self._zero}): {held}")
+            rank_zero_info(memory_line(self.memory_report(), self._zero))
         super().on_train_start()
 
     @override
@@ -211,8 +210,8 @@ class DPMPStrategy(GridStrategy):
         # Before the step: parameters as the previous step left them, and the batch this step will use.
         if self._guard.every_n_steps and self.lightning_module is not None:
             step = self.lightning_module.trainer.global_step
-            due = step % self._guard.every_n_steps == 0  # zero=3 gathers the parameters only for a check
-            with self.parameters_whole() if due else nullcontext():
+            # zero=3 gathers the parameters only for a check
+            with self.parameters_whole() if self._guard.due(step, self._grid) else nullcontext():
                 self._guard.maybe_check(step, self.lightning_module, batch, self._grid, self.root_device)
         super().on_train_batch_start(batch, batch_idx)
 
@@ -334,13 +333,10 @@ class DPMPStrategy(GridStrategy):
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         super().setup_optimizers(trainer)
-        if self._zero >= 2 and self.dp > 1:
-            assert self.lightning_module is not None
-            self._zero_engine = build_engine(self.lightning_module, self.optimizers, self.lr_scheduler_configs,
-                                             self._zero, self.grid.dp_group, self._split_params, self._sequence_partial)
-            self.optimizers = self._zero_engine.optimizers
-        elif self._zero and self.dp > 1:
-            self.optimizers = shard_over_dp(self.optimizers, self.lr_scheduler_configs, self.grid.dp_group)
+        assert self.lightning_module is not None
+        self.optimizers, self._zero_engine = shard_optimizers(
+            self.lightning_module, self.optimizers, self.lr_scheduler_configs, self._zero, self.grid,
+            self._split_params, self._sequence_partial)
 
     @contextmanager
     @override
@@ -361,9 +357,7 @@ class DPMPStrategy(GridStrategy):
     def teardown(self) -> None:
         lm = self.lightning_module
         if self._zero_engine is not None and not self._failed:
-            plain = self._zero_engine.release()  # whole parameters and a plain optimizer, as without ZeRO
-            repoint_schedulers(self.optimizers, plain, self.lr_scheduler_configs)
-            self.optimizers = plain
+            self.optimizers = release_engine(self._zero_engine, self.optimizers, self.lr_scheduler_configs)
         self._zero_engine = None
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
             unsplit_model(self)  # before super(): it moves the module to CPU, where NCCL cannot gather

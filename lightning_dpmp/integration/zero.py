@@ -115,6 +115,34 @@ def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: li
     return engine
 
 
+def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, grid: Any,
+                     split_params: set[int], sequence_partial: Sequence[nn.Parameter]
+                     ) -> tuple[list[Any], Optional[ZeroEngine]]:
+    """The optimizers for ZeRO level ``level`` over ``grid``'s DP group, and the engine of levels 2/3: zero=1 wraps
+    them in ``ZeroRedundancyOptimizer`` (:func:`shard_over_dp`), zero=2/3 rebuild them over the DP shards
+    (:func:`build_engine`); unchanged at zero=0 or dp=1."""
+    if not level or grid.dp == 1:
+        return optimizers, None
+    if level == 1:
+        return shard_over_dp(optimizers, scheduler_configs, grid.dp_group), None
+    engine = build_engine(module, optimizers, scheduler_configs, level, grid.dp_group, split_params, sequence_partial)
+    return engine.optimizers, engine
+
+
+def release_engine(engine: ZeroEngine, optimizers: Sequence[Any], scheduler_configs: list[Any]) -> list[Any]:
+    """Undo :func:`build_engine` (collective over DP): whole parameters again, and the plain optimizers with their
+    gathered state, which the LR schedulers now drive."""
+    plain = engine.release()
+    repoint_schedulers(optimizers, plain, scheduler_configs)
+    return plain
+
+
+def memory_line(report: dict[str, int], level: int) -> str:
+    """The plan printout's line of :func:`memory_report`'s figures."""
+    held = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in report.items())
+    return f"  bytes held per rank (rank 0, zero={level}): {held}"
+
+
 def then_finish_zero(closure: Callable[[], Any], engine: ZeroEngine, mp_group: Any) -> Callable[[], Any]:
     """``closure`` (forward and backward; the engine's end-of-backward already waited for the reduce-scatters),
     then the MP sum of the sequence-parallel partial shards' gradients, before the clip and the step."""
