@@ -64,8 +64,8 @@ def all_reduce_sum(tensor: Tensor, group: Optional[Any]) -> Tensor:
 
 
 # torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor (the old names warn); older torch has only those.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def tensor_collectives_supported(group: Any, device: torch.device) -> bool:
@@ -105,7 +105,7 @@ def _gather(x: Tensor, dim: int, group: Any, tensor_api: Optional[bool] = None) 
             dist.all_gather(parts, x, group=group)
             return torch.cat(parts, dim=d)
         stacked = x.new_empty((n, *x.shape))  # rank r's tensor at [r]: gathered along dim 0 of one buffer
-        _all_gather_single(stacked.view(n * x.shape[0], *x.shape[1:]), x, group=group)
+        all_gather_single(stacked.view(n * x.shape[0], *x.shape[1:]), x, group=group)
     # (n, ..., x_d, ...) -> (..., n * x_d, ...): a view for dim 0, one copy (as torch.cat's) otherwise.
     return stacked.movedim(0, d).flatten(d, d + 1)
 
@@ -128,7 +128,7 @@ def _reduce_scatter(x: Tensor, dim: int, group: Any, tensor_api: Optional[bool] 
     if compiling:
         return funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "sum", 0, group)).view(chunks.shape[1:])
     out = x.new_empty(chunks.shape[1:])
-    _reduce_scatter_single(out, flat, group=group)
+    reduce_scatter_single(out, flat, group=group)
     return out
 
 

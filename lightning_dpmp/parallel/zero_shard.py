@@ -35,6 +35,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import lightning_dpmp.compat as compat
+from lightning_dpmp.parallel import comm
+from lightning_dpmp.parallel.comm import tensor_collectives_supported
 
 __all__ = [
     "Bucket", "FlatLayout", "all_gather_flat", "gather_buckets", "optimizer_defaults", "rebuild_optimizer",
@@ -79,26 +81,20 @@ class FlatLayout:
 
 
 # ------------------------------------------------------------------------------------------ collectives
-# gloo on torch 2.13 has both tensor collectives (measured); torch 2.13 names them ``*_single`` (the ``*_tensor``
-# names warn there); the list forms are the fallback for backends without them.
-_RS = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_AG = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
+# The tensor forms (torch 2.13's ``*_single`` names) where the backend has them, decided in one place
+# (:func:`~lightning_dpmp.parallel.comm.tensor_collectives_supported`); the list forms otherwise.
 def reduce_scatter_flat(out: Tensor, flat: Tensor, group: Any, async_op: bool) -> Any:
     """SUM-reduce ``flat`` over ``group``, this rank's ``1/n`` slice into ``out``."""
-    try:
-        return _RS(out, flat, group=group, async_op=async_op)
-    except (RuntimeError, NotImplementedError):  # pragma: no cover - backends without the tensor form
-        return dist.reduce_scatter(out, list(flat.chunk(dist.get_world_size(group))), group=group, async_op=async_op)
+    if tensor_collectives_supported(group, flat.device):
+        return comm.reduce_scatter_single(out, flat, group=group, async_op=async_op)
+    return dist.reduce_scatter(out, list(flat.chunk(dist.get_world_size(group))), group=group, async_op=async_op)
 
 
 def all_gather_flat(full: Tensor, shard: Tensor, group: Any, async_op: bool) -> Any:
     """Every rank's ``shard`` concatenated into ``full`` (in rank order)."""
-    try:
-        return _AG(full, shard, group=group, async_op=async_op)
-    except (RuntimeError, NotImplementedError):  # pragma: no cover - backends without the tensor form
-        return dist.all_gather(list(full.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op)
+    if tensor_collectives_supported(group, shard.device):
+        return comm.all_gather_single(full, shard, group=group, async_op=async_op)
+    return dist.all_gather(list(full.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op)
 
 
 def storage_bytes(tensors: list[Tensor], seen: Optional[set[int]] = None) -> int:
