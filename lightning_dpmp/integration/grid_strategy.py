@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -29,6 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning_dpmp.compat as compat
+from lightning_dpmp.integration.data_path import check_even_batches, mute_prediction_writers, seed_workers_by_dp_rank
 from lightning_dpmp.integration.failfast import (
     check_backend,
     check_sync_batchnorm,
@@ -38,11 +40,22 @@ from lightning_dpmp.integration.failfast import (
 )
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.integration.layout import Layout, resolve_layout
+from lightning_dpmp.integration.mp_batch import broadcast_batch, check_batch
 from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
 
 __all__ = ["GridStrategy"]
 
 Size = Union[int, Literal["auto"]]
+MP_BATCH_MODES = ("broadcast", "check")
+
+
+def check_mp_batch(mode: Any) -> None:
+    """Refuse an unknown ``mp_batch`` mode, naming the ones there are."""
+    if mode not in MP_BATCH_MODES:
+        raise ValueError(
+            f"`mp_batch` must be 'broadcast' (the first rank of each MP group sends its batch to the others) or"
+            f" 'check' (one small all-reduce per step proves the MP ranks read the same batch), got {mode!r}."
+        )
 
 
 class GridStrategy(DDPStrategy):
@@ -55,6 +68,9 @@ class GridStrategy(DDPStrategy):
     _pending: bool = False  # dp="auto", mp="auto": the split of the world is chosen at setup (set_layout)
     _chosen: Optional[Layout] = None  # a measured choice, kept for later runs of the same strategy
     _layout_report: str = ""  # how the layout was chosen, for the plan printout
+    _mp_batch: str = "broadcast"  # how the ranks of an MP group come to train on one batch (MP_BATCH_MODES)
+    _warned_batch_layout: bool = False
+    _undo_writers: Any = None
 
     def init_grid(self, dp: Size, mp: Size) -> None:
         """Record the requested sizes (``"auto"`` allowed); refuse a bad value before anything starts."""
@@ -195,6 +211,64 @@ class GridStrategy(DDPStrategy):
         warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
         self._grid = build_grid(self.dp, self.mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout
 
+    # ------------------------------------------------------------------ the data path
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        if self._grid is not None and self._grid.mp > 1:
+            seed_workers_by_dp_rank(dataloader, self._grid.dp_rank)  # before Lightning seeds them by global rank
+        return dataloader
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, check at the first batch of an epoch or evaluation run that every rank will run as many
+        batches, and give the ranks of an MP group one batch (``mp_batch``)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        grid = self._grid
+        trainer = _trainer_of(self.lightning_module)
+        if grid is None or trainer is None or grid.world_size == 1:
+            return batch
+        first = _first_batch_of_run(trainer)
+        if first is not None:
+            check_even_batches(first[1], first[0], grid, self.root_device)
+        if grid.mp == 1:
+            return batch
+        if self._mp_batch == "check":
+            check_batch(batch, grid.mp_group, self.root_device, where=f" (rank {grid.rank}, dp_rank {grid.dp_rank})")
+            return batch
+        batch, same_layout = broadcast_batch(batch, grid.mp_group, src=grid.dp_rank * grid.mp)
+        if not same_layout and not self._warned_batch_layout and grid.mp_rank == 0:
+            self._warned_batch_layout = True
+            warnings.warn(
+                f"DPMPStrategy: the ranks of MP group {grid.dp_rank} read batches of different structure or shapes;"
+                f" each trains on MP rank 0's batch (global rank {grid.dp_rank * grid.mp}), sent as a pickled object"
+                " (slower). Give every rank of an MP group the same samples (seed by trainer.strategy.dp_rank).",
+                stacklevel=2,
+            )
+        return batch
+
+    @override
+    def on_predict_start(self) -> None:
+        trainer = _trainer_of(self.lightning_module)
+        if self._grid is not None and trainer is not None:
+            self._undo_writers = mute_prediction_writers(trainer.callbacks, self._grid.mp_rank)
+        super().on_predict_start()
+
+    @override
+    def on_predict_end(self) -> None:
+        if self._undo_writers is not None:
+            self._undo_writers()
+            self._undo_writers = None
+        super().on_predict_end()
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the DP group by default: the ranks of an MP group hold the same samples, so the world would
+        return each of them ``mp`` times (``LightningModule.all_gather`` comes here)."""
+        if group is None and self._grid is not None:
+            group = self._grid.dp_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
     # ------------------------------------------------------------------ reductions
     @override
     def reduce(
@@ -214,3 +288,34 @@ class GridStrategy(DDPStrategy):
         t = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return bool(t == self.world_size) if all else bool(t)
+
+
+def _trainer_of(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None``."""
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:  # LightningModule.trainer raises when not attached
+        return None
+
+
+def _first_batch_of_run(trainer: Any) -> Optional[tuple[str, list[Any]]]:
+    """``(where, batch counts)`` when the loop about to run its step is at the first batch of its epoch or
+    evaluation run (its ``batch_progress`` has readied none), else ``None``."""
+    if trainer.training:
+        loop, counts, where = trainer.fit_loop.epoch_loop, [trainer.num_training_batches], "training epoch"
+        where += f" {trainer.current_epoch}"
+    elif trainer.sanity_checking:
+        loop, counts, where = trainer.fit_loop.epoch_loop.val_loop, trainer.num_sanity_val_batches, "the sanity check"
+    elif trainer.validating:
+        fitting = trainer.state.fn == "fit"
+        loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
+        counts, where = trainer.num_val_batches, "validation"
+    elif trainer.testing:
+        loop, counts, where = trainer.test_loop, trainer.num_test_batches, "test"
+    elif trainer.predicting:
+        loop, counts, where = trainer.predict_loop, trainer.num_predict_batches, "predict"
+    else:
+        return None
+    if loop.batch_progress.current.ready != 0:
+        return None
+    return where, list(counts)

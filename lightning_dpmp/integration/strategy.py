@@ -37,7 +37,7 @@ from lightning_dpmp.integration.failfast import (
     check_sync_batchnorm,
     warn_if_data_not_sharded,
 )
-from lightning_dpmp.integration.grid_strategy import GridStrategy
+from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.layout import resolve_aliases
 from lightning_dpmp.integration.metrics import route_metrics
@@ -97,6 +97,12 @@ class DPMPStrategy(GridStrategy):
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
+        mp_batch: how the ranks of an MP group come to train on one batch whatever the data pipeline does
+            (:mod:`lightning_dpmp.integration.mp_batch`). ``"broadcast"`` (default): the group's first rank sends
+            its batch to the others every step (one 2-int64 all-reduce and one broadcast of the batch's bytes over
+            the MP group). ``"check"``: each rank keeps its own batch and one all-reduce of 8 int64 per step proves
+            they are equal, raising :class:`~lightning_dpmp.integration.mp_batch.BatchMismatchError` on every rank
+            when not. Either way loader workers are seeded by DP rank, not global rank.
         compile: after the split, ``torch.compile`` each repeated block in place (or the whole model when it has
             none; :mod:`lightning_dpmp.parallel.compiled`): no graph break inside a block, same parameter names.
         async_grad_allreduce: overlap a column layer's input-gradient all-reduce with its weight gradient
@@ -124,6 +130,7 @@ class DPMPStrategy(GridStrategy):
         save_distributed_checkpoint: bool = False,
         timeout_s: Optional[float] = None,
         check_consistency_every_n_steps: int = 0,
+        mp_batch: Literal["broadcast", "check"] = "broadcast",
         zero: int = 0,
         compile: bool = False,
         async_grad_allreduce: Optional[bool] = None,
@@ -145,6 +152,8 @@ class DPMPStrategy(GridStrategy):
         validate.check_speed_flags(compile, async_grad_allreduce)
         self._compile, self._async_grad_allreduce = compile, async_grad_allreduce
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
+        check_mp_batch(mp_batch)
+        self._mp_batch = mp_batch
         self._zero = zero
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
@@ -230,6 +239,7 @@ class DPMPStrategy(GridStrategy):
         self._failed = False
         if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (model_to_device)
             check_sync_batchnorm(compat.layer_sync(self), self.mp)
+            validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self._zero, str(trainer.state.fn))
         self._undo_sync_skip = None
         super().setup(trainer)
         if self._undo_sync_skip is not None:
@@ -253,6 +263,7 @@ class DPMPStrategy(GridStrategy):
         if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
             choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
             self.set_layout(choice.layout, choice.text, keep=choice.measured)
+            validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self._zero, str(trainer.state.fn))
         split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
         self._applied_plan, self._rng = split.applied_plan, split.rng
         if self.layout_report:
@@ -351,7 +362,8 @@ class DPMPStrategy(GridStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no collectives on the way out: a peer may be dead
-        super().on_exception(exception)
+        super().on_exception(exception)  # DDPStrategy's advice names strategy='ddp_find_unused_parameters_true'
+        validate.advise_our_arguments(exception, self._dp_arg, self._mp_arg, self._zero)
 
     @override
     def teardown(self) -> None:

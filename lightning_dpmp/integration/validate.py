@@ -42,6 +42,8 @@ from lightning_dpmp.planner.user_plan import check_plan_on_model, check_styles
 __all__ = [
     "DataSizeWarning",
     "IdleModelParallelWarning",
+    "advise_our_arguments",
+    "check_averaging_callbacks",
     "check_before_launch",
     "check_ckpt_path",
     "check_init_args",
@@ -208,6 +210,9 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
         model = call.get("model")
         if model is not None and not _builds_in_configure_model(model) and not strategy.layout_pending:  # else at setup
             check_plan_on_model(model, strategy.plan_overrides, strategy.mp)
+        if not strategy.layout_pending:  # else at setup, once mp is chosen
+            check_averaging_callbacks(trainer.callbacks, strategy.mp, getattr(strategy, "_zero", 0),
+                                      str(trainer.state.fn))
 
 
 def _builds_in_configure_model(model: Any) -> bool:
@@ -215,6 +220,31 @@ def _builds_in_configure_model(model: Any) -> bool:
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     return is_overridden("configure_model", model) or is_overridden("configure_sharded_model", model)
+
+
+def check_averaging_callbacks(callbacks: Any, mp: int, zero: int, stage: str) -> None:
+    """Refuse weight-averaging callbacks that copy the model before it is split (``StochasticWeightAveraging``,
+    ``WeightAveraging``/``EMAWeightAveraging``) where the copy would not match what trains: mp > 1 (split layers)
+    or zero=3 (parameters freed between uses). With mp=1 and zero <= 2 nothing is split and they work as under DDP.
+
+    Example:
+        >>> check_averaging_callbacks([], mp=2, zero=0, stage="fit")   # nothing to refuse
+    """
+    if stage != "fit" or (mp == 1 and zero < 3):
+        return
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+
+    for cb in callbacks or []:
+        if isinstance(cb, (StochasticWeightAveraging, WeightAveraging)):
+            why = (f"mp={mp} splits the layers after the callback copied the dense model" if mp > 1
+                   else "zero=3 frees the parameters between uses")
+            raise ValueError(
+                f"{type(cb).__name__} keeps a copy of the model made in its setup hook, before DPMPStrategy splits it:"
+                f" {why}, so its averages (and the weights it writes back and into checkpoints) would not match the"
+                f" trained model. Use DPMPStrategy(mp=1, zero<=2) (plain data parallelism) with this callback, or"
+                " average outside training from consolidated checkpoints."
+            )
 
 
 # ---------------------------------------------------------------------------------------------- setup and training
@@ -256,3 +286,29 @@ def warn_if_data_smaller_than_dp(loaders: Any, use_distributed_sampler: bool, dp
             warnings.warn(msg, DataSizeWarning, stacklevel=2)
             return msg
     return None
+
+
+def advise_our_arguments(exception: BaseException, dp: Any, mp: Any, zero: int) -> bool:
+    """Rewrite advice that names a DDP strategy string (``strategy='ddp_find_unused_parameters_true'``, which would
+    drop DP x MP) into the ``DPMPStrategy(...)`` argument that does the same; returns whether it did.
+
+    Example:
+        >>> e = RuntimeError("... `strategy='ddp_find_unused_parameters_true'` ...")
+        >>> advise_our_arguments(e, 2, 2, 0), "DPMPStrategy(dp=2, mp=2, find_unused_parameters=True)" in str(e)
+        (True, True)
+    """
+    changed = False
+    args = []
+    for arg in exception.args:
+        if isinstance(arg, str) and "ddp_find_unused_parameters_true" in arg:
+            arg = (
+                "It looks like your LightningModule has parameters that were not used in producing the loss returned"
+                " by training_step (some steps leave some layers out: experts, LayerDrop, a branch on the data). If"
+                " this is intentional, enable DDP's detection of unused parameters over the DP group with"
+                f" `strategy=DPMPStrategy(dp={dp!r}, mp={mp!r}, find_unused_parameters=True)`"
+                + (f" (zero={zero} keeps DDP)" if zero else "") + "; a DDP strategy string would drop DP x MP."
+            )
+            changed = True
+        args.append(arg)
+    exception.args = tuple(args)
+    return changed
