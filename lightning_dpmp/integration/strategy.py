@@ -239,7 +239,8 @@ class DPMPStrategy(GridStrategy):
         self._failed = False
         if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (model_to_device)
             check_sync_batchnorm(compat.layer_sync(self), self.mp)
-            validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self._zero, str(trainer.state.fn))
+            callbacks = getattr(trainer, "callbacks", [])
+            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, str(trainer.state.fn))
         self._undo_sync_skip = None
         super().setup(trainer)
         if self._undo_sync_skip is not None:
@@ -263,7 +264,8 @@ class DPMPStrategy(GridStrategy):
         if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
             choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
             self.set_layout(choice.layout, choice.text, keep=choice.measured)
-            validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self._zero, str(trainer.state.fn))
+            callbacks = getattr(trainer, "callbacks", [])
+            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, str(trainer.state.fn))
         split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
         self._applied_plan, self._rng = split.applied_plan, split.rng
         if self.layout_report:
