@@ -264,8 +264,9 @@ class GridStrategy(DDPStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather over the DP group by default: the ranks of an MP group hold the same samples, so the world would
-        return each of them ``mp`` times (``LightningModule.all_gather`` comes here)."""
-        if group is None and self._grid is not None:
+        return each of them ``mp`` times. ``LightningModule.all_gather`` comes here with ``group=WORLD`` when given
+        none, so the world group means the default too; gather over every rank with ``torch.distributed`` itself."""
+        if (group is None or group is dist.group.WORLD) and self._grid is not None:
             group = self._grid.dp_group
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
