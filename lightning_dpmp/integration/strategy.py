@@ -240,7 +240,7 @@ class DPMPStrategy(GridStrategy):
         if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (model_to_device)
             check_sync_batchnorm(compat.layer_sync(self), self.mp)
             callbacks = getattr(trainer, "callbacks", [])
-            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, str(trainer.state.fn))
+            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn)
         self._undo_sync_skip = None
         super().setup(trainer)
         if self._undo_sync_skip is not None:
@@ -265,7 +265,7 @@ class DPMPStrategy(GridStrategy):
             choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
             self.set_layout(choice.layout, choice.text, keep=choice.measured)
             callbacks = getattr(trainer, "callbacks", [])
-            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, str(trainer.state.fn))
+            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn)
         split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
         self._applied_plan, self._rng = split.applied_plan, split.rng
         if self.layout_report:

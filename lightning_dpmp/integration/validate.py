@@ -212,7 +212,7 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
             check_plan_on_model(model, strategy.plan_overrides, strategy.mp)
         if not strategy.layout_pending:  # else at setup, once mp is chosen
             check_averaging_callbacks(trainer.callbacks, strategy.mp, getattr(strategy, "_zero", 0),
-                                      str(trainer.state.fn))
+                                      trainer.state.fn)
 
 
 def _builds_in_configure_model(model: Any) -> bool:
@@ -222,7 +222,7 @@ def _builds_in_configure_model(model: Any) -> bool:
     return is_overridden("configure_model", model) or is_overridden("configure_sharded_model", model)
 
 
-def check_averaging_callbacks(callbacks: Any, mp: int, zero: int, stage: str) -> None:
+def check_averaging_callbacks(callbacks: Any, mp: int, zero: int, stage: Any) -> None:
     """Refuse weight-averaging callbacks that copy the model before it is split (``StochasticWeightAveraging``,
     ``WeightAveraging``/``EMAWeightAveraging``) where the copy would not match what trains: mp > 1 (split layers)
     or zero=3 (parameters freed between uses). With mp=1 and zero <= 2 nothing is split and they work as under DDP.
@@ -230,7 +230,7 @@ def check_averaging_callbacks(callbacks: Any, mp: int, zero: int, stage: str) ->
     Example:
         >>> check_averaging_callbacks([], mp=2, zero=0, stage="fit")   # nothing to refuse
     """
-    if stage != "fit" or (mp == 1 and zero < 3):
+    if stage != "fit" or (mp == 1 and zero < 3):  # a TrainerFn compares equal to its value
         return
     from lightning.pytorch.callbacks import StochasticWeightAveraging
     from lightning.pytorch.callbacks.weight_averaging import WeightAveraging

@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.callbacks import BasePredictionWriter, StochasticWeightAveraging  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
