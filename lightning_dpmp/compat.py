@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TorchDispatchMode",
     "apply_batch_transfer_handler",
+    "averaged_copy",
     "check_can_spawn_children",
     "collect_rng_states",
     "ddp_kwargs",
@@ -265,6 +266,18 @@ def metric_state_keys(metric: Any) -> list[str]:
     """The ``__dict__`` keys holding a torchmetrics ``Metric``'s accumulated state (torchmetrics 1.9): the states
     registered by ``add_state`` (``_defaults``) plus ``_update_count``, ``_computed``, ``_forward_cache``."""
     return list(metric._defaults) + ["_update_count", "_computed", "_forward_cache"]
+
+
+def averaged_copy(callback: Any) -> Optional[nn.Module]:
+    """The model copy a weight-averaging callback averages into (lightning 2.6.6): ``StochasticWeightAveraging.
+    _average_model`` (a copy of the LightningModule) or ``WeightAveraging._average_model.module`` (the module inside
+    torch's ``AveragedModel``); ``None`` before its ``setup`` made one. Relies on: the copy's parameters and buffers
+    being paired with the model's by position."""
+    average = getattr(callback, "_average_model", None)
+    if average is None:
+        return None
+    inner = getattr(average, "module", None)
+    return inner if isinstance(average, torch.optim.swa_utils.AveragedModel) and inner is not None else average
 
 
 def __getattr__(name: str) -> Any:

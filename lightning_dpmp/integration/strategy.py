@@ -32,6 +32,7 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks, validate
 from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.autoplan import PlanResult
+from lightning_dpmp.integration.averaging import split_averaging_callbacks
 from lightning_dpmp.integration.delegate import leaves_sharded_rng, to_checkpointer
 from lightning_dpmp.integration.failfast import (
     check_sync_batchnorm,
@@ -240,7 +241,8 @@ class DPMPStrategy(GridStrategy):
         if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (model_to_device)
             check_sync_batchnorm(compat.layer_sync(self), self.mp)
             callbacks = getattr(trainer, "callbacks", [])
-            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn)
+            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn,
+                                               self.checkpointer.distributed)
         self._undo_sync_skip = None
         super().setup(trainer)
         if self._undo_sync_skip is not None:
@@ -248,6 +250,10 @@ class DPMPStrategy(GridStrategy):
         if self.mp > 1 or self._zero_engine is not None:
             dp_group = self.grid.dp_group if self._zero_engine is not None else None
             hooks.install(self.precision_plugin, self._split_params, self.grid.mp_group, dp_group)
+        if trainer.state.fn == TrainerFn.FITTING and self.lightning_module is not None:
+            # Their copies were made in the callbacks' setup, before the split: they now average this rank's shards.
+            split_averaging_callbacks(getattr(trainer, "callbacks", []), self.lightning_module, self.grid,
+                                      self.checkpointer.gathers(), self.checkpointer.distributed, self._zero)
 
     @override
     def model_to_device(self) -> None:
@@ -265,7 +271,8 @@ class DPMPStrategy(GridStrategy):
             choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
             self.set_layout(choice.layout, choice.text, keep=choice.measured)
             callbacks = getattr(trainer, "callbacks", [])
-            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn)
+            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn,
+                                               self.checkpointer.distributed)
         split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
         self._applied_plan, self._rng = split.applied_plan, split.rng
         if self.layout_report:

@@ -73,7 +73,7 @@ class StrategyCheckpointer:
         self.strategy = strategy
         self.distributed = distributed
 
-    def _gathers(self) -> bool:
+    def gathers(self) -> bool:
         """Whether this rank gathers MP shards into dense tensors: consolidated saves, on each MP group of DP rank 0."""
         grid = self.strategy.grid_or_none
         return grid is not None and not self.distributed and grid.dp_rank == 0
@@ -100,12 +100,12 @@ class StrategyCheckpointer:
         else:
             state = lm.state_dict()
         dims = shard_dims(lm)
-        if not dims or not self._gathers():
+        if not dims or not self.gathers():
             return state  # local shards: sharded saves write them as they are, and DP ranks > 0 do not write
         return gather_state_dict(state, dims, self.strategy.grid.mp_group, shard_blocks(lm))
 
     def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
-        """The optimizer's state (``default``: Lightning's), consolidated to dense shapes where :meth:`_gathers`."""
+        """The optimizer's state (``default``: Lightning's), consolidated to dense shapes where :meth:`gathers`."""
         grid = self.strategy.grid_or_none
         optimizer = self._plain(optimizer, with_state=True)
         if is_zero(optimizer) and grid is not None:
@@ -113,7 +113,7 @@ class StrategyCheckpointer:
             state = zero_state_dict(optimizer, keep=grid.dp_rank == 0)
         else:
             state = default(optimizer)
-        if not self._gathers() or self.strategy.mp == 1:
+        if not self.gathers() or self.strategy.mp == 1:
             return state
         inner = compat.unwrap_optimizer(optimizer)
         lm = self.strategy.lightning_module

@@ -212,7 +212,7 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
             check_plan_on_model(model, strategy.plan_overrides, strategy.mp)
         if not strategy.layout_pending:  # else at setup, once mp is chosen
             check_averaging_callbacks(trainer.callbacks, strategy.mp, getattr(strategy, "_zero", 0),
-                                      trainer.state.fn)
+                                      trainer.state.fn, strategy.checkpointer.distributed)
 
 
 def _builds_in_configure_model(model: Any) -> bool:
@@ -222,29 +222,25 @@ def _builds_in_configure_model(model: Any) -> bool:
     return is_overridden("configure_model", model) or is_overridden("configure_sharded_model", model)
 
 
-def check_averaging_callbacks(callbacks: Any, mp: int, zero: int, stage: Any) -> None:
-    """Refuse weight-averaging callbacks that copy the model before it is split (``StochasticWeightAveraging``,
-    ``WeightAveraging``/``EMAWeightAveraging``) where the copy would not match what trains: mp > 1 (split layers)
-    or zero=3 (parameters freed between uses). With mp=1 and zero <= 2 nothing is split and they work as under DDP.
+def check_averaging_callbacks(callbacks: Any, mp: int, zero: int, stage: Any, distributed: bool = False) -> None:
+    """Refuse weight-averaging callbacks (``StochasticWeightAveraging``, ``WeightAveraging``/``EMAWeightAveraging``)
+    where their average cannot be exact: zero=3 (parameters freed between uses) and, with split layers, sharded
+    checkpoints. Elsewhere :mod:`lightning_dpmp.integration.averaging` makes them average the MP shards.
 
     Example:
-        >>> check_averaging_callbacks([], mp=2, zero=0, stage="fit")   # nothing to refuse
+        >>> check_averaging_callbacks([], mp=2, zero=3, stage="fit")   # nothing to refuse
     """
-    if stage != "fit" or (mp == 1 and zero < 3):  # a TrainerFn compares equal to its value
+    if stage != "fit" or (zero < 3 and not (distributed and mp > 1)):  # a TrainerFn compares equal to its value
         return
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-    from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+    from lightning_dpmp.integration.averaging import averaging_callbacks
 
-    for cb in callbacks or []:
-        if isinstance(cb, (StochasticWeightAveraging, WeightAveraging)):
-            why = (f"mp={mp} splits the layers after the callback copied the dense model" if mp > 1
-                   else "zero=3 frees the parameters between uses")
-            raise ValueError(
-                f"{type(cb).__name__} keeps a copy of the model made in its setup hook, before DPMPStrategy splits it:"
-                f" {why}, so its averages (and the weights it writes back and into checkpoints) would not match the"
-                f" trained model. Use DPMPStrategy(mp=1, zero<=2) (plain data parallelism) with this callback, or"
-                " average outside training from consolidated checkpoints."
-            )
+    for cb in averaging_callbacks(callbacks):
+        why = ("zero=3 frees the parameters between uses" if zero >= 3 else
+               "sharded checkpoints (save_distributed_checkpoint=True) have no place for its averaged copy")
+        raise ValueError(
+            f"{type(cb).__name__} keeps a copy of the model to average into, but {why}. Use zero<=2 and consolidated"
+            " checkpoints (save_distributed_checkpoint=False) with this callback."
+        )
 
 
 # ---------------------------------------------------------------------------------------------- setup and training

@@ -22,6 +22,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import BasePredictionWriter, StochasticWeightAveraging  # noqa: E402
+from lightning.pytorch.callbacks.weight_averaging import EMAWeightAveraging  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
@@ -120,11 +121,20 @@ class Writer(BasePredictionWriter):
         torch.save({"idx": idx, "logits": logits}, os.path.join(self.out, f"pred_rank{trainer.global_rank}.pt"))
 
 
+def averaging_callbacks() -> dict:
+    """The averaging callbacks of the parity cases, each fresh (the test builds the same for its reference)."""
+    return {
+        "swa": StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1, annealing_epochs=1),
+        "ema": EMAWeightAveraging(decay=0.8),
+    }
+
+
 def trainer(dp: int, mp: int, **kw) -> L.Trainer:
-    strategy_kw = {k: kw.pop(k) for k in ("mp_batch", "check_consistency_every_n_steps") if k in kw}
+    # timeout_s bounds the start-up rendezvous too: on 2 loaded cores 4 ranks can take a minute to import torch
+    strategy_kw = {k: kw.pop(k) for k in ("mp_batch", "check_consistency_every_n_steps", "zero") if k in kw}
     defaults = dict(accelerator="cpu", devices=dp * mp, logger=False, enable_checkpointing=False, precision="64-true",
                     enable_progress_bar=False, enable_model_summary=False)
-    return L.Trainer(strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=60, **strategy_kw), **{**defaults, **kw})
+    return L.Trainer(strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=300, **strategy_kw), **{**defaults, **kw})
 
 
 def weights(model) -> dict:
@@ -180,6 +190,14 @@ def run(out: str) -> dict:
     L.seed_everything(0)
     t = trainer(2, 2, max_steps=20, callbacks=[StepTime()])
     t.fit(ResMLP(), DataLoader(make_dataset(), batch_size=PER_RANK))
+    # 4. weight averaging on the split model: 3 epochs, then a consolidated checkpoint with the averaged copy
+    for name, cb in averaging_callbacks().items():
+        L.seed_everything(0)
+        m = ResMLP()
+        t = trainer(2, 2, max_epochs=3, callbacks=[cb])
+        t.fit(m, DataLoader(make_dataset(), batch_size=PER_RANK))
+        res[f"{name}_weights"] = weights(m)
+        t.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
     return res
 
 
@@ -193,8 +211,8 @@ class Unused(ResMLP):
 
 def fail(case: str, out: str) -> None:
     L.seed_everything(0)
-    if case == "swa":  # refused before any process starts
-        t = trainer(1, 2, max_epochs=2, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
+    if case == "swa":  # zero=3 frees the parameters SWA averages: refused before any process starts
+        t = trainer(1, 2, max_epochs=2, zero=3, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
         t.fit(ResMLP(), DataLoader(make_dataset(), batch_size=PER_RANK))
     elif case == "check":  # mp_batch='check' with a loader keyed on the global rank
         t = trainer(1, 2, max_steps=4, mp_batch="check")

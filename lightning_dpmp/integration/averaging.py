@@ -1,0 +1,159 @@
+"""Weight-averaging callbacks on the split model: ``StochasticWeightAveraging`` and ``WeightAveraging`` (EMA).
+
+Both copy the LightningModule in their ``setup`` hook, before :class:`~lightning_dpmp.DPMPStrategy` splits it, then
+average parameters by position (``zip(average.parameters(), model.parameters())``) and write the average back the
+same way. Averaging is element-wise, so it is exact on MP shards: :func:`split_averaging_callbacks` replaces the
+copy's tensors with clones of this rank's shards (same names, same order, checked), after which Lightning's own
+code runs unchanged, every rank averaging its own slices.
+
+What remains is the checkpoint, where an averaged copy must look as it would on one process:
+
+* ``StochasticWeightAveraging`` keeps the copy's ``state_dict`` in its callback state: gathered to dense (on the
+  ranks that write a consolidated file) when saved, sliced when loaded.
+* ``WeightAveraging`` swaps it into the checkpoint's ``state_dict`` (the dense model goes to
+  ``current_model_state``): that entry is gathered when saved, and both are sliced before it loads them.
+
+Sharded checkpoints (``save_distributed_checkpoint=True``) and zero=3 are refused with the reason.
+
+Example:
+    >>> adapted = split_averaging_callbacks(trainer.callbacks, lightning_module, grid, gathers=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from lightning_dpmp import compat
+from lightning_dpmp.checkpoint.consolidated import gather_state_dict, shard_state_dict
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
+
+__all__ = ["averaging_callbacks", "split_averaging_callbacks"]
+
+
+def averaging_callbacks(callbacks: Any) -> list[Any]:
+    """The ``StochasticWeightAveraging`` and ``WeightAveraging`` callbacks among ``callbacks``."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks.weight_averaging import WeightAveraging
+
+    return [cb for cb in callbacks or [] if isinstance(cb, (StochasticWeightAveraging, WeightAveraging))]
+
+
+def _same_order(copy: nn.Module, module: nn.Module, what: str) -> None:
+    mine = [n for n, _ in getattr(copy, f"named_{what}")()]
+    theirs = [n for n, _ in getattr(module, f"named_{what}")()]
+    if mine != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        raise ValueError(
+            f"DPMPStrategy cannot split the averaged copy of the model: its {what} differ from the split model's"
+            f" from position {first} ({mine[first:first + 2]} vs {theirs[first:first + 2]}); the callback pairs them"
+            " by position. Build every layer in __init__ (not configure_model) when using weight averaging."
+        )
+
+
+def _take_shards(copy: nn.Module, module: nn.Module) -> None:
+    """Point the copy's parameters and buffers at clones of ``module``'s (this rank's shards), on the copy's
+    devices."""
+    for what in ("parameters", "buffers"):
+        _same_order(copy, module, what)
+        for (_, mine), (_, theirs) in zip(getattr(copy, what)(), getattr(module, what)()):
+            mine.data = theirs.detach().to(mine.device).clone()
+
+
+class _Split:
+    """What :func:`split_averaging_callbacks` needs to turn one callback's states dense and back."""
+
+    def __init__(self, module: nn.Module, grid: Any, gathers: bool) -> None:
+        self.dims, self.blocks = shard_dims(module), shard_blocks(module)
+        self.group, self.gathers = grid.mp_group, gathers
+        self.local = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
+
+    def dense(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Collective over the MP group: dense on the ranks that write the file, unchanged elsewhere."""
+        if not self.gathers:
+            return dict(state)
+        return gather_state_dict(state, {k: d for k, d in self.dims.items() if k in state}, self.group, self.blocks)
+
+    def sliced(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's slices of a dense state (entries already local are left alone)."""
+        dense_keys = {k: d for k, d in self.dims.items()
+                      if isinstance(state.get(k), Tensor) and tuple(state[k].shape) != self.local.get(k)}
+        return shard_state_dict(state, dense_keys, self.group, self.blocks)
+
+
+def split_averaging_callbacks(
+    callbacks: Any, module: nn.Module, grid: Any, gathers: bool, distributed_checkpoints: bool, zero: int
+) -> list[Any]:
+    """Make every averaging callback among ``callbacks`` average this rank's shards of ``module`` (after the split,
+    on every rank alike); returns the callbacks adapted. Raises ``ValueError`` where it cannot be exact.
+
+    Args:
+        gathers: whether this rank writes consolidated checkpoints (it gathers the averaged copy when saving).
+        distributed_checkpoints: ``save_distributed_checkpoint=True`` (refused: the averaged copy has no sharded form).
+        zero: the ZeRO level (3 is refused: its parameters are freed between uses).
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    found = averaging_callbacks(callbacks)
+    if not found or not shard_dims(module):
+        return []
+    for cb in found:
+        why = ("zero=3 frees the parameters between uses" if zero >= 3 else
+               "sharded checkpoints (save_distributed_checkpoint=True) have no place for its averaged copy"
+               if distributed_checkpoints else "")
+        if why:
+            raise ValueError(
+                f"{type(cb).__name__} under DPMPStrategy averages the split model, but {why}. Use zero<=2 and"
+                " consolidated checkpoints with this callback."
+            )
+    split = _Split(module, grid, gathers)
+    for cb in found:
+        copy = compat.averaged_copy(cb)
+        if copy is None:
+            continue
+        _take_shards(copy, module)
+        if isinstance(cb, StochasticWeightAveraging):
+            _wrap_swa(cb, split)
+        else:
+            _wrap_weight_averaging(cb, split)
+    return found
+
+
+def _wrap_swa(cb: Any, split: _Split) -> None:
+    state_dict: Callable[[], dict[str, Any]] = cb.state_dict
+    load_state_dict: Callable[[dict[str, Any]], None] = cb.load_state_dict
+
+    def dense_state() -> dict[str, Any]:
+        state = state_dict()
+        if state.get("average_model_state") is not None:
+            state["average_model_state"] = split.dense(state["average_model_state"])
+        return state
+
+    def load_sliced(state: dict[str, Any]) -> None:
+        if state.get("average_model_state") is not None:
+            state = {**state, "average_model_state": split.sliced(state["average_model_state"])}
+        load_state_dict(state)
+
+    cb.state_dict, cb.load_state_dict = dense_state, load_sliced
+
+
+def _wrap_weight_averaging(cb: Any, split: _Split) -> None:
+    on_save: Callable[..., None] = cb.on_save_checkpoint
+    on_load: Callable[..., None] = cb.on_load_checkpoint
+
+    def save_dense(trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        replaced = compat.averaged_copy(cb) is not None  # it swaps its copy into "state_dict" only while it has one
+        on_save(trainer, pl_module, checkpoint)
+        if replaced:
+            checkpoint["state_dict"] = split.dense(checkpoint["state_dict"])
+
+    def load_sliced(trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        sliced = dict(checkpoint)
+        for key in ("state_dict", "current_model_state"):
+            if isinstance(checkpoint.get(key), Mapping):
+                sliced[key] = split.sliced(checkpoint[key])
+        on_load(trainer, pl_module, sliced)
+
+    cb.on_save_checkpoint, cb.on_load_checkpoint = save_dense, load_sliced
