@@ -58,7 +58,7 @@ def _take_shards(copy: nn.Module, module: nn.Module) -> None:
     devices."""
     for what in ("parameters", "buffers"):
         _same_order(copy, module, what)
-        for (_, mine), (_, theirs) in zip(getattr(copy, what)(), getattr(module, what)()):
+        for mine, theirs in zip(getattr(copy, what)(), getattr(module, what)()):
             mine.data = theirs.detach().to(mine.device).clone()
 
 

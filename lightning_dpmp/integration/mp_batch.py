@@ -131,11 +131,10 @@ def broadcast_batch(batch: Any, group: Any, src: int) -> tuple[Any, bool]:
         return batch, True  # no tensors and equal signatures: the non-tensor leaves are equal already
     # One byte buffer for all leaves: a single broadcast, whatever the dtypes (bool and complex included).
     mine = dist.get_rank() == src
-    parts = [_as_bytes(t) for t in tensors]
     if mine:
-        buffer = torch.cat([p.to(wire) for p in parts])
+        buffer = _pack(tensors, wire)
     else:
-        buffer = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8, device=wire)
+        buffer = torch.empty(_packed_size(tensors), dtype=torch.uint8, device=wire)
     dist.broadcast(buffer, src=src, group=group)
     if mine:
         return batch, True
@@ -148,12 +147,35 @@ def _wire_device(group: Any, device: torch.device) -> torch.device:
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
+_ALIGN = 8  # bytes: every leaf starts at a multiple of the widest real element, so its bytes view as its dtype
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _packed_size(tensors: list[Tensor]) -> int:
+    return sum(_padded(t.numel() * t.element_size()) for t in tensors)
+
+
+def _pack(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The leaves' bytes one after another in one buffer, each padded to :data:`_ALIGN`."""
+    buffer = torch.zeros(_packed_size(tensors), dtype=torch.uint8, device=device)
+    start = 0
+    for t in tensors:
+        raw = _as_bytes(t)
+        buffer[start : start + raw.numel()] = raw.to(device)
+        start += _padded(raw.numel())
+    return buffer
+
+
 def _split_like(buffer: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """The leaves of :func:`_pack` back from ``buffer``, as views of it, with ``like``'s dtypes and shapes."""
     out, start = [], 0
     for t in like:
         n = t.numel() * t.element_size()
         chunk = buffer[start : start + n]
-        start += n
+        start += _padded(n)
         if t.is_complex():
             real = chunk.view(torch.view_as_real(torch.empty(0, dtype=t.dtype)).dtype)
             out.append(torch.view_as_complex(real.view(*t.shape, 2)))
