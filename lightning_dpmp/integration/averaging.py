@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from torch import Tensor, nn
 
-from lightning_dpmp import compat
+import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import gather_state_dict, shard_state_dict
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 
@@ -54,12 +54,13 @@ def _same_order(copy: nn.Module, module: nn.Module, what: str) -> None:
 
 
 def _take_shards(copy: nn.Module, module: nn.Module) -> None:
-    """Point the copy's parameters and buffers at clones of ``module``'s (this rank's shards), on the copy's
-    devices."""
+    """Point the copy's parameters and buffers at clones of ``module``'s (this rank's shards), on the copy's devices
+    and in its dtypes: the callbacks copy before the precision plugin converts the model (a float32 copy of a
+    ``64-true`` model averages in float32 on one process too)."""
     for what in ("parameters", "buffers"):
         _same_order(copy, module, what)
         for mine, theirs in zip(getattr(copy, what)(), getattr(module, what)()):
-            mine.data = theirs.detach().to(mine.device).clone()
+            mine.data = theirs.detach().to(device=mine.device, dtype=mine.dtype).clone()
 
 
 class _Split:

@@ -20,14 +20,21 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-__all__ = ["UnevenBatchesError", "check_even_batches", "mute_prediction_writers", "seed_workers_by_dp_rank"]
+__all__ = [
+    "UnevenBatchesError",
+    "check_even_batches",
+    "first_batch_of_run",
+    "mute_prediction_writers",
+    "seed_workers_by_dp_rank",
+    "trainer_of",
+]
 
 
 class UnevenBatchesError(RuntimeError):
@@ -104,3 +111,34 @@ def mute_prediction_writers(callbacks: Sequence[Any], mp_rank: int) -> Callable[
             cb.__dict__.update(saved)
 
     return undo
+
+
+def trainer_of(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None``."""
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:  # LightningModule.trainer raises when not attached
+        return None
+
+
+def first_batch_of_run(trainer: Any) -> Optional[tuple[str, list[Any]]]:
+    """``(where, batch counts)`` when the loop about to run its step is at the first batch of its epoch or
+    evaluation run (its ``batch_progress`` has readied none), else ``None``."""
+    if trainer.training:
+        loop, counts, where = trainer.fit_loop.epoch_loop, [trainer.num_training_batches], "training epoch"
+        where += f" {trainer.current_epoch}"
+    elif trainer.sanity_checking:
+        loop, counts, where = trainer.fit_loop.epoch_loop.val_loop, trainer.num_sanity_val_batches, "the sanity check"
+    elif trainer.validating:
+        fitting = trainer.state.fn == "fit"
+        loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
+        counts, where = trainer.num_val_batches, "validation"
+    elif trainer.testing:
+        loop, counts, where = trainer.test_loop, trainer.num_test_batches, "test"
+    elif trainer.predicting:
+        loop, counts, where = trainer.predict_loop, trainer.num_predict_batches, "predict"
+    else:
+        return None
+    if loop.batch_progress.current.ready != 0:
+        return None
+    return where, list(counts)

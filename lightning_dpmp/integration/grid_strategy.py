@@ -3,7 +3,9 @@
 :class:`GridStrategy` is the part of :class:`~lightning_dpmp.DPMPStrategy` that knows nothing of models: it
 resolves ``dp``/``mp`` when the Trainer sets devices and nodes (``set_world_ranks``, before any process starts),
 installs the launcher, builds the :class:`~lightning_dpmp.parallel.grid.Grid` in ``setup_environment``, shards the
-sampler over DP only and reduces logged values over the DP group. It owns every attribute it reads.
+sampler over DP only, gives each MP group one batch (``batch_to_device``, :mod:`lightning_dpmp.integration.mp_batch`),
+checks loader lengths at each run's first batch, and reduces and gathers over the DP group
+(:mod:`lightning_dpmp.integration.data_path`). It owns every attribute it reads.
 
 With ``dp="auto", mp="auto"`` only the world size is fixed before launch: the layout stays *pending*
 (:attr:`layout_pending`; reading ``dp``/``mp`` raises a clear error), ``setup_environment`` initialises the world
@@ -30,7 +32,13 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.integration.data_path import check_even_batches, mute_prediction_writers, seed_workers_by_dp_rank
+from lightning_dpmp.integration.data_path import (
+    check_even_batches,
+    first_batch_of_run,
+    mute_prediction_writers,
+    seed_workers_by_dp_rank,
+    trainer_of,
+)
 from lightning_dpmp.integration.failfast import (
     check_backend,
     check_sync_batchnorm,
@@ -225,10 +233,10 @@ class GridStrategy(DDPStrategy):
         batches, and give the ranks of an MP group one batch (``mp_batch``)."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         grid = self._grid
-        trainer = _trainer_of(self.lightning_module)
+        trainer = trainer_of(self.lightning_module)
         if grid is None or trainer is None or grid.world_size == 1:
             return batch
-        first = _first_batch_of_run(trainer)
+        first = first_batch_of_run(trainer)
         if first is not None:
             check_even_batches(first[1], first[0], grid, self.root_device)
         if grid.mp == 1:
@@ -249,7 +257,7 @@ class GridStrategy(DDPStrategy):
 
     @override
     def on_predict_start(self) -> None:
-        trainer = _trainer_of(self.lightning_module)
+        trainer = trainer_of(self.lightning_module)
         if self._grid is not None and trainer is not None:
             self._undo_writers = mute_prediction_writers(trainer.callbacks, self._grid.mp_rank)
         super().on_predict_start()
@@ -290,33 +298,3 @@ class GridStrategy(DDPStrategy):
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return bool(t == self.world_size) if all else bool(t)
 
-
-def _trainer_of(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or ``None``."""
-    try:
-        return module.trainer if module is not None else None
-    except RuntimeError:  # LightningModule.trainer raises when not attached
-        return None
-
-
-def _first_batch_of_run(trainer: Any) -> Optional[tuple[str, list[Any]]]:
-    """``(where, batch counts)`` when the loop about to run its step is at the first batch of its epoch or
-    evaluation run (its ``batch_progress`` has readied none), else ``None``."""
-    if trainer.training:
-        loop, counts, where = trainer.fit_loop.epoch_loop, [trainer.num_training_batches], "training epoch"
-        where += f" {trainer.current_epoch}"
-    elif trainer.sanity_checking:
-        loop, counts, where = trainer.fit_loop.epoch_loop.val_loop, trainer.num_sanity_val_batches, "the sanity check"
-    elif trainer.validating:
-        fitting = trainer.state.fn == "fit"
-        loop = trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop
-        counts, where = trainer.num_val_batches, "validation"
-    elif trainer.testing:
-        loop, counts, where = trainer.test_loop, trainer.num_test_batches, "test"
-    elif trainer.predicting:
-        loop, counts, where = trainer.predict_loop, trainer.num_predict_batches, "predict"
-    else:
-        return None
-    if loop.batch_progress.current.ready != 0:
-        return None
-    return where, list(counts)

@@ -27,7 +27,8 @@ Pair = namedtuple("Pair", "x y")
 
 
 def _batch():
-    return {"ids": torch.arange(6).view(2, 3), "mask": torch.tensor([True, False]), "c": torch.ones(2, dtype=torch.cfloat),
+    return {"ids": torch.arange(6).view(2, 3), "mask": torch.tensor([True, False]),
+            "c": torch.ones(2, dtype=torch.cfloat),
             "pair": Pair(torch.randn(2, 2, dtype=torch.float64), torch.tensor(3.5, dtype=torch.bfloat16)), "tag": "a"}
 
 
