@@ -251,6 +251,7 @@ class DPMPStrategy(GridStrategy):
             super().model_to_device()
         trainer = self.lightning_module.trainer
         if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
+            validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
             choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
             self.set_layout(choice.layout, choice.text, keep=choice.measured)
         split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
