@@ -59,6 +59,7 @@ from lightning_dpmp.planner.sequence import plan_sequence_parallel
 from lightning_dpmp.planner.trace import Trace, loss_of, trace_step
 
 __all__ = [
+    "LowestFloat",
     "PlanFallbackWarning",
     "PlanResult",
     "PlanVerificationError",
@@ -194,11 +195,19 @@ def tolerance(precision: str, dtype: Optional[torch.dtype] = None) -> float:
     return _TOLERANCE[bits]
 
 
-class _LowestFloat(TorchFunctionMode):
+class LowestFloat(TorchFunctionMode):
     """Records the lowest floating dtype among the parameters and every differentiable value a step computes.
 
     Only values that require grad count: they lie between the parameters and the loss, where the verification
     compares. A float32 constant (rotary frequencies, a mask) computed the same way in both steps does not.
+
+    Example:
+        >>> layer = nn.Linear(2, 2).double()
+        >>> lowest = LowestFloat(layer)
+        >>> with lowest:
+        ...     loss = layer(torch.ones(1, 2, dtype=torch.float64)).float().sum()  # a float32 loss
+        >>> lowest.dtype
+        torch.float32
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -224,7 +233,7 @@ def _dense_grads(
     module: nn.Module, run: Callable[[], Any], losses: list[Tensor]
 ) -> tuple[Optional[Trace], Optional[Tensor], dict, Optional[torch.dtype]]:
     """The traced dense step, its loss and gradients, and the lowest floating dtype it computed in."""
-    lowest = _LowestFloat(module)
+    lowest = LowestFloat(module)
     with torch.enable_grad():
         with lowest:
             trace = trace_step(module, run)
