@@ -416,9 +416,11 @@ def _check_mp_agreement(loss: Optional[Tensor], grads: dict, grid: Grid, tol: fl
             "DPMPStrategy: the dense training step on the first batch gives different results on the ranks of one"
             f" MP group, which run it on the same batch with the same weights ({text}; relative difference"
             f" {worst:.2e} > tolerance {tol:.0e}). The step depends on the rank (e.g. self.global_rank or"
-            " self.local_rank in the loss) or runs a non-deterministic op, so the MP ranks would train different"
-            " models and no plan can be verified. Make the step the same on every rank (model parallelism needs"
-            " one step computed by all ranks of an MP group); DPMPStrategy(verify_plan=False) skips this check."
+            " self.local_rank in the loss), draws random numbers that differ between ranks (torch.randn in the step"
+            " of an unseeded run: call L.seed_everything), or runs a non-deterministic op, so the MP ranks would"
+            " train different models and no plan can be verified. Make the step the same on every rank (model"
+            " parallelism needs one step computed by all ranks of an MP group); DPMPStrategy(verify_plan=False)"
+            " skips this check."
         )
 
 
