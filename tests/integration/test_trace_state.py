@@ -8,6 +8,7 @@ references are Lightning runs with the permutation Lightning's DistributedSample
 from __future__ import annotations
 
 import json
+import time
 
 import lightning as L
 import pytest
@@ -26,8 +27,10 @@ F32_LOSS_BOUND = 1e-6
 @pytest.fixture(scope="module")
 def grid12(tmp_path_factory):
     out = tmp_path_factory.mktemp("trace_1x2")
+    start = time.monotonic()
     proc = run_script([WORKER, "1", "2", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
+    print(f"trace_worker dp=1 mp=2: {time.monotonic() - start:.0f} s for the launch")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -85,6 +88,16 @@ def test_step_that_disagrees_with_itself_stops_setup_after_every_level(grid12):
         assert "verification failed at level 0" in msg and "non-deterministic op" in msg, msg
         assert "DPMPStrategy(verify_plan=False)" in msg, msg
         print(f"self-inconsistent step refused in {res['seconds']:.2f} s")
+
+
+@pytest.mark.slow
+def test_a_plan_that_could_not_be_verified_warns_with_the_reason(grid12):
+    # trainer.train_dataloader is still None at setup (Lightning builds it in the fit loop): the trace fails
+    res = grid12[0]["loader"]
+    assert res["verified"] is None, res["plan_text"]
+    assert "could not trace the step (TypeError" in res["plan_text"], res["plan_text"]
+    assert res["warnings"] == ["UnverifiedPlanWarning"], res["warnings"]  # rank 0 warns, not only a printout note
+    assert grid12[1]["loader"]["warnings"] == []
 
 
 @pytest.mark.slow

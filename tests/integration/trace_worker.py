@@ -8,6 +8,7 @@ Cases (each a ``fit``; results per rank in OUT_DIR/rank{r}.json):
             ``self.lr_schedulers().get_last_lr()`` (StepLR), scaling its loss by the schedule: float64, 10 steps;
   rank      ``loss * (1 + self.global_rank)``: setup must raise (caught here, timed) on every rank;
   stateful  a loss scaled by a call counter: even the plan that splits nothing disagrees, setup must raise;
+  loader    a step reading ``len(self.trainer.train_dataloader)`` (None at setup): not traced, a warning says so;
   half      float16 parameters at precision 32-true: 2 steps, the plan must verify;
   f32loss   a float64 model whose loss is ``F.cross_entropy(logits.float(), y)``: float64, 10 steps.
 """
@@ -74,6 +75,14 @@ class CallCounting(ResMLP):
         x, y = batch
         self.calls += 1
         return F.cross_entropy(self(x), y) * self.calls
+
+
+class LoaderReading(ResMLP):
+    """Reads the trainer's train dataloader, which Lightning sets up only after the strategy's setup."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y) * (len(self.trainer.train_dataloader) / 20)
 
 
 class HalfInput(ResMLP):
@@ -163,6 +172,10 @@ def main(dp: int, mp: int, out: str) -> dict:
         res["stateful"] = {"raised": None}
     except PlanVerificationError as exc:
         res["stateful"] = {"raised": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - t0}
+
+    L.seed_everything(0)
+    res["loader"] = fit(dp, mp, LoaderReading(), "64-true", 2)
+    res["loader"].pop("weights")
 
     L.seed_everything(0)
     res["half"] = fit(dp, mp, HalfInput().half(), "32-true", 2)
