@@ -450,10 +450,17 @@ def _sequence_plan(trace: Optional[Trace], plan: Plan, module: nn.Module, mp: in
 
 def _warn_if_unverified(
     run: Optional[Callable[[], Any]], trace: Optional[Trace], loss: Optional[Tensor], grads: dict, verify: bool,
-    mp: int, notes: list[str],
+    mp: int, notes: list[str], training: bool,
 ) -> None:
-    """An :class:`UnverifiedPlanWarning` (rank 0) naming why the plan goes unchecked; ``mp=1`` splits nothing."""
+    """An :class:`UnverifiedPlanWarning` (rank 0) naming why the plan goes unchecked; ``mp=1`` splits nothing.
+
+    An evaluation step without a loss (predictions, a ``validation_step`` that only logs) is the rule, not a
+    mistake: that only goes into the printout (``notes``).
+    """
     if mp <= 1 or (trace is not None and not verify):
+        return
+    if run is not None and trace is not None and (loss is None or not grads) and not training:
+        notes.append("not verified: the step returns no scalar loss with gradients (an evaluation step)")
         return
     if run is None:
         why = next((n for n in notes if n.startswith("no batch")), "no batch to trace")
@@ -484,11 +491,13 @@ def plan_module(
     rng: Optional[Any] = None,
     sequence_parallel: bool = False,
     precision: str = "32-true",
+    training: bool = True,
 ) -> PlanResult:
     """Trace, plan, parallelise ``module`` in place and (optionally) verify it against the dense step.
 
     ``run`` executes one step on a fixed batch and returns its output (``None`` when no batch was available:
-    the plan then comes from ``user_plan`` and defaults alone). Collective over the world.
+    the plan then comes from ``user_plan`` and defaults alone); ``training`` says it is a training step, which
+    should give a loss to verify with. Collective over the world.
     """
     trace, loss_ref, dtype = None, None, None
     grads_ref: dict[str, Any] = {}
@@ -507,7 +516,8 @@ def plan_module(
     if verify:
         _check_mp_agreement(loss_ref, grads_ref, grid, tol, device)
     checkable = verify and trace is not None and loss_ref is not None and bool(grads_ref) and grid.mp > 1
-    _warn_if_unverified(run, trace, loss_ref, grads_ref, verify, grid.mp, _broadcast(notes))
+    notes = _broadcast(notes)  # rank 0's, as the plan is (and the warning, from rank 0, names them)
+    _warn_if_unverified(run, trace, loss_ref, grads_ref, verify, grid.mp, notes, training)
     fallbacks = {
         1: "pairs through reshapes or attention self-contained",
         2: "no pairs: every split layer self-contained",
