@@ -217,6 +217,7 @@ class LowestFloat(TorchFunctionMode):
             self.see(p)
 
     def see(self, value: Any) -> None:
+        """Count ``value`` (a floating tensor; anything else is ignored)."""
         if isinstance(value, Tensor) and value.dtype in _FLOAT_BITS:
             if self.dtype is None or _FLOAT_BITS[value.dtype] < _FLOAT_BITS[self.dtype]:
                 self.dtype = value.dtype
