@@ -11,6 +11,7 @@ Importing the package registers the strategy names ``"dpmp"`` and ``"dpmp_spawn"
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpmp.integration.accounting import CommAccounting, CommCounter
+from lightning_dpmp.integration.autoplan import PlanFallbackWarning, PlanVerificationError, UnverifiedPlanWarning
 from lightning_dpmp.integration.strategy import DPMPStrategy
 from lightning_dpmp.parallel.clipping import clip_grad_norm_
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
@@ -33,8 +34,11 @@ __all__ = [
     "Grid",
     "LayerPlan",
     "Plan",
+    "PlanFallbackWarning",
+    "PlanVerificationError",
     "RowParallelLinear",
     "SharedInputCopy",
+    "UnverifiedPlanWarning",
     "VocabParallelEmbedding",
     "VocabShardedLogits",
     "build_grid",

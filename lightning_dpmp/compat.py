@@ -41,6 +41,7 @@ __all__ = [
     "averaged_copy",
     "check_can_spawn_children",
     "collect_rng_states",
+    "compiled_by_user",
     "ddp_kwargs",
     "ddp_timeout",
     "default_store",
@@ -122,6 +123,28 @@ def coalesced_collectives(group: Any, device: torch.device, async_ops: bool) -> 
 class _NoWait:
     def wait(self) -> None:
         return None
+
+
+def compiled_by_user(module: nn.Module) -> Optional[str]:
+    """How ``module`` was compiled with ``torch.compile`` before it reached the strategy, or ``None``.
+
+    Relies on (torch 2.13, lightning 2.6.6): ``torch._dynamo.eval_frame.OptimizedModule`` (what
+    ``torch.compile(module)`` returns; no public alias), ``nn.Module._compiled_call_impl`` (set by the in-place
+    ``module.compile()``), ``_torchdynamo_orig_callable`` on the function ``torch.compile(fn)`` returns (a compiled
+    ``forward`` assigned to the instance), and ``LightningModule._compiler_ctx`` (set by Lightning's
+    ``from_compiled`` when ``fit`` unwraps a compiled LightningModule and replaces its step methods).
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(module, OptimizedModule):
+        return "torch.compile(module)"
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return "torch.compile(lightning_module) passed to the Trainer"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "module.compile()"
+    if getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None:
+        return "module.forward = torch.compile(module.forward)"
+    return None
 
 
 def distributed_is_initialized() -> bool:

@@ -7,8 +7,14 @@ The sequence, run by :class:`~lightning_dpmp.integration.strategy.DPMPStrategy` 
    fitting, the dense gradients;
 3. rank 0's plan (:mod:`lightning_dpmp.planner.plan`) is broadcast so that every rank applies the same layout;
 4. the model is parallelised, and the same step is run again: loss and every gradient shard must match the dense
-   ones within a tolerance set by the precision. If they do not, the plan falls back in stages (no attention-like
-   pairs, then every split layer self-contained, then nothing split), and the printout says so.
+   ones within a tolerance set by the lowest floating precision the step computes in (:func:`tolerance`). If they
+   do not, the plan falls back in stages (no attention-like pairs, then every split layer self-contained, then
+   nothing split), with a :class:`PlanFallbackWarning`.
+
+Nothing trains on a step that cannot be checked without saying so: a plan that could not be verified (no batch, a
+step that does not run at setup, no scalar loss) comes with an :class:`UnverifiedPlanWarning`; a step whose dense
+result differs between the ranks of one MP group (which see the same batch and weights), or that disagrees with
+itself even with nothing split, stops the job on every rank with a :class:`PlanVerificationError` saying why.
 
 Every run happens in the stage's mode (training mode when fitting, with dropout switched off by
 :class:`~lightning_dpmp.planner.trace.NoDropout`; eval mode otherwise) with all RNG states, buffers and
@@ -32,13 +38,16 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_dpmp.compat import (
     collect_rng_states,
     init_optimizers_and_lr_schedulers,
     metric_state_keys,
     set_rng_states,
+    tree_leaves,
 )
 from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
 from lightning_dpmp.parallel.comm import group_rank, group_size
@@ -49,7 +58,30 @@ from lightning_dpmp.planner.plan import Plan, make_plan
 from lightning_dpmp.planner.sequence import plan_sequence_parallel
 from lightning_dpmp.planner.trace import Trace, loss_of, trace_step
 
-__all__ = ["PlanResult", "isolated", "plan_module"]
+__all__ = [
+    "LowestFloat",
+    "PlanFallbackWarning",
+    "PlanResult",
+    "PlanVerificationError",
+    "UnverifiedPlanWarning",
+    "isolated",
+    "plan_module",
+    "tolerance",
+]
+
+
+class PlanVerificationError(RuntimeError):
+    """The first step cannot be made to agree with the dense one: the step itself is not reproducible across the
+    ranks of an MP group or between two runs (raised on every rank together, at setup)."""
+
+
+class PlanFallbackWarning(UserWarning):
+    """The plan first made failed verification; a safer one (fewer or no splits) passed and is trained."""
+
+
+class UnverifiedPlanWarning(UserWarning):
+    """``verify_plan=True`` could not check the plan (no batch, a step that does not run at setup, no loss), or the
+    step could not be traced at all (the plan then gathers every split layer's output)."""
 
 
 @dataclass
@@ -145,22 +177,70 @@ def _step_loss(out: Any, losses: list[Tensor]) -> Optional[Tensor]:
     return loss
 
 
-def tolerance(precision: str) -> float:
-    """Relative error a correct plan stays under at a Lightning ``precision``: summation order alone stays far
-    below it; a wrong plan does not. Mixed precision computes in 16 bits even where the loss is float32."""
-    if precision.startswith("64"):
-        return 1e-7
-    if precision.startswith("32"):
-        return 1e-3
-    return 5e-2
+_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+_TOLERANCE = {16: 5e-2, 32: 1e-3, 64: 1e-7}
+
+
+def tolerance(precision: str, dtype: Optional[torch.dtype] = None) -> float:
+    """Relative error a correct plan stays under at a Lightning ``precision`` when the lowest floating dtype the
+    step computes in is ``dtype``: summation order alone stays far below it; a wrong plan does not.
+
+    Mixed precision computes in 16 bits even where the loss is float32; a float32 loss inside a float64 model (as
+    transformers' ``labels=`` loss) rounds like float32, and float16 parameters like float16 whatever the Trainer's
+    precision. So the looser of the two wins.
+    """
+    bits = 64 if precision.startswith("64") else 32 if precision.startswith("32") else 16
+    if dtype in _FLOAT_BITS:
+        bits = min(bits, _FLOAT_BITS[dtype])
+    return _TOLERANCE[bits]
+
+
+class LowestFloat(TorchFunctionMode):
+    """Records the lowest floating dtype among the parameters and every differentiable value a step computes.
+
+    Only values that require grad count: they lie between the parameters and the loss, where the verification
+    compares. A float32 constant (rotary frequencies, a mask) computed the same way in both steps does not.
+
+    Example:
+        >>> layer = nn.Linear(2, 2).double()
+        >>> lowest = LowestFloat(layer)
+        >>> with lowest:
+        ...     loss = layer(torch.ones(1, 2, dtype=torch.float64)).float().sum()  # a float32 loss
+        >>> lowest.dtype
+        torch.float32
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.dtype: Optional[torch.dtype] = None
+        for p in module.parameters():
+            self.see(p)
+
+    def see(self, value: Any) -> None:
+        """Count ``value`` (a floating tensor; anything else is ignored)."""
+        if isinstance(value, Tensor) and value.dtype in _FLOAT_BITS:
+            if self.dtype is None or _FLOAT_BITS[value.dtype] < _FLOAT_BITS[self.dtype]:
+                self.dtype = value.dtype
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                self.see(leaf)
+        return out
 
 
 def _dense_grads(
     module: nn.Module, run: Callable[[], Any], losses: list[Tensor]
-) -> tuple[Optional[Trace], Optional[Tensor], dict]:
+) -> tuple[Optional[Trace], Optional[Tensor], dict, Optional[torch.dtype]]:
+    """The traced dense step, its loss and gradients, and the lowest floating dtype it computed in."""
+    lowest = LowestFloat(module)
     with torch.enable_grad():
-        trace = trace_step(module, run)
+        with lowest:
+            trace = trace_step(module, run)
         loss = _step_loss(trace.result, losses)
+        if loss is not None:
+            lowest.see(loss)
         grads: dict[str, Tensor] = {}
         if loss is not None and loss.requires_grad and loss.numel() == 1:  # a prediction is not a loss
             loss.backward()
@@ -168,7 +248,7 @@ def _dense_grads(
             module.zero_grad(set_to_none=True)
     if trace is not None:
         trace.result = None  # drop the graph
-    return trace, (loss.detach() if loss is not None else None), grads
+    return trace, (loss.detach() if loss is not None else None), grads, lowest.dtype
 
 
 class _Locator:
@@ -296,6 +376,70 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _fingerprint(loss: Optional[Tensor], grads: dict) -> list[float]:
+    """(loss, sum of squared gradients) of a dense step in float64; NaN where there is none (or only shapes)."""
+    nan = float("nan")
+    scalar = loss is not None and loss.numel() == 1 and loss.device.type != "meta"
+    total = nan
+    if grads and all(g.device.type != "meta" for g in grads.values()):
+        total = float(sum(g.double().square().sum() for g in grads.values()))
+    return [float(loss) if scalar else nan, total]  # type: ignore[arg-type]
+
+
+def _check_mp_agreement(loss: Optional[Tensor], grads: dict, grid: Grid, tol: float, device: torch.device) -> None:
+    """Raise on every rank when the ranks of an MP group computed different dense steps (collective over the world).
+
+    They ran the same step on the same batch with the same weights: a difference is the step's, not the plan's (a
+    loss scaled by ``self.global_rank``, a non-deterministic op), and no plan could then verify.
+    """
+    if not dist.is_initialized() or grid.mp <= 1:
+        return
+    mine = torch.tensor(_fingerprint(loss, grads), dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(grid.mp)]
+    dist.all_gather(every, mine, group=grid.mp_group)
+    ranks = dist.get_process_group_ranks(grid.mp_group)
+    worst, text = 0.0, ""
+    for rank, values in zip(ranks[1:], every[1:]):
+        parts, diff = [], 0.0
+        for i, what in enumerate(("loss", "sum of squared gradients")):
+            ref, value = float(every[0][i]), float(values[i])
+            if value != value or ref != ref:  # NaN: nothing to compare (no loss, or a NaN step, caught later)
+                continue
+            d = abs(value - ref) / (abs(ref) + 1e-30)
+            diff = max(diff, d)
+            if d > tol:
+                parts.append(f"{what}: rank {ranks[0]} {ref:.10g}, rank {rank} {value:.10g}")
+        if diff > worst:
+            worst, text = diff, "; ".join(parts)
+    worst, text = _world_worst(worst, text)
+    if worst > tol:
+        raise PlanVerificationError(
+            "DPMPStrategy: the dense training step on the first batch gives different results on the ranks of one"
+            f" MP group, which run it on the same batch with the same weights ({text}; relative difference"
+            f" {worst:.2e} > tolerance {tol:.0e}). The step depends on the rank (e.g. self.global_rank or"
+            " self.local_rank in the loss), draws random numbers that differ between ranks (torch.randn in the step"
+            " of an unseeded run: call L.seed_everything), or runs a non-deterministic op, so the MP ranks would"
+            " train different models and no plan can be verified. Make the step the same on every rank (model"
+            " parallelism needs one step computed by all ranks of an MP group); DPMPStrategy(verify_plan=False)"
+            " skips this check."
+        )
+
+
+def _all_levels_failed(err: float, reason: str, tol: float, dtype: Optional[torch.dtype], notes: list[str]) -> str:
+    """The message when even the plan that splits nothing disagrees with the dense step."""
+    levels = "; ".join(n for n in notes if n.startswith("verification failed"))
+    return (
+        "DPMPStrategy: the first training step disagrees with the dense one at every fallback level, even with"
+        f" nothing split (relative error {err:.2e}, {reason}; tolerance {tol:.0e} for the lowest floating dtype the"
+        f" step computes in, {str(dtype).replace('torch.', '') if dtype else 'unknown'}). With nothing split both"
+        " runs execute the same code on the same batch and weights, so the step itself is not reproducible: a"
+        " non-deterministic op, state the step changes from one call to the next (a counter, a cache, a buffer or"
+        " parameter updated in place), or rounding larger than the tolerance (parameters or a loss in a lower"
+        f" precision than the Trainer's). Levels: {levels}. To train anyway with an unchecked plan, pass"
+        " DPMPStrategy(verify_plan=False), and choose the styles with plan_overrides=... if needed."
+    )
+
+
 def _sequence_plan(trace: Optional[Trace], plan: Plan, module: nn.Module, mp: int) -> Any:
     if trace is None:
         raise ValueError("sequence_parallel=True needs a traced step (a first batch and a training_step that runs).")
@@ -303,6 +447,38 @@ def _sequence_plan(trace: Optional[Trace], plan: Plan, module: nn.Module, mp: in
     if sp.problem:
         raise ValueError(f"sequence_parallel=True cannot be applied to {type(module).__name__}: {sp.problem}.")
     return sp
+
+
+def _warn_if_unverified(
+    run: Optional[Callable[[], Any]], trace: Optional[Trace], loss: Optional[Tensor], grads: dict, verify: bool,
+    mp: int, notes: list[str], training: bool,
+) -> None:
+    """An :class:`UnverifiedPlanWarning` (rank 0) naming why the plan goes unchecked; ``mp=1`` splits nothing.
+
+    An evaluation step without a loss (predictions, a ``validation_step`` that only logs) is the rule, not a
+    mistake: that only goes into the printout (``notes``).
+    """
+    if mp <= 1 or (trace is not None and not verify):
+        return
+    if run is not None and trace is not None and (loss is None or not grads) and not training:
+        notes.append("not verified: the step returns no scalar loss with gradients (an evaluation step)")
+        return
+    if run is None:
+        why = next((n for n in notes if n.startswith("no batch")), "no batch to trace")
+    elif trace is None:
+        why = next((n for n in notes if n.startswith("could not trace")), "the step could not be traced on every rank")
+        why += "; the plan keeps every split layer's output gathered (self-contained), costing extra collectives"
+    elif loss is None or not grads:
+        why = "the step returns no scalar loss with gradients (nothing to compare)"
+    else:
+        return
+    what = "the plan is not verified against the dense step" if verify else "the plan comes from structure alone"
+    rank_zero_warn(
+        f"DPMPStrategy(mp={mp}): {what}: {why}. Make the step runnable on the first batch at setup, or set the"
+        " styles with plan_overrides=..." + ("; DPMPStrategy(verify_plan=False) states that no check is wanted."
+                                              if verify else "."),
+        category=UnverifiedPlanWarning,
+    )
 
 
 def plan_module(
@@ -316,26 +492,33 @@ def plan_module(
     rng: Optional[Any] = None,
     sequence_parallel: bool = False,
     precision: str = "32-true",
+    training: bool = True,
 ) -> PlanResult:
     """Trace, plan, parallelise ``module`` in place and (optionally) verify it against the dense step.
 
     ``run`` executes one step on a fixed batch and returns its output (``None`` when no batch was available:
-    the plan then comes from ``user_plan`` and defaults alone). Collective over the world.
+    the plan then comes from ``user_plan`` and defaults alone); ``training`` says it is a training step, which
+    should give a loss to verify with. Collective over the world.
     """
-    trace, loss_ref = None, None
+    trace, loss_ref, dtype = None, None, None
     grads_ref: dict[str, Any] = {}
     notes = list(notes or [])
     if run is not None:
         try:
             losses: list[Tensor] = []
             with isolated(module, losses):
-                trace, loss_ref, grads_ref = _dense_grads(module, run, losses)
-        except Exception as exc:  # a step that cannot run outside the loop (e.g. manual optimization)
+                trace, loss_ref, grads_ref, dtype = _dense_grads(module, run, losses)
+        except Exception as exc:  # a step that cannot run outside the loop
             trace = None
             notes.append(f"could not trace the step ({type(exc).__name__}: {exc})")
     ok = _world_max(0.0 if trace is not None else 1.0, device) == 0.0
     trace = trace if ok else None
+    tol = _world_max(tolerance(precision, dtype), device)  # one tolerance, hence one decision, on every rank
+    if verify:
+        _check_mp_agreement(loss_ref, grads_ref, grid, tol, device)
     checkable = verify and trace is not None and loss_ref is not None and bool(grads_ref) and grid.mp > 1
+    notes = _broadcast(notes)  # rank 0's, as the plan is (and the warning, from rank 0, names them)
+    _warn_if_unverified(run, trace, loss_ref, grads_ref, verify, grid.mp, notes, training)
     fallbacks = {
         1: "pairs through reshapes or attention self-contained",
         2: "no pairs: every split layer self-contained",
@@ -359,18 +542,29 @@ def plan_module(
         originals = parallelize(module, plan, grid.mp_group, rng)
         if not checkable:
             return PlanResult(plan, text)
+        # mypy: checkable implies a traced run with a loss
+        assert run is not None and loss_ref is not None
         losses = []
         with isolated(module, losses):
             try:
-                err, reason = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan, losses)  # type: ignore[arg-type]
+                err, reason = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan, losses)
             finally:
                 if rng is not None:
                     rng.exit()
         err, reason = _world_worst(err, reason)
-        if err <= tolerance(precision) or level == 3:
-            verdict = "passed" if err <= tolerance(precision) else "FAILED"
-            text += f"\n  verified against the dense step on the first batch: {verdict} (max relative error {err:.1e})"
-            return PlanResult(plan, text, verified=verdict == "passed", max_error=err)
+        if err <= tol:
+            text += (f"\n  verified against the dense step on the first batch: passed (max relative error {err:.1e},"
+                     f" tolerance {tol:.0e})")
+            if failed is not None:
+                rank_zero_warn(
+                    f"DPMPStrategy: the plan first made for this model failed verification; a safer one passed and is"
+                    f" used ({'; '.join(n for n in notes if n.startswith('verification failed'))}). See the plan"
+                    " printout, or set the styles with plan_overrides=...",
+                    category=PlanFallbackWarning,
+                )
+            return PlanResult(plan, text, verified=True, max_error=err)
+        if level == 3:  # the same decision on every rank: err is the world's worst
+            raise PlanVerificationError(_all_levels_failed(err, reason, tol, dtype, notes))
         restore(module, originals)
         if plan.sequence is not None:
             raise ValueError(

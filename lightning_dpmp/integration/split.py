@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -74,7 +75,7 @@ def split_model(
     rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(lm)) if strategy.mp > 1 else None
     applied = plan_module(
         lm, grid, run, dict(plan_overrides) if plan_overrides else None, verify and not meta, device, notes, rng,
-        sequence_parallel, str(trainer.precision),
+        sequence_parallel, str(trainer.precision), trainer.state.fn == TrainerFn.FITTING,
     )
     if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
         materialize(lm, device, seed, grid.mp_rank)

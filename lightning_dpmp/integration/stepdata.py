@@ -1,5 +1,10 @@
 """The Lightning side of tracing: the first batch of the current stage, and a callable running its step.
 
+The step runs at setup, before Lightning has built the optimizers. A training step may read them
+(``self.trainer.optimizers[0].param_groups[0]["lr"]``, ``self.lr_schedulers().get_last_lr()``), so while it runs
+the strategy holds real ones, fresh from ``configure_optimizers`` (:func:`trainer_state`); they are never stepped,
+and the strategy's own (empty) lists come back afterwards.
+
 Example:
     >>> # collective: rank 0 reads, everyone receives; run() -> training_step(batch, 0)'s output
     >>> batch, notes = first_batch(trainer, strategy)  # doctest: +SKIP
@@ -9,18 +14,21 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration.autoplan import isolated
 from lightning_dpmp.planner.trace import NoDropout
 
-__all__ = ["first_batch", "step_runner"]
+__all__ = ["first_batch", "step_runner", "trainer_state"]
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step", "train_step_context"),
@@ -70,10 +78,37 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
         b = plugin.convert_input(to_meta(b) if meta else b)
         if training:  # trace the path that trains (caches, checkpointing, aux losses follow self.training)
             lm.train()  # `isolated` restores every module's mode afterwards
-        with getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
+        state = trainer_state(strategy, lm) if training else contextlib.nullcontext()
+        with state, getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
             return getattr(lm, hook)(b, 0)
 
     return run
+
+
+@contextlib.contextmanager
+def trainer_state(strategy: Any, module: Any) -> Iterator[None]:
+    """While a training step runs at setup: ``strategy.optimizers`` and ``strategy.lr_scheduler_configs`` (what
+    ``trainer.optimizers``, ``self.optimizers()`` and ``self.lr_schedulers()`` read) built by ``module``'s
+    ``configure_optimizers`` over its current (dense or split) parameters, then the previous values again.
+
+    Nothing is stepped: a scheduler's constructor sets the first learning rate, as it does in the real run. Lightning
+    already holds optimizers (a later stage), or ``configure_optimizers`` fails here: the step runs as it is.
+    """
+    if strategy.optimizers or not is_overridden("configure_optimizers", module):
+        yield
+        return
+    saved = (strategy.optimizers, strategy.lr_scheduler_configs)
+    try:
+        with warnings.catch_warnings():  # Lightning's warnings about the configuration come at its own call
+            warnings.simplefilter("ignore")
+            optimizers, configs = compat.init_optimizers_and_lr_schedulers(module)
+    except Exception:  # reported, if it matters, when Lightning calls configure_optimizers itself
+        optimizers, configs = [], []
+    strategy.optimizers, strategy.lr_scheduler_configs = optimizers, configs
+    try:
+        yield
+    finally:
+        strategy.optimizers, strategy.lr_scheduler_configs = saved
 
 
 def to_meta(batch: Any) -> Any:

@@ -81,7 +81,8 @@ class DPMPStrategy(GridStrategy):
             layers (:mod:`lightning_dpmp.planner.sequence`); refused, with the reason, where the model does not
             allow it.
         verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
-            before training; layers that disagree fall back to safer styles.
+            before training; layers that disagree fall back to safer styles (a ``PlanFallbackWarning``), and a step
+            no plan can match (rank-dependent, or not reproducible) raises ``PlanVerificationError`` on every rank.
         consolidate_on_teardown: gather the layers (and optimizer state) back to dense at the end of ``fit``,
             ``validate``, ``test`` or ``predict``, so the module you passed is the plain model again.
         save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel
@@ -152,10 +153,9 @@ class DPMPStrategy(GridStrategy):
                                  save_distributed_checkpoint, process_group_backend, start_method, timeout_s, zero)
         validate.check_speed_flags(compile, async_grad_allreduce)
         self._compile, self._async_grad_allreduce = compile, async_grad_allreduce
-        self._guard = ConsistencyGuard(check_consistency_every_n_steps)
+        self._guard, self._zero = ConsistencyGuard(check_consistency_every_n_steps), zero
         check_mp_batch(mp_batch)
         self._mp_batch = mp_batch
-        self._zero = zero
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
         super().__init__(
@@ -171,8 +171,7 @@ class DPMPStrategy(GridStrategy):
         )
         self._plan_overrides = dict(plan_overrides) if plan_overrides else None
         self._sequence_parallel = bool(sequence_parallel)
-        self._verify_plan = verify_plan
-        self._consolidate_on_teardown = consolidate_on_teardown
+        self._verify_plan, self._consolidate_on_teardown = verify_plan, consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
         self._applied_plan: Optional[PlanResult] = None
         self._split_params: set[int] = set()
@@ -268,6 +267,7 @@ class DPMPStrategy(GridStrategy):
             super().model_to_device()
         trainer = self.lightning_module.trainer
         if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
+            validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
             choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
             self.set_layout(choice.layout, choice.text, keep=choice.measured)
             callbacks = getattr(trainer, "callbacks", [])

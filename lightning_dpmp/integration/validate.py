@@ -36,7 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
 from lightning_dpmp.checkpoint.integrity import check_checkpoint_file
+from lightning_dpmp.compat import compiled_by_user
 from lightning_dpmp.integration.failfast import loaders_of
+from lightning_dpmp.parallel.compiled import compiled_by_strategy
 from lightning_dpmp.planner.user_plan import check_plan_on_model, check_styles
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "check_before_launch",
     "check_ckpt_path",
     "check_init_args",
+    "check_not_compiled",
     "check_plan_at_setup",
     "check_zero_without_ddp",
     "ddp_kwargs_from_user",
@@ -208,6 +211,8 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
     with only_rank_zero_reports(strategy.global_rank):
         check_ckpt_path(call.get("ckpt_path"))
         model = call.get("model")
+        if model is not None:
+            check_not_compiled(model)
         if model is not None and not _builds_in_configure_model(model) and not strategy.layout_pending:  # else at setup
             check_plan_on_model(model, strategy.plan_overrides, strategy.mp)
         if not strategy.layout_pending:  # else at setup, once mp is chosen
@@ -243,10 +248,31 @@ def check_averaging_callbacks(callbacks: Any, mp: int, zero: int, stage: Any, di
         )
 
 
+def check_not_compiled(model: Any) -> None:
+    """Refuse a model that the user compiled with ``torch.compile`` before ``fit``.
+
+    The planner must trace and split the original layers: under Dynamo the trace fails (an unverified plan that
+    gathers every layer's output), and a compiled LightningModule's step methods are compiled copies that the split
+    does not reach. Tracing through is not offered because compiled training is not yet proven exact against
+    single-process training (``compile=True`` is applied after the split and the eager verification instead).
+    """
+    for name, module in model.named_modules():
+        how = None if compiled_by_strategy(module) else compiled_by_user(module)
+        if how is None:
+            continue
+        what = f"{name!r} ({type(module).__name__})" if name else f"the LightningModule {type(model).__name__}"
+        raise ValueError(
+            f"{what} was compiled with torch.compile before fit ({how}): DPMPStrategy must trace and split its"
+            " original layers, which a compiled module hides. Pass the uncompiled module, and use"
+            " DPMPStrategy(compile=True) to compile the split blocks after the plan is verified."
+        )
+
+
 # ---------------------------------------------------------------------------------------------- setup and training
 def check_plan_at_setup(model: Any, user_plan: Optional[Mapping[str, str]], mp: int, global_rank: int) -> None:
     """The plan checks of :func:`check_before_launch`, on the model as ``configure_model`` left it (every rank)."""
     with only_rank_zero_reports(global_rank):
+        check_not_compiled(model)
         check_plan_on_model(model, user_plan, mp)
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_dpmp.parallel.entry import SharedInputCopy
 
-__all__ = ["compile_blocks", "repeated_blocks", "uncompile_blocks"]
+__all__ = ["compile_blocks", "compiled_by_strategy", "repeated_blocks", "uncompile_blocks"]
 
 _HOOKS = "_dpmp_compile_hooks"  # module attribute: the reset hooks' handles, removed by uncompile_blocks
 _COMPILED = "_dpmp_compiled"  # module attribute: its ``forward`` instance attribute is ours, removed by uncompile
@@ -65,6 +65,11 @@ def compile_blocks(module: nn.Module, **compile_kwargs: Any) -> list[str]:
         block.forward = torch.compile(block.forward, **compile_kwargs)
         block.__dict__[_COMPILED] = True
     return [name for name, _ in blocks]
+
+
+def compiled_by_strategy(module: nn.Module) -> bool:
+    """Whether ``module``'s compiled ``forward`` is one :func:`compile_blocks` set (not the user's)."""
+    return bool(module.__dict__.get(_COMPILED, False))
 
 
 def uncompile_blocks(module: nn.Module) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -89,7 +90,11 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     )
     loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp)
     probe.save_to = os.path.join(out, f"{name}_{precision.split('-')[0]}_split.ckpt")
-    trainer.fit(model, loader)
+    with warnings.catch_warnings(record=True) as caught:  # the package's warnings are results (shown too)
+        warnings.simplefilter("always")
+        trainer.fit(model, loader)
+    for w in caught:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     tag = f"{name}_{precision.split('-')[0]}"
     trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))
     plan = strategy.applied_plan.plan
@@ -101,6 +106,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         "styles": {n: lp.style for n, lp in plan.layers.items()},
         "notes": {n: lp.note for n, lp in plan.layers.items()},
         "verified": strategy.applied_plan.verified,
+        "warnings": sorted({w.category.__name__ for w in caught if w.category.__module__.startswith("lightning_dpmp")}),
         "consistent": probe.consistent,
         "dense_after_fit": not shard_dims(model),
         "frozen_after_fit": sorted(n for n, p in model.named_parameters() if not p.requires_grad),

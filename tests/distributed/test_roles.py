@@ -2,9 +2,10 @@
 
 One 2-process launch (dp=1, mp=2, float64): MLP chains of 2..5 Linears (each layer could be the row end of one
 pair and the start of the next), one of them without verification, a head-wise MLP whose value depends on the
-local width (verification must fall back, and the note must say where and why, without calling it attention), and
-two models whose token table is shared by several modules, one of them never called itself (a small one of ours and
-transformers' T5): planned per weight, split by vocabulary under every name, every alias key kept in checkpoints.
+local width (verification must fall back, with a PlanFallbackWarning, and the note must say where and why, without
+calling it attention), and two models whose token table is shared by several modules, one of them never called
+itself (a small one of ours and transformers' T5): planned per weight, split by vocabulary under every name, every
+alias key kept in checkpoints.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def test_chain_pairs_greedily_in_call_order_without_fallback(run, model):
         assert r["styles"] == expected, r["plan_text"]
         assert r["verified"] is (None if model.endswith("noverify") else True)
         assert "verification failed" not in r["plan_text"], r["plan_text"]
+        assert "PlanFallbackWarning" not in r["warnings"], r["warnings"]
         # one forward all-reduce per row; one backward per pair entry past the first (the first reads data); + 1 for
         # the clipping norm (a whole head costs nothing)
         rows = n // 2
@@ -72,6 +74,7 @@ def test_chain_pairs_greedily_in_call_order_without_fallback(run, model):
 @pytest.mark.slow
 def test_fallback_note_names_the_layer_and_the_kind_of_region(run):
     _, ranks = run
+    assert ranks[0]["headscaled_64"]["warnings"] == ["PlanFallbackWarning"]  # rank 0 warns: not only a printout note
     for res in ranks:
         r = res["headscaled_64"]
         text = r["plan_text"]

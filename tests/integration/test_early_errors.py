@@ -5,6 +5,8 @@ a dataset smaller than dp appear once each. The cases that fail before launch ar
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.conftest import run_script
@@ -20,6 +22,19 @@ def test_setup_time_plan_error_is_one_message_from_rank_zero():
     assert out.count("plan pattern 'extar' matches no module of Later (did you mean 'extra'?)") == 1, out[-4000:]
     assert out.count("Traceback (most recent call last)") == 1, out[-4000:]  # rank 1 exited quietly
     assert "DPMPStrategy plan for" not in out  # refused before the step was traced
+
+
+@pytest.mark.slow
+def test_a_module_compiled_in_configure_model_is_refused_at_setup_by_rank_zero():
+    start = time.monotonic()
+    proc = run_script([WORKER, "late_compile"], timeout=400)
+    seconds = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert out.count("'extra' (OptimizedModule) was compiled with torch.compile before fit") == 1, out[-4000:]
+    assert out.count("Traceback (most recent call last)") == 1, out[-4000:]  # rank 1 exited quietly
+    assert "DPMPStrategy plan for" not in out  # refused before the step was traced
+    print(f"compiled submodule refused at setup: launch exited 1 after {seconds:.1f} s")
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 Usage: python tests/integration/validate_worker.py MODE
   idle       dp=2 x mp=2 on a model with nothing to split and a 1-sample dataset: two warnings, once each
   late_glob  dp=1 x mp=2, a plan glob that matches nothing in a model built in configure_model: rank 0 reports
+  late_compile  dp=1 x mp=2, a submodule compiled with torch.compile in configure_model: refused at setup
   bad_glob   dp=1 x mp=2, a glob that matches nothing (run under torchrun: every rank checks before launch)
 """
 
@@ -44,6 +45,14 @@ class Later(Odd):
             self.extra = nn.Linear(4, 4)
 
 
+class LaterCompiled(Odd):
+    """Odd whose configure_model compiles a submodule (as a user might): the planner cannot see inside it."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "extra"):
+            self.extra = torch.compile(nn.Linear(4, 4))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mode = sys.argv[1]
@@ -53,6 +62,8 @@ def main() -> None:
     elif mode == "late_glob":
         strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"extar": "column"}, timeout_s=60)
         devices, model, n = 2, Later(), 8
+    elif mode == "late_compile":
+        devices, strategy, model, n = 2, DPMPStrategy(dp=1, mp=2, timeout_s=60), LaterCompiled(), 8
     else:
         strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"nte": "column"}, timeout_s=60)
         devices, model, n = 2, Odd(), 8

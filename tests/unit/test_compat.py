@@ -217,6 +217,35 @@ def test_precision_clip_and_closure_order() -> None:
     )
 
 
+def test_compiled_by_user_reads_dynamo_and_lightning_markers() -> None:
+    import lightning as L
+    from lightning.pytorch.utilities.compile import from_compiled, to_uncompiled
+
+    assert compat.compiled_by_user(nn.Linear(2, 2)) is None
+    assert compat.compiled_by_user(torch.compile(nn.Linear(2, 2))) == "torch.compile(module)", (
+        "torch._dynamo.eval_frame.OptimizedModule is no longer what torch.compile(module) returns"
+    )
+    inplace = nn.Linear(2, 2)
+    inplace.compile()
+    assert compat.compiled_by_user(inplace) == "module.compile()", "nn.Module._compiled_call_impl changed"
+    fn = nn.Linear(2, 2)
+    fn.forward = torch.compile(fn.forward)  # type: ignore[method-assign]
+    assert compat.compiled_by_user(fn) == "module.forward = torch.compile(module.forward)", (
+        "torch.compile(fn) no longer sets _torchdynamo_orig_callable"
+    )
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+
+    lm = from_compiled(torch.compile(LM()))
+    assert compat.compiled_by_user(lm) == "torch.compile(lightning_module) passed to the Trainer", (
+        "Lightning's from_compiled no longer sets LightningModule._compiler_ctx"
+    )
+    assert compat.compiled_by_user(to_uncompiled(lm)) is None
+
+
 def test_metric_state_keys() -> None:
     from torchmetrics import SumMetric
 
