@@ -12,6 +12,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpmp.integration.accounting import CommAccounting, CommCounter
 from lightning_dpmp.integration.autoplan import PlanFallbackWarning, PlanVerificationError, UnverifiedPlanWarning
+from lightning_dpmp.integration.data_path import UnevenBatchesError
+from lightning_dpmp.integration.mp_batch import BatchMismatchError
 from lightning_dpmp.integration.strategy import DPMPStrategy
 from lightning_dpmp.parallel.clipping import clip_grad_norm_
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
@@ -27,6 +29,7 @@ from lightning_dpmp.planner.trace import trace_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchMismatchError",
     "ColumnParallelLinear",
     "CommAccounting",
     "CommCounter",
@@ -38,6 +41,7 @@ __all__ = [
     "PlanVerificationError",
     "RowParallelLinear",
     "SharedInputCopy",
+    "UnevenBatchesError",
     "UnverifiedPlanWarning",
     "VocabParallelEmbedding",
     "VocabShardedLogits",
