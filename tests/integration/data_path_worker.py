@@ -190,7 +190,15 @@ def run(out: str) -> dict:
     L.seed_everything(0)
     t = trainer(2, 2, max_steps=20, callbacks=[StepTime()])
     t.fit(ResMLP(), DataLoader(make_dataset(), batch_size=PER_RANK))
-    # 4. weight averaging on the split model: 3 epochs, then a consolidated checkpoint with the averaged copy
+    # 4. steps that leave parameters out: DPMPStrategy(find_unused_parameters=True), as DDP's message now says
+    L.seed_everything(0)
+    m = StepSkip()
+    t = L.Trainer(accelerator="cpu", devices=4, precision="64-true", max_steps=STEPS, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  strategy=DPMPStrategy(dp=2, mp=2, timeout_s=300, find_unused_parameters=True))
+    t.fit(m, DataLoader(make_dataset(), batch_size=PER_RANK))
+    res["step_skip_weights"] = weights(m)
+    # 5. weight averaging on the split model: 3 epochs, then a consolidated checkpoint with the averaged copy
     for name, cb in averaging_callbacks().items():
         L.seed_everything(0)
         m = ResMLP()
@@ -199,6 +207,18 @@ def run(out: str) -> dict:
         res[f"{name}_weights"] = weights(m)
         t.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
     return res
+
+
+class StepSkip(ResMLP):
+    """LayerDrop-like control flow: every other step skips the last block (its parameters get no gradient)."""
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i == len(self.blocks) - 1 and self.trainer.global_step % 2 == 0:
+                continue
+            x = block(x)
+        return self.head(self.norm(x))
 
 
 class Unused(ResMLP):

@@ -107,6 +107,18 @@ def test_the_mp_broadcast_costs_a_small_part_of_a_step(grid22):
 
 
 @pytest.mark.slow
+def test_steps_that_skip_layers_train_with_find_unused_parameters(grid22):
+    _, ranks = grid22
+    L.seed_everything(0)
+    model = W.StepSkip()
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=W.STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, reference_loader(make_dataset(), 2 * W.PER_RANK, 0))
+    for r in ranks:
+        assert _max_diff(r["step_skip_weights"], model.state_dict()) <= 1e-8
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["swa", "ema"])
 def test_weight_averaging_callbacks_average_the_split_model(grid22, tmp_path, name):
     out, ranks = grid22
