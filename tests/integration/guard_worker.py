@@ -2,7 +2,9 @@
 
 Usage: python tests/integration/guard_worker.py CASE OUT_DIR
 CASE: clean | param (rank 3 nudges its shard of blocks.0.fc1.weight after step 2) | batch (the data is split by
-global rank with use_distributed_sampler=False, so the two ranks of an MP group read different batches).
+global rank with use_distributed_sampler=False, so the two ranks of an MP group read different batches; with
+mp_batch="check" the strategy's per-step batch check names it before the guard, which, under the default broadcast,
+never sees two batches in one MP group).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def main() -> None:
     torch.set_num_threads(1)
     case, out = sys.argv[1], Path(sys.argv[2])
     L.seed_everything(0)
-    strategy = DPMPStrategy(dp=2, mp=2, timeout_s=60, check_consistency_every_n_steps=1)
+    strategy = DPMPStrategy(dp=2, mp=2, timeout_s=60, check_consistency_every_n_steps=1,
+                            mp_batch="check" if case == "batch" else "broadcast")
     strategy._guard = TimedGuard(1)
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=6, logger=False, enable_checkpointing=False,
