@@ -17,8 +17,8 @@ import torch
 
 from tests.conftest import run_script
 from tests.distributed.compile_worker import EXACT_CASES, EXACT_STEPS, GLOBAL_BATCH, SEED, case_name
-from tests.support.models import reference_loader
-from tests.support.real_models import build_llama
+from tests.support.models import build, reference_loader
+from tests.support.real_models import COMPILE_LLAMAS, build_llama
 
 pytest.importorskip("transformers")
 
@@ -36,13 +36,18 @@ def run(request, tmp_path_factory):
     return dp, mp, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)], out
 
 
+def build_case(model: str):
+    """The model of an exact case, as the worker builds it."""
+    return build_llama(model) if model in COMPILE_LLAMAS else build(model)
+
+
 @pytest.fixture(scope="module")
 def single_process():
     """Each Llama of the exact cases trained on one process, uncompiled, in float64: its final weights."""
     states = {}
     for model in sorted({m for cases in EXACT_CASES.values() for m, _ in cases}):
         L.seed_everything(SEED, workers=True)
-        module, dataset = build_llama(model)
+        module, dataset = build_case(model)
         trainer = L.Trainer(
             accelerator="cpu", devices=1, precision="64-true", max_steps=EXACT_STEPS, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -76,7 +81,9 @@ def test_compiled_float64_matches_single_process(run, single_process):
         ref = single_process[model]
         assert ours.keys() == ref.keys(), set(ours) ^ set(ref)
         diff = max((ours[k] - ref[k]).abs().max().item() for k in ref)
-        moved = max((ref[k] - build_llama(model)[0].double().state_dict()[k]).abs().max().item() for k in ref)
+        L.seed_everything(SEED)
+        init = build_case(model)[0].double().state_dict()
+        moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
         r = ranks[0][key]
         print(f"dp={dp} mp={mp} {key}: compiled float64 vs single process {diff:.2e} after {EXACT_STEPS} steps "
               f"(moved {moved:.1e}), {r['seconds']:.0f} s, aot_eager warnings {r['aot_eager_warnings']}")
@@ -85,7 +92,8 @@ def test_compiled_float64_matches_single_process(run, single_process):
         for rank, res in enumerate(ranks):
             r = res[key]
             assert r["graph_breaks"] == {}, (rank, key, r["graph_breaks"])
-            assert r["blocks"] == 2 and r["vocab_split"] is True, (rank, key, r)
+            assert r["blocks"] == 2, (rank, key, r)
+            assert r["vocab_split"] is True or not model.startswith("llama"), (rank, key)  # Llamas: vocab-split head
             assert (r["aot_eager_warnings"] > 0) == (model == "llama"), (rank, key, r["aot_eager_warnings"])
 
 
