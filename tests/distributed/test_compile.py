@@ -93,7 +93,8 @@ def test_compiled_float64_matches_single_process(run, single_process):
             r = res[key]
             assert r["graph_breaks"] == {}, (rank, key, r["graph_breaks"])
             assert r["blocks"] == 2, (rank, key, r)
-            assert r["vocab_split"] is True or not model.startswith("llama"), (rank, key)  # Llamas: vocab-split head
+            # the hidden-32 Llamas get a vocab-split head (the planner keeps the wide one's 64-token head whole)
+            assert r["vocab_split"] is True or model not in ("llama", "llama_norm64"), (rank, key)
             assert (r["aot_eager_warnings"] > 0) == (model == "llama"), (rank, key, r["aot_eager_warnings"])
 
 
