@@ -45,7 +45,9 @@ __all__ = [
     "ddp_kwargs",
     "ddp_timeout",
     "default_store",
+    "compile_backend",
     "disable_torch_function_subclass",
+    "dynamo_without_ddp_split",
     "distributed_is_initialized",
     "init_optimizers_and_lr_schedulers",
     "layer_sync",
@@ -74,6 +76,25 @@ def disable_torch_function_subclass() -> contextlib.AbstractContextManager:
     """``torch._C.DisableTorchFunctionSubclass()``: the context manager torch's own subclass docs use inside
     ``__torch_function__`` to call the plain op (torch 2.13); there is no public alias."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def compile_backend(name: str) -> Callable[..., Any]:
+    """``torch._dynamo.lookup_backend(name)``: the callable behind a ``torch.compile`` backend name ("inductor",
+    "aot_eager"), so that a backend of ours can hand a graph on to one of them (torch 2.13); torch has no public
+    way to call a registered backend. Relies on: ``backend(graph_module, example_inputs) -> callable``."""
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend(name)
+
+
+def dynamo_without_ddp_split() -> contextlib.AbstractContextManager:
+    """``torch._dynamo.config.patch(optimize_ddp=False)``: Dynamo compiles a frame traced inside a DDP forward as
+    it would any other, instead of splitting its graph at DDP's bucket boundaries (``DDPOptimizer``, the default
+    ``optimize_ddp=True``; torch 2.13). No public switch exists. Relies on: the flag being read when a frame is
+    converted (``convert_frame``), so a patch around the compiled call covers every (re)compilation."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(optimize_ddp=False)
 
 
 def tensor_version(x: Tensor) -> int:

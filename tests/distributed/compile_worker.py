@@ -1,6 +1,7 @@
 """One launch per layout for the speed features: ``compile=True`` against eager (float32, graph breaks counted),
-``async_grad_allreduce=True`` against the synchronous path (float64, with gradient accumulation), and the tensor
-collectives against the list ones (bitwise).
+``compile=True`` trained in float64 for the pytest side to compare with single-process training (transformers
+Llamas, the cases of ``EXACT_CASES``, their dense weights saved), ``async_grad_allreduce=True`` against the
+synchronous path (float64, with gradient accumulation), and the tensor collectives against the list ones (bitwise).
 
 Usage (from the repo root): python tests/distributed/compile_worker.py DP MP OUT_DIR [MODEL,MODEL,...]
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -21,9 +24,28 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.parallel import comm  # noqa: E402
 from lightning_dpmp.parallel.compiled import repeated_blocks  # noqa: E402
+from lightning_dpmp.parallel.layers import ColumnParallelLinear  # noqa: E402
 from tests.support.models import build  # noqa: E402
+from tests.support.real_models import COMPILE_LLAMAS, build_llama  # noqa: E402
 
-GLOBAL_BATCH, SEED = 8, 0
+GLOBAL_BATCH, SEED, EXACT_STEPS = 8, 0, 10
+
+# (model, strategy flags) trained compiled in float64 at each layout: Llamas of COMPILE_LLAMAS, and the project's GPT
+# for sequence parallelism (the planner refuses it on CausalLM, whose loss slices the logits along the sequence).
+# The stock Llama computes its RMSNorm in float32 (its blocks take the aot_eager path); the others are float64
+# throughout (Inductor). The wide one at dp=2 has its compiled block graphs split at DDP bucket boundaries unless
+# compile_blocks prevents it.
+EXACT_CASES: dict[tuple[int, int], list[tuple[str, dict]]] = {
+    (1, 2): [("llama", {}), ("gpt", {"sequence_parallel": True})],
+    (2, 2): [("llama_wide_norm64", {}), ("llama", {"zero": 3}), ("gpt", {"sequence_parallel": True})],
+    (1, 4): [("llama", {}), ("gpt", {"sequence_parallel": True})],
+}
+
+
+def case_name(model: str, flags: dict) -> str:
+    """``llama``, ``llama_norm64-sequence_parallel``, ``llama-zero3``: the key of a case's results and weights."""
+    parts = [model] + [k if v is True else f"{k}{v}" for k, v in sorted(flags.items())]
+    return "-".join(parts)
 
 
 class CountOverlapped(L.Callback):
@@ -31,14 +53,16 @@ class CountOverlapped(L.Callback):
 
     def __init__(self) -> None:
         self.overlapped = 0
+        self.vocab_split = False
 
     def on_train_start(self, trainer, pl_module):
         self.overlapped = sum(int(getattr(m, "overlaps_input_grad", False)) for m in pl_module.modules())
+        self.vocab_split = any(isinstance(m, ColumnParallelLinear) and m.vocab_logits for m in pl_module.modules())
 
 
 def fit(dp: int, mp: int, name: str, precision: str, steps: int, accumulate: int = 1, **flags) -> dict:
     L.seed_everything(SEED, workers=True)
-    model, dataset = build(name)
+    model, dataset = build_llama(name) if name in COMPILE_LLAMAS else build(name)
     strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=300, verify_plan=False, **flags)
     probe = CountOverlapped()
     trainer = L.Trainer(
@@ -48,9 +72,15 @@ def fit(dp: int, mp: int, name: str, precision: str, steps: int, accumulate: int
     )
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     counters = torch._dynamo.utils.counters
     return {
+        "seconds": time.perf_counter() - start,
+        "aot_eager_warnings": sum("'aot_eager' backend instead" in str(w.message) for w in caught),
+        "vocab_split": probe.vocab_split,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},  # dense again after teardown
         "graph_breaks": dict(counters["graph_break"]),
         "unique_graphs": int(counters["stats"]["unique_graphs"]),
@@ -96,6 +126,12 @@ def main() -> None:
             "graph_breaks": compiled["graph_breaks"], "unique_graphs": compiled["unique_graphs"],
             "blocks": compiled["blocks"],
         }
+    for model, flags in EXACT_CASES[dp, mp]:  # compiled, float64: weights for the single-process comparison
+        key = case_name(model, flags)
+        r = fit(dp, mp, model, "64-true", steps=EXACT_STEPS, compile=True, **flags)
+        if dist.get_rank() == 0:
+            torch.save(r["state"], os.path.join(out, f"{key}.pt"))
+        results[key] = {k: r[k] for k in ("graph_breaks", "blocks", "vocab_split", "aot_eager_warnings", "seconds")}
     if dp > 1:  # ZeRO-3's gather/free hooks run eagerly around the compiled blocks
         zero3 = fit(dp, mp, "gpt", "32-true", steps=4, compile=True, zero=3)
         results["zero3_compiled_vs_eager"] = worst(zero3["state"], fit(dp, mp, "gpt", "32-true", steps=4)["state"])

@@ -52,14 +52,50 @@ class RealModel:
     float64_tol: float = 1e-8  # weights vs single process after 20 float64 steps (see _mixtral for the exception)
 
 
-def _llama() -> tuple[L.LightningModule, object]:
+def llama(hidden: int = 32, intermediate: int = 64, norm_in_model_dtype: bool = False
+          ) -> tuple[L.LightningModule, object]:
+    """transformers' Llama (2 blocks, 8 query / 4 key-value heads: GQA), ``hidden`` wide. transformers computes
+    ``LlamaRMSNorm`` in float32 whatever the model's dtype; ``norm_in_model_dtype`` makes it compute in the
+    model's dtype instead (float64 throughout, for exact float64 comparisons of compiled code)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=False,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=False,
     )
-    return CausalLM(LlamaForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+    net = LlamaForCausalLM(cfg)
+    if norm_in_model_dtype:
+        import types
+
+        for mod in net.modules():
+            if type(mod).__name__ == "LlamaRMSNorm":
+                mod.forward = types.MethodType(_rms_norm_in_model_dtype, mod)
+    return CausalLM(net), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
+def _rms_norm_in_model_dtype(self, hidden_states):
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _llama() -> tuple[L.LightningModule, object]:
+    return llama()
+
+
+# The Llamas the compile tests train against single-process training: stock (its RMSNorm in float32), with the norm
+# in the model's dtype, and that one wide enough (a block of over 1 MB per rank at mp=2, in float64) for Dynamo to
+# split a compiled block's graph at DDP's first bucket boundary.
+COMPILE_LLAMAS: dict[str, dict] = {
+    "llama": {},
+    "llama_norm64": {"norm_in_model_dtype": True},
+    "llama_wide_norm64": {"hidden": 256, "intermediate": 512, "norm_in_model_dtype": True},
+}
+
+
+def build_llama(name: str) -> tuple[L.LightningModule, object]:
+    """A Llama of :data:`COMPILE_LLAMAS` by name, from the same seed in every process and in the reference."""
+    torch.manual_seed(0)
+    return llama(**COMPILE_LLAMAS[name])
 
 
 class LabelsLM(CausalLM):

@@ -271,3 +271,19 @@ def test_compat_imports_no_lightning_at_module_level() -> None:
 @pytest.mark.parametrize("mha", [nn.MultiheadAttention(8, 2), nn.MultiheadAttention(8, 2, kdim=4, vdim=4)])
 def test_mha_in_proj_weight_matches_the_private_flag(mha: nn.MultiheadAttention) -> None:
     assert (mha.in_proj_weight is not None) == mha._qkv_same_embed_dim
+
+
+def test_compile_backend_looks_up_registered_backends() -> None:
+    for name in ("inductor", "aot_eager"):
+        assert callable(compat.compile_backend(name)), f"torch._dynamo.lookup_backend({name!r}) changed"
+
+
+def test_dynamo_without_ddp_split_patches_optimize_ddp() -> None:
+    import torch._dynamo
+
+    before = torch._dynamo.config.optimize_ddp
+    with compat.dynamo_without_ddp_split():
+        assert torch._dynamo.config.optimize_ddp is False, "torch._dynamo.config.optimize_ddp is not patched"
+        mode = torch._dynamo.utils.get_optimize_ddp_mode()
+        assert mode != "ddp_optimizer", f"optimize_ddp=False no longer turns DDPOptimizer off: {mode}"
+    assert torch._dynamo.config.optimize_ddp == before

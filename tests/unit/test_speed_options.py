@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.parallel.compiled import compile_blocks, repeated_blocks, uncompile_blocks
+from lightning_dpmp.parallel.compiled import (
+    compile_blocks,
+    exact_backend,
+    narrowing_modules,
+    repeated_blocks,
+    uncompile_blocks,
+)
 from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 
 
@@ -82,3 +88,43 @@ def test_compile_blocks_in_place_keeps_names_and_uncompile_undoes_it():
     assert all("forward" not in m.__dict__ for m in net.modules())
     whole = nn.Sequential(nn.Linear(2, 2))
     assert compile_blocks(whole) == [""] and "forward" in whole.__dict__
+
+
+class _Float32Norm(nn.Module):
+    """transformers' LlamaRMSNorm pattern: computes in float32 whatever the input dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_narrowing_modules_names_float32_islands_of_float64_graphs_only(dtype):
+    block = nn.Sequential(nn.Linear(8, 8), _Float32Norm()).to(dtype)  # compiled like a block: its forward
+    seen: list[list[str]] = []
+
+    def backend(gm, example_inputs):
+        seen.append(narrowing_modules(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(block.forward, backend=backend)(torch.randn(2, 8, dtype=dtype))
+    assert seen == [["_Float32Norm"] if dtype == torch.float64 else []]
+
+
+def test_exact_backend_keeps_eager_numbers_of_a_float32_island_and_warns():
+    """Inductor's fused float32 kernel rounds differently from eager's: the float64 graph takes aot_eager."""
+    norm = _Float32Norm().double()
+    x = torch.randn(4, 64, 8, dtype=torch.float64, requires_grad=True)
+    eager = norm(x)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="'aot_eager' backend instead"):
+        compiled = torch.compile(norm.forward, backend=exact_backend)(x)
+    assert torch.equal(compiled, eager)
+    (g_c,), (g_e,) = torch.autograd.grad(compiled.sum(), x), torch.autograd.grad(eager.sum(), x)
+    assert torch.equal(g_c, g_e)
