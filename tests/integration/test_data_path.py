@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from tests.conftest import run_script
 from tests.integration import data_path_worker as W
 from tests.support.models import ResMLP, make_dataset, reference_loader
+from tests.support.reference import max_json_diff, one_process_trainer
 
 WORKER = "tests/integration/data_path_worker.py"
 
@@ -40,14 +41,11 @@ def _replay(used_by_rank: list) -> dict:
     ]
     L.seed_everything(0)
     model = ResMLP()
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=W.STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, DataLoader(steps, batch_size=None))
+    one_process_trainer(max_steps=W.STEPS).fit(model, DataLoader(steps, batch_size=None))
     return model.state_dict()
 
 
-def _max_diff(ours: dict, ref: dict) -> float:
-    return max((torch.tensor(ours[k], dtype=torch.float64) - ref[k].double()).abs().max().item() for k in ref)
+_max_diff = max_json_diff
 
 
 @pytest.mark.slow
@@ -111,9 +109,7 @@ def test_steps_that_skip_layers_train_with_find_unused_parameters(grid22):
     _, ranks = grid22
     L.seed_everything(0)
     model = W.StepSkip()
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=W.STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, reference_loader(make_dataset(), 2 * W.PER_RANK, 0))
+    one_process_trainer(max_steps=W.STEPS).fit(model, reference_loader(make_dataset(), 2 * W.PER_RANK, 0))
     for r in ranks:
         assert _max_diff(r["step_skip_weights"], model.state_dict()) <= 1e-8
 
@@ -125,9 +121,7 @@ def test_weight_averaging_callbacks_average_the_split_model(grid22, tmp_path, na
     L.seed_everything(0)
     model = ResMLP()
     cb = W.averaging_callbacks()[name]
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_epochs=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[cb])
+    trainer = one_process_trainer(max_epochs=3, callbacks=[cb])
     trainer.fit(model, reference_loader(make_dataset(), 2 * W.PER_RANK, 0))
     ref = model.state_dict()
     for r in ranks:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from tests.conftest import run_script
 from tests.integration import features_worker as FW
 from tests.support.models import ResMLP, build, make_dataset, reference_loader
+from tests.support.reference import max_json_diff, one_process_trainer
 
 WORKER = "tests/integration/features_worker.py"
 
@@ -41,15 +42,12 @@ def _single(
     model: L.LightningModule, batch: int, steps: int, clip: float | None = 0.5, algorithm: str = "norm"
 ) -> dict:
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=steps, gradient_clip_val=clip,
-                        gradient_clip_algorithm=algorithm, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = one_process_trainer(max_steps=steps, gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
     trainer.fit(model, reference_loader(make_dataset(), batch, 0))
     return model.state_dict()
 
 
-def _max_diff(ours: dict, ref: dict) -> float:
-    return max((torch.tensor(ours[k], dtype=torch.float64) - ref[k].double()).abs().max().item() for k in ref)
+_max_diff = max_json_diff
 
 
 @pytest.mark.slow

@@ -23,6 +23,19 @@ def reference_run(name: str, precision: str, path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+def one_process_trainer(**kwargs) -> L.Trainer:
+    """The single-process reference Trainer: CPU, one device, float64, nothing logged or saved; ``kwargs`` add to
+    or override those (``max_steps``, ``callbacks``, clipping, ...)."""
+    defaults = dict(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def max_json_diff(ours: dict, ref: dict) -> float:
+    """Largest difference between weights a worker wrote as JSON lists and a reference ``state_dict``."""
+    return max((torch.tensor(ours[k], dtype=torch.float64) - ref[k].double()).abs().max().item() for k in ref)
+
+
 def max_weight_diff(ckpt: dict, ref: dict) -> float:
     ours, theirs = ckpt["state_dict"], ref["state_dict"]
     assert ours.keys() == theirs.keys(), set(ours) ^ set(theirs)
