@@ -33,6 +33,7 @@ class StrategyConfig:
     plan_overrides: Any = None  # {glob: style}; untyped so a command-line dict replaces it (typed dicts are closed)
     sequence_parallel: bool = False
     verify_plan: bool = True
+    mp_batch: str = "broadcast"
     timeout_s: float = 600.0
     ddp: Dict[str, Any] = field(default_factory=dict)
 
