@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import run_script
 
 TOL = 1e-12  # float64: only summation order differs
+pytestmark = pytest.mark.slow  # one 4-process launch for the module
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from tests.conftest import run_script
 pytest.importorskip("transformers")
 
 TOL = 1e-12  # float64: only summation order differs
+pytestmark = pytest.mark.slow  # one 4-process launch for the module
 
 
 @pytest.fixture(scope="module")
