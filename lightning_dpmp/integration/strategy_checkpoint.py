@@ -22,7 +22,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -52,9 +52,6 @@ from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
 from lightning_dpmp.integration.zero import is_zero, zero_state_dict
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 
-if TYPE_CHECKING:
-    from lightning_dpmp.integration.strategy import DPMPStrategy
-
 __all__ = ["StrategyCheckpointer"]
 
 _TRACKER_KEY = "dpmp_rng_tracker"  # per-MP-rank dropout streams of the sharded regions (lightning_dpmp.parallel.rng)
@@ -69,7 +66,8 @@ class StrategyCheckpointer:
         distributed: write a folder of shards (``save_distributed_checkpoint=True``) instead of one file.
     """
 
-    def __init__(self, strategy: "DPMPStrategy", distributed: bool) -> None:
+    def __init__(self, strategy: Any, distributed: bool) -> None:
+        # Any, not DPMPStrategy: the strategy module imports this one, and a typing import back would close a circle.
         self.strategy = strategy
         self.distributed = distributed
 

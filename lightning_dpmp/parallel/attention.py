@@ -35,7 +35,7 @@ from typing_extensions import Self
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group
 from lightning_dpmp.parallel.entry import SharedInputCopy
 from lightning_dpmp.parallel.layers import RowParallelLinear
-from lightning_dpmp.parallel.sharding import _ParallelLinear, dense_template, divide
+from lightning_dpmp.parallel.sharding import ParallelLinear, dense_template, divide
 
 __all__ = ["HeadParallelMultiheadAttention", "unsupported_reason"]
 
@@ -58,7 +58,7 @@ def _float_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
-class HeadParallelMultiheadAttention(_ParallelLinear):
+class HeadParallelMultiheadAttention(ParallelLinear):
     """``nn.MultiheadAttention`` (packed q/k/v, no bias_k/bias_v) split by heads; see the module docstring.
 
     Args:
@@ -115,7 +115,7 @@ class HeadParallelMultiheadAttention(_ParallelLinear):
 
     def _dense_module(self) -> nn.Module:
         dense = copy.deepcopy(self.__dict__["_template"])
-        dense.out_proj = self.out_proj.to_dense() if isinstance(self.out_proj, _ParallelLinear) else self.out_proj
+        dense.out_proj = self.out_proj.to_dense() if isinstance(self.out_proj, ParallelLinear) else self.out_proj
         p = self.in_proj_weight
         dense.in_proj_weight = nn.Parameter(
             torch.empty(3 * self.embed_dim, self.embed_dim, device=p.device, dtype=p.dtype),

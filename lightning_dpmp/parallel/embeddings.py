@@ -16,12 +16,12 @@ from torch import Tensor, nn
 from typing_extensions import Self
 
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence
-from lightning_dpmp.parallel.sharding import _ParallelLinear, divide
+from lightning_dpmp.parallel.sharding import ParallelLinear, divide
 
 __all__ = ["ColumnParallelEmbedding", "VocabParallelEmbedding"]
 
 
-class VocabParallelEmbedding(_ParallelLinear):
+class VocabParallelEmbedding(ParallelLinear):
     """``nn.Embedding`` split by vocabulary rows: rank ``r`` holds ids ``[r*V/mp, (r+1)*V/mp)``.
 
     Forward: ids outside the local range look up row 0 and are zeroed, then one all-reduce sums the shards' rows
@@ -108,7 +108,7 @@ class ColumnParallelEmbedding(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None, padding_idx: Optional[int] = None,
                  sequence_dim: Optional[int] = None, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
-        _ParallelLinear.__init__(self, num_embeddings, embedding_dim, group)
+        ParallelLinear.__init__(self, num_embeddings, embedding_dim, group)
         if sequence_dim is not None:
             raise ValueError("ColumnParallelEmbedding does not take a sequence dim (its output is feature-split).")
         self.sequence_dim, self.rng = None, None

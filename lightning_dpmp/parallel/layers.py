@@ -36,12 +36,12 @@ from torch import Tensor, nn
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence, scatter_to_group
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
 from lightning_dpmp.parallel.overlap import linear_with_async_input_grad
-from lightning_dpmp.parallel.sharding import _ParallelLinear, divide, gather_tensor
+from lightning_dpmp.parallel.sharding import ParallelLinear, divide, gather_tensor
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "set_async_grad_allreduce"]
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(ParallelLinear):
     """``nn.Linear`` split by output features.
 
     Forward: identity into the region (backward: all-reduce of the input gradient), a local matmul giving
@@ -137,7 +137,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return super().extra_repr() + f", gather_output={self.gather_output}{extra}{vocab}"
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(ParallelLinear):
     """``nn.Linear`` split by input features.
 
     Forward: a local matmul on this rank's ``in_features / mp`` input features gives a partial sum, all-reduced

@@ -25,6 +25,7 @@ from lightning_dpmp.parallel.comm import gather_from_group, group_rank, group_si
 
 __all__ = [
     "SHARDS_ATTR",
+    "ParallelLinear",
     "dense_template",
     "divide",
     "gather_tensor",
@@ -42,8 +43,9 @@ def divide(total: int, parts: int, what: str = "dimension") -> int:
     return total // parts
 
 
-class _ParallelLinear(nn.Module):
-    """Shared state of the two layouts: sizes, the group and this rank's place in it."""
+class ParallelLinear(nn.Module):
+    """Base of the split layers (column, row, vocab, embeddings, attention): sizes, the group and this rank's place
+    in it, and the dims each parameter is split along, which checkpoints and consolidation read."""
 
     # Dimension along which each parameter is split; None means replicated across the MP group.
     _shard_dims: dict[str, Optional[int]] = {}
@@ -195,7 +197,7 @@ def shard_dims(module: nn.Module) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):  # every alias is a state_dict key
-        if isinstance(mod, _ParallelLinear) and mod.mp > 1:
+        if isinstance(mod, ParallelLinear) and mod.mp > 1:
             for name, dim in mod._shard_dims.items():
                 if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = dim
@@ -220,7 +222,7 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
-        if isinstance(mod, _ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
+        if isinstance(mod, ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
             for name, dim in mod._shard_dims.items():  # only column-style layers are fused: every split is by blocks
                 if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = mod.blocks

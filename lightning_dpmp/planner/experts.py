@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_dpmp.planner.experts_ops import MATMULS, Key, _Conflict, _prod
-from lightning_dpmp.planner.experts_pass import _Experts
+from lightning_dpmp.planner.experts_ops import MATMULS, Conflict, Key, prod
+from lightning_dpmp.planner.experts_pass import ExpertsPass
 from lightning_dpmp.planner.layout import LayerPlan
 from lightning_dpmp.planner.trace import LinearCall, ModuleCall, OpCall, Trace
 
@@ -101,11 +101,11 @@ def analyse_experts(
         if len(found) != 1:
             why[name] = f"called {len(found)} times in the traced step (experts are split when called once)"
             continue
-        an = _Experts(trace, found[0], own, mp)
+        an = ExpertsPass(trace, found[0], own, mp)
         try:
             an.run()
             layouts[name] = _layout(name, an, found[0], own, mp)
-        except _Conflict as exc:
+        except Conflict as exc:
             why[name] = str(exc)
     return layouts, why
 
@@ -120,7 +120,7 @@ def _reaches_matmul(trace: Trace, params: set[str]) -> bool:
     return False
 
 
-def _layout(name: str, an: _Experts, call: ModuleCall, own: dict[str, tuple[int, ...]], mp: int) -> ExpertsLayout:
+def _layout(name: str, an: ExpertsPass, call: ModuleCall, own: dict[str, tuple[int, ...]], mp: int) -> ExpertsLayout:
     shards: dict[str, tuple[int, int]] = {}
     hidden = intermediate = 0
     for pname, (dim, role) in sorted(an.split.items()):
@@ -128,11 +128,11 @@ def _layout(name: str, an: _Experts, call: ModuleCall, own: dict[str, tuple[int,
         size = own[pname][dim]
         if size % (blocks * mp):
             fused = f" in {blocks} fused blocks" if blocks > 1 else ""
-            raise _Conflict(f"{pname} has {size} along dim {dim}{fused}, not divisible by mp={mp}")
+            raise Conflict(f"{pname} has {size} along dim {dim}{fused}, not divisible by mp={mp}")
         shards[pname.rpartition(".")[2] if "." in pname else pname] = (dim, blocks)
         if role == "row":
             intermediate = size
-            hidden = _prod(own[pname]) // (size * own[pname][0])
+            hidden = prod(own[pname]) // (size * own[pname][0])
     grads = {key: rg for key, _, rg in call.args}
     entries = tuple(k for k, _, _ in call.args if k in an.entered)
     activations = tuple(k for k in entries if k in an.x_args)

@@ -1,6 +1,6 @@
 """Experts detection, its vocabulary and activation rules: the op families as they act on a tensor split along
 the experts' intermediate dim or on a partial sum, the two states (split, partial), and the rules for ops that
-read them (:class:`_ActivationRules`, mixed into the pass of :mod:`lightning_dpmp.planner.experts_pass`).
+read them (:class:`ActivationRules`, mixed into the pass of :mod:`lightning_dpmp.planner.experts_pass`).
 
 What the rules accept is described in :mod:`lightning_dpmp.planner.experts`.
 """
@@ -15,7 +15,8 @@ from lightning_dpmp.planner.trace import OpCall
 
 __all__ = [
     "ACCUMULATES", "ADDS", "BINARY", "CASTS", "DIVS", "ELEMENTWISE", "INDEXING", "Key", "LAYOUT_ANY", "MATMULS", "MULS",
-    "REDUCTIONS", "RESHAPES", "SHAPE_ONLY", "SPLITS", "TRANSPOSES", "ZEROS",
+    "REDUCTIONS", "RESHAPES", "SHAPE_ONLY", "SPLITS", "TRANSPOSES", "ZEROS", "PARTIAL", "ActivationRules", "Conflict",
+    "SplitAt", "common_suffix", "prod", "reshaped_dim",
 ]
 
 Key = Union[int, str]
@@ -39,50 +40,50 @@ INDEXING = {"__getitem__", "index_select", "gather", "take_along_dim"}  # (data,
 
 
 @dataclass(frozen=True)
-class _S:
+class SplitAt:
     """Split along ``dim``; ``raw``: the parameter whose fused blocks this output still holds (not chunked yet)."""
 
     dim: int
     raw: Optional[str]
 
 
-_P = "partial"
+PARTIAL = "partial"
 
 
-class _Conflict(Exception):
+class Conflict(Exception):
     """The module cannot be split this way; the message says why."""
 
 
-def _suffix(a: tuple, b: tuple) -> int:
+def common_suffix(a: tuple, b: tuple) -> int:
     k = 0
     while k < min(len(a), len(b)) and a[len(a) - 1 - k] == b[len(b) - 1 - k]:
         k += 1
     return k
 
 
-def _prod(xs: tuple) -> int:
+def prod(xs: tuple) -> int:
     out = 1
     for x in xs:
         out *= x
     return out
 
 
-def _reshaped_dim(a: tuple, b: tuple, d: int) -> Optional[int]:
+def reshaped_dim(a: tuple, b: tuple, d: int) -> Optional[int]:
     """Where dim ``d`` of shape ``a`` lands in shape ``b`` under a reshape that keeps it whole, else ``None``."""
-    before = _prod(a[:d])
+    before = prod(a[:d])
     for j, size in enumerate(b):
-        if size == a[d] and _prod(b[:j]) == before:
+        if size == a[d] and prod(b[:j]) == before:
             return j
     return None
 
 
-class _ActivationRules:
-    """Rules for ops reading split activations or partial sums; mixed into the pass (``_Experts``)."""
+class ActivationRules:
+    """Rules for ops reading split activations or partial sums; mixed into the pass (``ExpertsPass``)."""
 
-    # Provided by the pass that mixes this in (lightning_dpmp.planner.experts_pass._Experts).
+    # Provided by the pass that mixes this in (lightning_dpmp.planner.experts_pass.ExpertsPass).
     mp: int
     shapes: dict[int, tuple]
-    state: dict[int, Union[_S, str]]
+    state: dict[int, Union[SplitAt, str]]
     zero: set[int]
     need_blocks: Callable[[Optional[str], int], bool]
     replicated_use: Callable[[int, str], None]
@@ -91,35 +92,35 @@ class _ActivationRules:
     def split_op(self, ev: OpCall) -> list:
         """Rules for ops reading a tensor split along the intermediate dim."""
         ins = [(p, n) for p, n in enumerate(ev.inputs) if n is not None]
-        split = [(p, n, s) for p, n in ins if isinstance(s := self.state.get(n), _S)]
-        if any(self.state.get(n) == _P for _, n in ins):
-            raise _Conflict(f"'{ev.name}' mixes split and partial tensors")
+        split = [(p, n, s) for p, n in ins if isinstance(s := self.state.get(n), SplitAt)]
+        if any(self.state.get(n) == PARTIAL for _, n in ins):
+            raise Conflict(f"'{ev.name}' mixes split and partial tensors")
         p0, n0, s0 = split[0]
         a = self.shapes[n0]
         if ev.name in ELEMENTWISE or ev.name in CASTS:
             if ev.name == "__get__" and self.shapes[ev.outputs[0]] != a:
-                raise _Conflict("a split tensor is read through an attribute that changes its shape")
+                raise Conflict("a split tensor is read through an attribute that changes its shape")
             for _p, n in ins[1:]:
                 self.replicated_use(n, ev.name)
             return [s0] * len(ev.outputs)
         if ev.name in BINARY:
             if len({s.dim for _, _, s in split}) != 1 or len({self.shapes[n] for _, n, _ in split}) != 1:
-                raise _Conflict(f"'{ev.name}' combines differently split tensors")
+                raise Conflict(f"'{ev.name}' combines differently split tensors")
             for _p, n in ins:
-                if isinstance(self.state.get(n), _S):
+                if isinstance(self.state.get(n), SplitAt):
                     continue
                 shape = self.shapes[n]
                 aligned = s0.dim - (len(a) - len(shape))
                 if aligned >= 0 and shape[aligned] != 1:
-                    raise _Conflict(f"'{ev.name}' combines a split tensor with a replicated full-width one")
+                    raise Conflict(f"'{ev.name}' combines a split tensor with a replicated full-width one")
                 self.replicated_use(n, ev.name)
             raws = {s.raw for _, _, s in split}
             raw = raws.pop() if len(raws) == 1 else None
             if raw is None and not all(self.need_blocks(s.raw, 1) for _, _, s in split):
-                raise _Conflict(f"'{ev.name}' mixes fused layouts")
-            return [_S(s0.dim, raw)] * len(ev.outputs)
+                raise Conflict(f"'{ev.name}' mixes fused layouts")
+            return [SplitAt(s0.dim, raw)] * len(ev.outputs)
         if len(split) != 1 or p0 != 0:
-            raise _Conflict(f"a split tensor is read by '{ev.name}'")
+            raise Conflict(f"a split tensor is read by '{ev.name}'")
         for _, n in ins[1:]:
             if ev.name not in INDEXING:  # an index carries no gradient
                 self.replicated_use(n, ev.name)
@@ -132,58 +133,58 @@ class _ActivationRules:
                 if ev.name == "unbind" and len(outs[0]) == len(a) - 1:
                     dim = next((d for d in range(len(a)) if a[:d] + a[d + 1:] == outs[0] and d != s0.dim), None)
                     if dim is not None:
-                        return [_S(s0.dim - (dim < s0.dim), s0.raw)] * len(outs)
-                raise _Conflict(f"'{ev.name}' splits a split tensor in a way that cannot be followed")
+                        return [SplitAt(s0.dim - (dim < s0.dim), s0.raw)] * len(outs)
+                raise Conflict(f"'{ev.name}' splits a split tensor in a way that cannot be followed")
             if s0.raw is None or len({o[s0.dim] for o in outs}) != 1 or not self.need_blocks(s0.raw, len(outs)):
-                raise _Conflict(f"'{ev.name}' cuts the split dim into unequal or unfused parts")
-            return [_S(s0.dim, None)] * len(outs)
+                raise Conflict(f"'{ev.name}' cuts the split dim into unequal or unfused parts")
+            return [SplitAt(s0.dim, None)] * len(outs)
         if len(ev.outputs) != 1:
-            raise _Conflict(f"a split tensor is read by '{ev.name}'")
+            raise Conflict(f"a split tensor is read by '{ev.name}'")
         b = outs[0]
         if ev.name == "__getitem__":
-            k = _suffix(a, b)
+            k = common_suffix(a, b)
             if len(a) - s0.dim > k:
-                raise _Conflict("indexing touches the split dim")
-            return [_S(len(b) - (len(a) - s0.dim), s0.raw)]
+                raise Conflict("indexing touches the split dim")
+            return [SplitAt(len(b) - (len(a) - s0.dim), s0.raw)]
         if ev.name in TRANSPOSES:
             order = self._permutation(ev, len(a))
-            return [_S(order.index(s0.dim), s0.raw)]
+            return [SplitAt(order.index(s0.dim), s0.raw)]
         if ev.name in RESHAPES:
-            j = _reshaped_dim(a, b, s0.dim)
+            j = reshaped_dim(a, b, s0.dim)
             if j is None:
-                raise _Conflict(f"'{ev.name}' reshapes across the split dim")
-            return [_S(j, s0.raw)]
-        raise _Conflict(f"a split tensor is read by '{ev.name}' (not element-wise)")
+                raise Conflict(f"'{ev.name}' reshapes across the split dim")
+            return [SplitAt(j, s0.raw)]
+        raise Conflict(f"a split tensor is read by '{ev.name}' (not element-wise)")
 
     def partial_op(self, ev: OpCall) -> list:
         """Rules for ops reading partial sums: only linear ones keep them partial."""
         ins = [(p, n) for p, n in enumerate(ev.inputs) if n is not None]
-        partial = [(p, n) for p, n in ins if self.state.get(n) == _P]
-        others = [(p, n) for p, n in ins if self.state.get(n) != _P]
+        partial = [(p, n) for p, n in ins if self.state.get(n) == PARTIAL]
+        others = [(p, n) for p, n in ins if self.state.get(n) != PARTIAL]
         name = ev.name
         if name in CASTS or name in LAYOUT_ANY or name in REDUCTIONS:
             if partial[0][0] != 0 or len(partial) != 1:
-                raise _Conflict(f"'{name}' reads a partial sum in an unsupported position")
+                raise Conflict(f"'{name}' reads a partial sum in an unsupported position")
             for _, n in others:
                 if name not in INDEXING:
                     self.replicated_use(n, name)
-            return [_P] * len(ev.outputs)
+            return [PARTIAL] * len(ev.outputs)
         if name in MULS or name in DIVS:
             if len(partial) != 1 or (name in DIVS and partial[0][0] != 0):
-                raise _Conflict(f"'{name}' of a partial sum by another partial sum, or divides by one")
+                raise Conflict(f"'{name}' of a partial sum by another partial sum, or divides by one")
             for _, n in others:
                 self.replicated_use(n, name)
-            return [_P]
+            return [PARTIAL]
         if name in ADDS or name in ("cat", "stack"):
             if any(n not in self.zero for _, n in others) or (name in ADDS and None in ev.inputs[:2]):
-                raise _Conflict(f"'{name}' adds a replicated tensor to a partial sum (it would count {self.mp} times)")
-            return [_P] * len(ev.outputs)
+                raise Conflict(f"'{name}' adds a replicated tensor to a partial sum (it would count {self.mp} times)")
+            return [PARTIAL] * len(ev.outputs)
         if name in ACCUMULATES:
             target = ev.inputs[0]
-            if target is None or (self.state.get(target) != _P and target not in self.zero):
-                raise _Conflict(f"'{name}' accumulates partial sums into a tensor not known to be zero")
+            if target is None or (self.state.get(target) != PARTIAL and target not in self.zero):
+                raise Conflict(f"'{name}' accumulates partial sums into a tensor not known to be zero")
             for p, n in others:  # (self, dim, index, source): only the index may be replicated
                 if n != target and p != 2:
-                    raise _Conflict(f"'{name}' accumulates a replicated tensor (it would count {self.mp} times)")
-            return [_P] * len(ev.outputs)
-        raise _Conflict(f"a partial sum is read by '{name}' (not linear)")
+                    raise Conflict(f"'{name}' accumulates a replicated tensor (it would count {self.mp} times)")
+            return [PARTIAL] * len(ev.outputs)
+        raise Conflict(f"a partial sum is read by '{name}' (not linear)")

@@ -32,6 +32,7 @@ from typing import Callable, Optional, Union
 from torch import nn
 
 from lightning_dpmp.planner.flow_layout import LayoutRules
+from lightning_dpmp.planner.flow_state import Region, Shard
 from lightning_dpmp.planner.flow_values import ValueRules
 from lightning_dpmp.planner.linear_like import LinearForm
 from lightning_dpmp.planner.ops import (
@@ -53,31 +54,6 @@ from lightning_dpmp.planner.ops import (
 from lightning_dpmp.planner.trace import LinearCall, OpCall, Trace
 
 __all__ = ["Flow", "analyse"]
-
-
-@dataclass
-class _Shard:
-    region: int
-    dim: int
-    raw: Optional[str]  # source layer whose raw output layout this still is (fused blocks not yet decided)
-
-
-@dataclass
-class _Region:
-    sources: set[str]
-    sinks: set[str] = field(default_factory=set)
-    losses: int = 0
-    conflicts: list[str] = field(default_factory=list)
-    literals: set[int] = field(default_factory=set)
-    simple: bool = True  # element-wise ops only (an MLP); False once heads/attention are involved
-    attention: bool = False  # softmax, scaled_dot_product_attention or a matmul of two split activations
-    queried: set[int] = field(default_factory=set)  # split-dim sizes the code read from split tensors
-    scoped: set[tuple[str, int, bool]] = field(default_factory=set)  # (module, literal, derived?) sizing a constant
-
-    def derived(self, value: int) -> bool:
-        """Whether a reshape literal can come from a size the code read off a split tensor (``x.shape``): then
-        it is per-rank at run time by itself (``reshape(B, n_kv * n_rep, T, d)`` in repeat-kv)."""
-        return any(value == q or (q > 1 and value % q == 0) for q in self.queried)
 
 
 @dataclass
@@ -107,8 +83,8 @@ class _Analysis(ValueRules, LayoutRules):
         # once that literal is set per rank.
         self.uniform: dict[int, dict[int, Optional[tuple[str, int]]]] = {}
         self.parent: list[int] = []
-        self.regions: list[_Region] = []
-        self.state: dict[int, _Shard] = {}
+        self.regions: list[Region] = []
+        self.state: dict[int, Shard] = {}
         self.blocks: dict[str, int] = {}
 
     # ---- regions
@@ -137,10 +113,10 @@ class _Analysis(ValueRules, LayoutRules):
 
     def new_region(self, source: str) -> int:
         self.parent.append(len(self.parent))
-        self.regions.append(_Region({source}))
+        self.regions.append(Region({source}))
         return len(self.parent) - 1
 
-    def need_blocks(self, sh: _Shard, k: int) -> bool:
+    def need_blocks(self, sh: Shard, k: int) -> bool:
         if sh.raw is None:
             return k == 1
         return self.blocks.setdefault(sh.raw, k) == k
@@ -167,10 +143,10 @@ class _Analysis(ValueRules, LayoutRules):
                 r.conflicts.append(f"read by {ev.name}, which cannot be its row layer")
         self.state.pop(ev.output, None)
         if self.can_source(ev.name):
-            self.state[ev.output] = _Shard(self.new_region(ev.name), len(self.trace.shapes[ev.output]) - 1, ev.name)
+            self.state[ev.output] = Shard(self.new_region(ev.name), len(self.trace.shapes[ev.output]) - 1, ev.name)
 
     def op(self, ev: OpCall) -> None:
-        if ev.name == "size":  # a shape query: remember split-dim sizes the code reads (see _Region.derived)
+        if ev.name == "size":  # a shape query: remember split-dim sizes the code reads (see Region.derived)
             sh = self.state.get(ev.inputs[0])  # type: ignore[arg-type]
             if sh is not None:
                 self.regions[self.find(sh.region)].queried.add(self.trace.shapes[ev.inputs[0]][sh.dim])  # type: ignore[index]
@@ -179,7 +155,7 @@ class _Analysis(ValueRules, LayoutRules):
             name, out = ev.index[0][1], ev.outputs[0]
             self.state.pop(out, None)
             if self.can_source_embedding(name):
-                self.state[out] = _Shard(self.new_region(name), len(self.trace.shapes[out]) - 1, None)
+                self.state[out] = Shard(self.new_region(name), len(self.trace.shapes[out]) - 1, None)
             return
         if ev.name in FACTORIES:
             (out,), shape = ev.outputs, self.trace.shapes[ev.outputs[0]]
@@ -211,10 +187,10 @@ class _Analysis(ValueRules, LayoutRules):
             if out is None:
                 self.state.pop(n, None)
             else:
-                self.state[n] = _Shard(r, out[0], out[1])
+                self.state[n] = Shard(r, out[0], out[1])
 
     # ---- rules: return per-output (dim, raw) or None, or a string saying why the region breaks
-    def rule(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+    def rule(self, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         """Dispatch on :data:`OPS`: each handler says where the split dim of each output is, from what the op
         does to dims (never from module or parameter names)."""
         handler = OPS.get(ev.name)
@@ -229,7 +205,7 @@ class _Analysis(ValueRules, LayoutRules):
 def _on_first(method: Callable) -> Callable:
     """A layout op of one tensor (reshape, transpose, index...): only its first argument may be split."""
 
-    def run(an: _Analysis, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+    def run(an: _Analysis, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         if len(ins) != 1 or ins[0][0] != 0:
             return f"used by '{ev.name}' with a split tensor in another argument"
         return method(an, ev, ins[0][1], an._shape(ev.inputs[0]))
@@ -293,7 +269,7 @@ def analyse(
     an = _Analysis(trace, mp, can_source, can_sink, can_source_embedding)
     an.run()
     flow = Flow()
-    candidates: list[_Region] = []
+    candidates: list[Region] = []
     for root in sorted({an.find(r) for r in range(len(an.parent))}):
         reg = an.regions[root]
         if reg.conflicts:

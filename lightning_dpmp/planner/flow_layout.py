@@ -9,31 +9,18 @@ the op table (``flow.OPS``); each rule returns per-output ``(dim, raw)`` or a st
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Optional, Union
 
-from lightning_dpmp.planner.trace import OpCall, Trace
+from lightning_dpmp.planner.flow_state import AnalysisState, Shard
+from lightning_dpmp.planner.trace import OpCall
 
-if TYPE_CHECKING:  # the analysis state lives with the driver; the rules only read and update it
-    from lightning_dpmp.planner.flow import _Region, _Shard
-
-__all__ = ["AnalysisState", "LayoutRules"]
-
-
-class AnalysisState:
-    """What the rule mixins read from the analysis that mixes them in (lightning_dpmp.planner.flow._Analysis)."""
-
-    trace: Trace
-    mp: int
-    regions: list[_Region]
-    find: Callable[[int], int]
-    need_blocks: Callable[[_Shard, int], bool]
-    _shape: Callable[[Optional[int]], tuple]
+__all__ = ["LayoutRules"]
 
 
 class LayoutRules(AnalysisState):
     """Rules for ops that move the split dim of one tensor, and for concatenations."""
 
-    def _getitem(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _getitem(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         """Indexing and slicing keep the split when the split dim is taken whole (``x[..., :d // 2]`` on the
         head dim of rotary embeddings, ``logits[:, :-1]``); an index into the split dim breaks it."""
         new = _index_target(ev.index, sh.dim, shape)
@@ -44,7 +31,7 @@ class LayoutRules(AnalysisState):
             return f"indexed by '{ev.name}' in a way that moves the split dim"
         return [(new, sh.raw)]
 
-    def _concat(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+    def _concat(self, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         """``cat``/``stack`` along another dim (rotary halves, a KV cache growing along the sequence): every
         non-empty operand must be split on the same dim; empty ones (a fresh cache) carry nothing."""
         split = dict(ins)
@@ -73,12 +60,12 @@ class LayoutRules(AnalysisState):
             return f"concatenated by '{ev.name}' mixing fused layouts"
         return [(dim, raw)]
 
-    def _unsqueeze(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _unsqueeze(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         ints = [v for v in ev.values[1:] if v is not None]
         axis = (ints[0] if ints else 0) % (len(shape) + 1)
         return [(sh.dim + (axis <= sh.dim), sh.raw)]
 
-    def _squeeze(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _squeeze(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         out_shape = self._shape(ev.outputs[0])
         removed = len(shape) - len(out_shape)
         ints = [v % len(shape) for v in ev.values[1:] if v is not None]
@@ -87,7 +74,7 @@ class LayoutRules(AnalysisState):
             return f"squeezed by '{ev.name}' in a way the trace cannot follow"
         return [(sh.dim - sum(d < sh.dim for d in gone), sh.raw)]
 
-    def _expand(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _expand(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         """``expand``/``broadcast_to``/``repeat``: new or size-1 dims grow; the split dim must keep its size
         (the repeat-kv pattern ``k[:, :, None].expand(B, Hkv, n_rep, T, d)``)."""
         out_shape = self._shape(ev.outputs[0])
@@ -96,13 +83,13 @@ class LayoutRules(AnalysisState):
             return f"repeated by '{ev.name}' along the split dim"
         return [(new, sh.raw)]
 
-    def _narrow(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _narrow(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         ints = [v for v in ev.values[1:] if v is not None]
         if not ints or ints[0] % len(shape) == sh.dim:
             return f"narrowed by '{ev.name}' along the split dim"
         return [(sh.dim, sh.raw)]
 
-    def _reshape(self, ev: OpCall, sh: _Shard, a: tuple) -> Union[str, list]:
+    def _reshape(self, ev: OpCall, sh: Shard, a: tuple) -> Union[str, list]:
         b = self._shape(ev.outputs[0])
         groups = _dim_groups(a, b)
         grp = next((g for g in groups if sh.dim in g[0]), None)
@@ -129,7 +116,7 @@ class LayoutRules(AnalysisState):
                 region.literals.add(int(size))
         return [(new, raw)]
 
-    def _transpose(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _transpose(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         ndim = len(shape)
         ints = [v for v in ev.values[1:] if v is not None]
         if ev.name == "permute":
@@ -141,7 +128,7 @@ class LayoutRules(AnalysisState):
             return f"transposed by '{ev.name}' before its fused blocks were separated"
         return [(new, sh.raw if new == sh.dim else None)]
 
-    def _split(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _split(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         ints = [v for v in ev.values[1:] if v is not None]
         if ev.name == "unbind":
             dim = (ints[0] if ints else 0) % len(shape)
@@ -159,7 +146,7 @@ class LayoutRules(AnalysisState):
             return f"split by '{ev.name}' into unequal or indivisible parts along the split dim"
         return [(sh.dim, None)] * pieces
 
-    def _repeat_interleave(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _repeat_interleave(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         ints = [v for v in ev.values[1:] if v is not None]
         if len(ints) < 2 and len(shape) > 1:
             return f"flattened by '{ev.name}'"

@@ -9,14 +9,11 @@ the op table (``flow.OPS``); each rule returns per-output ``(dim, raw)`` or a st
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
-from lightning_dpmp.planner.flow_layout import AnalysisState
+from lightning_dpmp.planner.flow_state import AnalysisState, Shard
 from lightning_dpmp.planner.ops import BINARY, FIRST_ONLY, UNARY
 from lightning_dpmp.planner.trace import OpCall
-
-if TYPE_CHECKING:  # the analysis state lives with the driver; the rules only read and update it
-    from lightning_dpmp.planner.flow import _Shard
 
 __all__ = ["ValueRules"]
 
@@ -26,7 +23,7 @@ class ValueRules(AnalysisState):
 
     uniform: dict[int, dict[int, Optional[tuple[str, int]]]]  # provided by the analysis, as AnalysisState's
 
-    def _elementwise(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+    def _elementwise(self, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         """Point-wise ops: split operands must line up (broadcasting from the right) on one split dim."""
         out_shape = self._shape(ev.outputs[0])
         nd = len(out_shape)
@@ -48,14 +45,14 @@ class ValueRules(AnalysisState):
             return f"used by '{ev.name}' mixing fused layouts"
         return [(dim + len(self._shape(n)) - nd, raw) for n in ev.outputs]
 
-    def _first_only(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+    def _first_only(self, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         """``x.to(y)``, ``x.type_as(y)``: only the first operand's data flows; the other gives a dtype/device."""
         (pos, sh) = ins[0]
         if pos != 0:
             return [None] * len(ev.outputs)  # a split tensor used as a dtype donor: the output is not split
         return [(sh.dim, sh.raw)] * len(ev.outputs)
 
-    def _loss(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+    def _loss(self, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         (pos, sh) = ins[0]
         in_shape = self._shape(ev.inputs[pos])
         if pos == 0 and len(ins) == 1 and len(in_shape) == 2 and sh.dim == 1 and self.need_blocks(sh, 1):
@@ -63,7 +60,7 @@ class ValueRules(AnalysisState):
             return [None] * len(ev.outputs)
         return f"used by '{ev.name}' in a layout other than (N, classes)"
 
-    def _reduce(self, ev: OpCall, sh: _Shard, shape: tuple) -> Union[str, list]:
+    def _reduce(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         """Reductions over other dims (a per-head norm over ``head_dim``) keep the split; over it, they break."""
         nd = len(shape)
         ints = [v for v in ev.values[1:] if v is not None]
@@ -74,7 +71,7 @@ class ValueRules(AnalysisState):
         new = sh.dim if out_nd == nd else sh.dim - sum(d < sh.dim for d in axes)
         return [(new, None)] * len(ev.outputs)
 
-    def _einsum(self, ev: OpCall, ins: list[tuple[int, _Shard]]) -> Union[str, list]:
+    def _einsum(self, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         """``einsum``: the split letter must be the same in every split operand, kept in the output, and absent
         (or of size 1) in the replicated operands."""
         eq = next((e[1] for e in ev.index if e[0] == "equation"), "")

@@ -22,7 +22,7 @@ import zlib
 import torch
 from torch import nn
 
-from lightning_dpmp.parallel.sharding import _ParallelLinear
+from lightning_dpmp.parallel.sharding import ParallelLinear
 
 __all__ = ["is_meta", "materialize"]
 
@@ -43,7 +43,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
             continue
         mod.to_empty(device=device, recurse=False)
         made += sum(t.numel() for t in own)
-        split = isinstance(mod, _ParallelLinear)
+        split = isinstance(mod, ParallelLinear)
         key = f"{seed}:{name}:{mp_rank if split else 'replicated'}".encode()
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(zlib.crc32(key))

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
 from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts
-from lightning_dpmp.parallel.sharding import _ParallelLinear, gather_tensor, shard_blocks, shard_dims
+from lightning_dpmp.parallel.sharding import ParallelLinear, gather_tensor, shard_blocks, shard_dims
 from lightning_dpmp.planner.plan import Plan
 from lightning_dpmp.planner.styles import BuildContext
 
@@ -162,13 +162,13 @@ def consolidate(model: nn.Module) -> dict[int, tuple[nn.Parameter, Optional[int]
     done: list[str] = []
     for mod, names in _modules_with_names(model):
         name = names[0]
-        if not isinstance(mod, _ParallelLinear) or any(name.startswith(d + ".") for d in done):
+        if not isinstance(mod, ParallelLinear) or any(name.startswith(d + ".") for d in done):
             continue  # a parallel layer inside another (an attention's out_proj) is gathered by its owner
         weight = getattr(mod, "weight", None)  # an attention layer has none (in_proj_weight is never tied)
         tied = moved.get(id(weight)) if weight is not None else None
         dense = mod.to_dense()
         for sub, part in mod.named_modules():
-            if not isinstance(part, _ParallelLinear):
+            if not isinstance(part, ParallelLinear):
                 continue
             target = dense.get_submodule(sub) if sub else dense
             for pname, dim in part._shard_dims.items():

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, TypeVar, Union
+from typing import Any, ClassVar, Optional, Protocol, TypeVar, Union
 
 from torch import nn
 
@@ -42,10 +42,46 @@ from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
 from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-if TYPE_CHECKING:
-    from lightning_dpmp.planner.layout import LayerPlan
+__all__ = ["STYLES", "BuildContext", "CommContext", "Comm", "LayerSpec", "Style", "style_of"]
 
-__all__ = ["STYLES", "BuildContext", "CommContext", "Comm", "Style", "style_of"]
+
+class LayerSpec(Protocol):
+    """What a style reads of one layer's plan entry: :class:`~lightning_dpmp.planner.layout.LayerPlan` has it.
+
+    A protocol, not the class, so that the plan (``layout``, which asks styles for shapes and collectives) and the
+    styles need not import each other.
+    """
+
+    # Read-only: plan entries are frozen dataclasses.
+    @property
+    def name(self) -> str: ...
+    @property
+    def style(self) -> str: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def input_is_parallel(self) -> bool: ...
+    @property
+    def entry(self) -> int: ...
+    @property
+    def input_requires_grad(self) -> bool: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def calls(self) -> int: ...
+    @property
+    def out_dim(self) -> int: ...
+    @property
+    def gather_weights(self) -> bool: ...
+    @property
+    def mode(self) -> tuple[bool, bool]: ...
+
+
+    def full_shape(self) -> tuple[int, int]: ...
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -100,7 +136,7 @@ class BuildContext:
             return GATHERED
         return -2 if sp is not None and name in sp.gather_entries else None
 
-    def entry(self, lp: "LayerPlan", *args: Any) -> Optional[SharedInputCopy]:
+    def entry(self, lp: "LayerSpec", *args: Any) -> Optional[SharedInputCopy]:
         """The input copy ``lp`` shares with its siblings (``None`` for a layer reading its own input)."""
         return self.entries.setdefault(lp.entry, SharedInputCopy(self.group, *args)) if lp.entry >= 0 else None
 
@@ -116,15 +152,15 @@ class Style:
     swaps_weight: ClassVar[bool] = True  # a new layer with one ``weight`` (ties and module aliases follow it)
     builds_children: ClassVar[bool] = False  # its parallel layer also splits its planned children (out_proj)
 
-    def local_shape(self, lp: "LayerPlan", mp: int) -> tuple[int, int]:
+    def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
         """The weight shape each rank holds, in the layout of :meth:`LayerPlan.full_shape`."""
         return lp.full_shape()
 
-    def comm(self, lp: "LayerPlan", ctx: CommContext) -> list[Comm]:
+    def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         """The MP collectives of one forward + backward of ``lp`` (none: a replicated layer)."""
         return []
 
-    def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> Union[nn.Module, ExpertsShards]:
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> Union[nn.Module, ExpertsShards]:
         """The parallel layer taking ``dense``'s place (split from its weights)."""
         raise TypeError(f"style {self.name!r} of {lp.name!r} builds no parallel layer")
 
@@ -144,7 +180,7 @@ class ReplicateEmbedding(Replicate):
 
     kind = "embedding"
 
-    def comm(self, lp: "LayerPlan", ctx: CommContext) -> list[Comm]:
+    def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         sp = ctx.sequence
         return [(lp.name, "backward", "all_gather")] if sp is not None and lp.name in sp.scatter else []
 
@@ -159,11 +195,11 @@ class _Entry(Style):
     is_column_entry = True
     gather_output: ClassVar[bool] = False  # the output is all-gathered forward
 
-    def local_shape(self, lp: "LayerPlan", mp: int) -> tuple[int, int]:
+    def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
         out, inp = lp.out_features // mp, lp.in_features
         return (out, inp) if lp.out_dim == 0 else (inp, out)
 
-    def comm(self, lp: "LayerPlan", ctx: CommContext) -> list[Comm]:
+    def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         out: list[Comm] = []
         if lp.entry < 0 or lp.entry not in ctx.seen_entries:
             ctx.seen_entries.add(lp.entry)
@@ -184,7 +220,7 @@ class Column(_Entry):
     vocab_logits: ClassVar[bool] = False  # the logits go to the vocab-parallel cross-entropy
     own_dropout: ClassVar[bool] = True  # a column -> row region: its own dropout stream (different masks per rank)
 
-    def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
         seq_dim = ctx.sequence_in(lp.name)
         return ColumnParallelLinear.from_dense(
             dense, ctx.group, gather_output=self.gather_output, shared_input=ctx.entry(lp, seq_dim), blocks=lp.blocks,
@@ -204,7 +240,7 @@ class Vocab(Column):
 
     name, vocab_logits, own_dropout = "vocab", True, False
 
-    def comm(self, lp: "LayerPlan", ctx: CommContext) -> list[Comm]:
+    def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         return super().comm(lp, ctx) + [(lp.name, "forward", "all_reduce")] * 2
 
 
@@ -214,11 +250,11 @@ class Row(Style):
 
     name, kind = "row", "linear"
 
-    def local_shape(self, lp: "LayerPlan", mp: int) -> tuple[int, int]:
+    def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
         out, inp = lp.out_features, lp.in_features // mp
         return (out, inp) if lp.out_dim == 0 else (inp, out)
 
-    def comm(self, lp: "LayerPlan", ctx: CommContext) -> list[Comm]:
+    def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         out = [(lp.name, "forward", ctx.exit_op)]
         if ctx.sequence is not None:
             out.append((lp.name, "backward", "all_gather"))
@@ -226,7 +262,7 @@ class Row(Style):
             out.append((lp.name, "backward", "all_gather"))
         return out
 
-    def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
         return RowParallelLinear.from_dense(
             dense, ctx.group, input_is_parallel=lp.input_is_parallel, rng=ctx.rng if ctx.sequence is None else None,
             sequence_dim=ctx.sequence_out, out_dim=lp.out_dim,
@@ -238,16 +274,16 @@ class VocabEmbedding(Style):
 
     name, kind = "vocab", "embedding"
 
-    def local_shape(self, lp: "LayerPlan", mp: int) -> tuple[int, int]:
+    def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
         return (lp.in_features // mp, lp.out_features)
 
-    def comm(self, lp: "LayerPlan", ctx: CommContext) -> list[Comm]:
+    def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         out = [(lp.name, "forward", ctx.exit_op)] * lp.calls
         if ctx.sequence is not None:
             out += [(lp.name, "backward", "all_gather")] * lp.calls
         return out
 
-    def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
         layer = VocabParallelEmbedding.from_dense(
             _expect(dense, nn.Embedding), ctx.group, sequence_dim=ctx.sequence_out
         )
@@ -260,10 +296,10 @@ class ColumnEmbedding(ReplicateEmbedding):
 
     name, splits = "column", True
 
-    def local_shape(self, lp: "LayerPlan", mp: int) -> tuple[int, int]:
+    def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
         return (lp.in_features, lp.out_features // mp)
 
-    def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
         return ColumnParallelEmbedding.from_dense(_expect(dense, nn.Embedding), ctx.group)
 
 
@@ -273,7 +309,7 @@ class Heads(_Entry):
 
     name, kind, swaps_weight, builds_children = "heads", "attention", False, True
 
-    def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> nn.Module:
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
         return HeadParallelMultiheadAttention.from_dense(
             _expect(dense, nn.MultiheadAttention), ctx.group, shared_input=ctx.entry(lp), rng=ctx.rng
         )
@@ -285,16 +321,16 @@ class Experts(Style):
 
     name, kind, in_place, swaps_weight = "experts", "experts", True, False
 
-    def local_shape(self, lp: "LayerPlan", mp: int) -> tuple[int, int]:
+    def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
         return (lp.out_features // mp, lp.in_features)
 
-    def comm(self, lp: "LayerPlan", ctx: CommContext) -> list[Comm]:
+    def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         out = [(lp.name, "forward", "all_reduce")]
         if ctx.experts[lp.name].needs_grad:
             out.append((lp.name, "backward", "all_reduce"))
         return out
 
-    def build(self, dense: nn.Module, lp: "LayerPlan", ctx: BuildContext) -> ExpertsShards:
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> ExpertsShards:
         """Swap the expert parameters for their shards; the returned handle restores them."""
         lay = ctx.experts[lp.name]
         return shard_experts(dense, lay.shards, lay.entries, ctx.group)
@@ -319,7 +355,7 @@ _REGISTRY: dict[tuple[str, str], Style] = {
 }
 
 
-def style_of(lp: "LayerPlan") -> Style:
+def style_of(lp: "LayerSpec") -> Style:
     """The style object of a planned layer, by its ``(kind, style)``.
 
     Example:

@@ -45,3 +45,50 @@ def test_import_direction(sub: str) -> None:
 def test_top_level_is_only_public_names() -> None:
     """The flat folder is gone: only the package entry and the two ``python -m`` names remain at the top."""
     assert sorted(p.name for p in PKG.glob("*.py")) == ["__init__.py", "compat.py", "convert.py", "costmodel.py"]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_edges() -> dict[str, list[tuple[str, list[str]]]]:
+    """Per module of the package: the package modules it imports (any level, ``TYPE_CHECKING`` included) and the
+    names it takes from each."""
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    edges: dict[str, list[tuple[str, list[str]]]] = {}
+    for name, path in modules.items():
+        out = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:
+                out.append((node.module, [a.name for a in node.names]))
+            elif isinstance(node, ast.Import):
+                out += [(a.name, []) for a in node.names if a.name in modules]
+        edges[name] = out
+    return edges
+
+
+def test_no_import_circles() -> None:
+    """No module reaches itself through package imports, ``TYPE_CHECKING`` ones included (the package entry, which
+    re-exports everything, is left out)."""
+    top = "lightning_dpmp"
+    graph = {m: {t for t, _ in e if t != top} for m, e in _package_edges().items() if m != top}
+    circles = []
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == path[0]:
+                circles.append(" -> ".join(path + [nxt]))
+            elif nxt not in path and nxt > path[0]:  # each circle once, from its smallest module
+                walk(nxt, path + [nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    assert not circles, circles
+
+
+def test_no_private_name_imported_from_another_module() -> None:
+    bad = [f"{m} imports {n} from {t}" for m, edges in _package_edges().items() for t, names in edges
+           for n in names if n.startswith("_") and not n.startswith("__")]
+    assert not bad, bad
