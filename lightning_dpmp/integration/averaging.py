@@ -13,7 +13,8 @@ What remains is the checkpoint, where an averaged copy must look as it would on 
 * ``WeightAveraging`` swaps it into the checkpoint's ``state_dict`` (the dense model goes to
   ``current_model_state``): that entry is gathered when saved, and both are sliced before it loads them.
 
-Sharded checkpoints (``save_distributed_checkpoint=True``) and zero=3 are refused with the reason.
+Sharded checkpoints (``save_distributed_checkpoint=True``) and zero=3 are refused with the reason, before launch
+(:func:`~lightning_dpmp.integration.validate.check_averaging_callbacks`).
 
 Example:
     >>> adapted = split_averaging_callbacks(trainer.callbacks, lightning_module, grid, gathers=True)  # doctest: +SKIP
@@ -84,31 +85,19 @@ class _Split:
         return shard_state_dict(state, dense_keys, self.group, self.blocks)
 
 
-def split_averaging_callbacks(
-    callbacks: Any, module: nn.Module, grid: Any, gathers: bool, distributed_checkpoints: bool, zero: int
-) -> list[Any]:
+def split_averaging_callbacks(callbacks: Any, module: nn.Module, grid: Any, gathers: bool) -> list[Any]:
     """Make every averaging callback among ``callbacks`` average this rank's shards of ``module`` (after the split,
-    on every rank alike); returns the callbacks adapted. Raises ``ValueError`` where it cannot be exact.
+    on every rank alike); returns the callbacks adapted. The cases it cannot make exact (zero=3, sharded
+    checkpoints) were refused before, by :func:`lightning_dpmp.integration.validate.check_averaging_callbacks`.
 
     Args:
         gathers: whether this rank writes consolidated checkpoints (it gathers the averaged copy when saving).
-        distributed_checkpoints: ``save_distributed_checkpoint=True`` (refused: the averaged copy has no sharded form).
-        zero: the ZeRO level (3 is refused: its parameters are freed between uses).
     """
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     found = averaging_callbacks(callbacks)
     if not found or not shard_dims(module):
         return []
-    for cb in found:
-        why = ("zero=3 frees the parameters between uses" if zero >= 3 else
-               "sharded checkpoints (save_distributed_checkpoint=True) have no place for its averaged copy"
-               if distributed_checkpoints else "")
-        if why:
-            raise ValueError(
-                f"{type(cb).__name__} under DPMPStrategy averages the split model, but {why}. Use zero<=2 and"
-                " consolidated checkpoints with this callback."
-            )
     split = _Split(module, grid, gathers)
     for cb in found:
         copy = compat.averaged_copy(cb)

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_dpmp.integration.guard import batch_checksum
 from lightning_dpmp.parallel.comm import group_size
 
-__all__ = ["BatchMismatchError", "batch_signature", "broadcast_batch", "check_batch", "content_checksum"]
+__all__ = ["BatchMismatchError", "batch_signature", "broadcast_batch", "check_batch"]
 
 _I64_MASK = (1 << 63) - 1
 
@@ -67,17 +68,6 @@ def batch_signature(batch: Any) -> int:
     return zlib.crc32(repr(described).encode()) & _I64_MASK  # repr, not hash(): str hashes are salted per process
 
 
-def content_checksum(batch: Any, device: torch.device) -> Tensor:
-    """``[sum of raw words, position-weighted sum, leaf count]`` over every tensor leaf's bits (int64, exact,
-    independent of summation order): bitwise-equal batches agree on every rank."""
-    total = torch.zeros(3, dtype=torch.int64, device=device)
-    for i, t in enumerate(_tensors(batch)):
-        words = _as_bytes(t).to(device).to(torch.int64)
-        weights = torch.arange(words.numel(), device=device, dtype=torch.int64) % 8191 + 1
-        total += torch.stack([words.sum(), (words * weights).sum(), torch.tensor(i + 1, device=device)]) * (i + 1)
-    return total
-
-
 def _as_bytes(t: Tensor) -> Tensor:
     flat = t.detach().contiguous().reshape(-1)
     if flat.is_complex():
@@ -100,7 +90,9 @@ def check_batch(batch: Any, group: Any, device: torch.device, where: str = "") -
         return
     wire = _wire_device(group, device)
     sig = torch.tensor([batch_signature(batch)], dtype=torch.int64, device=wire)
-    values = torch.cat([sig, content_checksum(batch, wire)])
+    # The guard's exact checksum over the tensor leaves (found as Lightning finds them, in Mappings such as
+    # transformers' BatchEncoding too); the non-tensor leaves are in the signature.
+    values = torch.cat([sig, batch_checksum(_tensors(batch), wire)])
     if not _agree(values, group):
         raise BatchMismatchError(
             f"the ranks of a tensor-parallel group hold different batches{where}: every rank of an MP group must"

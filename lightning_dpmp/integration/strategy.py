@@ -252,7 +252,7 @@ class DPMPStrategy(GridStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self.lightning_module is not None:
             # Their copies were made in the callbacks' setup, before the split: they now average this rank's shards.
             split_averaging_callbacks(getattr(trainer, "callbacks", []), self.lightning_module, self.grid,
-                                      self.checkpointer.gathers(), self.checkpointer.distributed, self._zero)
+                                      self.checkpointer.gathers())
 
     @override
     def model_to_device(self) -> None:

@@ -21,6 +21,7 @@ from lightning_dpmp.integration.data_path import (
     mute_prediction_writers,
     seed_workers_by_dp_rank,
 )
+from lightning_dpmp.integration.guard import batch_checksum
 from lightning_dpmp.integration.validate import advise_our_arguments, check_averaging_callbacks
 
 Pair = namedtuple("Pair", "x y")
@@ -42,14 +43,17 @@ def test_signature_follows_layout_not_values():
     assert 0 <= B.batch_signature(a) < 2**63
 
 
-def test_content_checksum_sees_any_changed_bit_and_leaf_order():
+def test_check_checksum_sees_any_changed_bit_and_leaf_order():
     a = _batch()
     cpu = torch.device("cpu")
-    assert torch.equal(B.content_checksum(a, cpu), B.content_checksum(_batch() | {"pair": a["pair"]}, cpu))
+
+    def checksum(batch):  # what check_batch compares, beside the signature
+        return batch_checksum(B._tensors(batch), cpu)
+
+    assert torch.equal(checksum(a), checksum(_batch() | {"pair": a["pair"]}))
     flipped = {**a, "mask": torch.tensor([False, True])}
-    assert not torch.equal(B.content_checksum(a, cpu), B.content_checksum(flipped, cpu))
-    assert not torch.equal(B.content_checksum((torch.ones(2), torch.zeros(2)), cpu),
-                           B.content_checksum((torch.zeros(2), torch.ones(2)), cpu))
+    assert not torch.equal(checksum(a), checksum(flipped))
+    assert not torch.equal(checksum((torch.ones(2), torch.zeros(2))), checksum((torch.zeros(2), torch.ones(2))))
 
 
 def test_byte_buffer_round_trip_keeps_every_dtype_and_shape():
