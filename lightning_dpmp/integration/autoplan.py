@@ -92,6 +92,10 @@ class PlanResult:
     text: str
     verified: Optional[bool] = None
     max_error: float = 0.0
+    # Why the parameters a step uses may change from step to step or rank to rank (empty: the traced step used
+    # every trainable parameter, with no data-dependent op in forward); the same truth value on every rank.
+    conditional: tuple[str, ...] = ()
+    branches: tuple[str, ...] = ()  # modules whose forward ran a data-dependent op in the traced step ("": the root)
 
 
 class _InertOptimizer:
@@ -368,6 +372,31 @@ def _world_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def _world_any(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag OR-ed over the world, in one all-reduce."""
+    t = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def _conditional_use(module: nn.Module, trace: Optional[Trace], grads: dict) -> tuple[str, ...]:
+    """Why the parameters a step uses may vary (see :attr:`PlanResult.conditional`), from the traced step: trainable
+    parameters that got no gradient, and ops in forward whose result depends on the data."""
+    if trace is None:
+        return ()
+    why = []
+    if grads:
+        unused = [n for n, p in module.named_parameters() if p.requires_grad and n not in grads]
+        if unused:
+            why.append(f"{len(unused)} trainable parameters got no gradient in the traced step ({', '.join(unused[:3])}"
+                       + (", ..." if len(unused) > 3 else "") + ")")
+    ops = sorted({f"{op} in {mod or 'forward'}" for op, mod in trace.data_dependent})
+    if ops:
+        why.append("data-dependent ops in forward: " + ", ".join(ops[:4]) + (", ..." if len(ops) > 4 else ""))
+    return tuple(why)
+
+
 def _broadcast(obj: Any) -> Any:
     if not dist.is_initialized():
         return obj
@@ -511,8 +540,12 @@ def plan_module(
         except Exception as exc:  # a step that cannot run outside the loop
             trace = None
             notes.append(f"could not trace the step ({type(exc).__name__}: {exc})")
-    ok = _world_max(0.0 if trace is not None else 1.0, device) == 0.0
-    trace = trace if ok else None
+    conditional = _conditional_use(module, trace, grads_ref)
+    branches = _broadcast(tuple(sorted({m for _, m in trace.data_dependent})) if trace is not None else ())
+    failed_anywhere, conditional_anywhere = _world_any([trace is None, bool(conditional)], device)
+    trace = None if failed_anywhere else trace
+    if conditional_anywhere and not conditional:
+        conditional = ("another rank's traced step left parameters out or branched on the data",)
     tol = _world_max(tolerance(precision, dtype), device)  # one tolerance, hence one decision, on every rank
     if verify:
         _check_mp_agreement(loss_ref, grads_ref, grid, tol, device)
@@ -541,7 +574,7 @@ def plan_module(
         text = plan.describe(module)
         originals = parallelize(module, plan, grid.mp_group, rng)
         if not checkable:
-            return PlanResult(plan, text)
+            return PlanResult(plan, text, conditional=conditional, branches=branches)
         # mypy: checkable implies a traced run with a loss
         assert run is not None and loss_ref is not None
         losses = []
@@ -562,7 +595,8 @@ def plan_module(
                     " printout, or set the styles with plan_overrides=...",
                     category=PlanFallbackWarning,
                 )
-            return PlanResult(plan, text, verified=True, max_error=err)
+            return PlanResult(plan, text, verified=True, max_error=err, conditional=conditional,
+                              branches=branches)
         if level == 3:  # the same decision on every rank: err is the world's worst
             raise PlanVerificationError(_all_levels_failed(err, reason, tol, dtype, notes))
         restore(module, originals)

@@ -85,6 +85,13 @@ def split_model(
     split_params = {id(p) for n, p in lm.named_parameters() if n in dims}
     if strategy.is_global_zero:
         validate.warn_if_mp_idle(len(split_params), strategy.dp, strategy.mp)
+    if applied.conditional and strategy.dp > 1:
+        applied.text += (
+            f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): "
+            + ("DDP finds the parameters no DP rank used, each step (find_unused_parameters=True)"
+               if strategy._zero <= 1 else
+               "zero>=2 keeps each parameter in its own shard and marks, in one all-reduce per step, those no DP"
+               " rank used (their gradients stay None, as on one process)"))
     summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""
     rank_zero_info(
         f"{applied.text}\n  grid: dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank){summary}"

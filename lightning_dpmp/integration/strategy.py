@@ -293,6 +293,10 @@ class DPMPStrategy(GridStrategy):
             return  # no DP replicas to average over, or ZeRO-2/3 reduce-scatters the gradients itself
         # With mp=1 the DP group is the world: give DDP the default group, exactly as DDPStrategy does.
         compat.ddp_kwargs(self)["process_group"] = self.grid.dp_group if self.mp > 1 else None
+        if self._applied_plan is not None and self._applied_plan.conditional:
+            # The traced step left parameters out or branched on the data: DDP must find, each step, the parameters
+            # no rank used (their gradients stay None, as on one process) and reduce zeros for the rest.
+            compat.ddp_kwargs(self)["find_unused_parameters"] = True
         super().configure_ddp()
 
     @override
@@ -356,7 +360,7 @@ class DPMPStrategy(GridStrategy):
         assert self.lightning_module is not None
         self.optimizers, self._zero_engine = shard_optimizers(
             self.lightning_module, self.optimizers, self.lr_scheduler_configs, self._zero, self.grid,
-            self._split_params, self._sequence_partial)
+            self._split_params, self._sequence_partial, self._applied_plan)
 
     @contextmanager
     @override

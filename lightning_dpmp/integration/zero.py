@@ -105,27 +105,33 @@ def repoint_schedulers(old: Sequence[Any], new: Sequence[Any], scheduler_configs
 
 
 def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, dp_group: Any,
-                 split_params: set[int], sequence_partial: Sequence[nn.Parameter]) -> ZeroEngine:
+                 split_params: set[int], sequence_partial: Sequence[nn.Parameter], conditional: bool = False,
+                 branches: tuple[str, ...] = ()) -> ZeroEngine:
     """Shard ``module`` and its optimizers over ``dp_group`` (zero=``level``); schedulers re-pointed, and the ids of
-    the MP-split shards added to ``split_params`` so that the global-norm clip sums their squares over MP."""
+    the MP-split shards added to ``split_params`` so that the global-norm clip sums their squares over MP.
+    ``conditional``, ``branches``: a step may leave parameters out (see :class:`ZeroEngine`)."""
     plain = [compat.unwrap_optimizer(o) for o in optimizers]
-    engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in sequence_partial})
+    engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in sequence_partial},
+                        conditional=conditional, branches=branches)
     repoint_schedulers(plain, engine.optimizers, scheduler_configs)
     split_params.update(id(p) for p in engine.shard_params("split"))
     return engine
 
 
 def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, grid: Any,
-                     split_params: set[int], sequence_partial: Sequence[nn.Parameter]
+                     split_params: set[int], sequence_partial: Sequence[nn.Parameter], applied: Any = None
                      ) -> tuple[list[Any], Optional[ZeroEngine]]:
     """The optimizers for ZeRO level ``level`` over ``grid``'s DP group, and the engine of levels 2/3: zero=1 wraps
     them in ``ZeroRedundancyOptimizer`` (:func:`shard_over_dp`), zero=2/3 rebuild them over the DP shards
-    (:func:`build_engine`); unchanged at zero=0 or dp=1."""
+    (:func:`build_engine`, in its conditional mode where the ``applied`` plan's trace saw a step leave parameters out);
+    unchanged at zero=0 or dp=1."""
     if not level or grid.dp == 1:
         return optimizers, None
     if level == 1:
         return shard_over_dp(optimizers, scheduler_configs, grid.dp_group), None
-    engine = build_engine(module, optimizers, scheduler_configs, level, grid.dp_group, split_params, sequence_partial)
+    conditional, branches = (bool(applied.conditional), applied.branches) if applied is not None else (False, ())
+    engine = build_engine(module, optimizers, scheduler_configs, level, grid.dp_group, split_params, sequence_partial,
+                          conditional, branches)
     return engine.optimizers, engine
 
 

@@ -16,6 +16,16 @@
   once all its parameters' gradients are reduce-scattered, every micro-batch (reduce-scatter is linear: the
   shards' gradients accumulate). The root is gathered at the start of each step (:meth:`ZeroEngine.gather_root`)
   and freed after the optimizer step. A module called several times per step is gathered again for each call.
+* **Steps that leave parameters out** (``conditional=True``: the traced step had data-dependent ops in forward, or
+  left trainable parameters without a gradient; experts, LayerDrop, a branch on the data). Every DP rank must issue
+  the same collectives whatever its batch touched, and a parameter no rank used must keep a ``None`` gradient (so
+  AdamW skips it, as on one process). So each parameter gets its own bucket (its own shard and optimizer state; a
+  unit's buckets still go in one collective); a unit reduce-scatters when the backward reaches its inputs (an
+  identity autograd function wraps them), never on the gradients this rank happened to produce, and the end of the
+  backward reduce-scatters every unit that did not, in unit order, absent gradients as zeros; then one all-reduce
+  (MAX) of a used-here flag per bucket tells which shards get a gradient. Units are never the children of a
+  container whose enclosing forward branches on the data (LayerDrop could skip them on one rank): those join the
+  root.
 
 Example:
     >>> engine = ZeroEngine(module, optimizers, 3, grid.dp_group, split_ids, partial_ids)  # doctest: +SKIP
@@ -44,17 +54,23 @@ from lightning_dpmp.parallel.zero_shard import (
 __all__ = ["ZeroEngine", "find_units"]
 
 
-def find_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost children of ``nn.ModuleList``/``nn.Sequential`` containers that own parameters, in order."""
+def find_units(module: nn.Module, branches: tuple[str, ...] = ()) -> list[tuple[str, nn.Module]]:
+    """The outermost children of ``nn.ModuleList``/``nn.Sequential`` containers that own parameters, in order;
+    not those of a container called from a module (named in ``branches``, ``""`` the root) whose forward branched
+    on the data, or from inside one: a step may skip them on one rank."""
     units: list[tuple[str, nn.Module]] = []
     inside: set[int] = set()
+
+    def may_skip(container: str) -> bool:
+        parent = container.rpartition(".")[0]
+        return any(b == "" or b == parent or parent.startswith(f"{b}.") for b in branches)
 
     def walk(prefix: str, mod: nn.Module) -> None:
         for name, child in mod.named_children():
             full = f"{prefix}{name}"
             if isinstance(mod, (nn.ModuleList, nn.Sequential)) and id(mod) not in inside and any(
                 True for _ in child.parameters()
-            ):
+            ) and not may_skip(prefix[:-1]):
                 units.append((full, child))
                 inside.update(id(m) for m in child.modules())
                 continue
@@ -74,6 +90,21 @@ def _tensors(out: Any) -> list[Tensor]:
     return []
 
 
+class _BackwardReached(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the gradient has flowed through the whole unit."""
+
+    @staticmethod
+    def forward(ctx: Any, reached: Any, *xs: Tensor) -> Any:
+        ctx.reached = reached
+        out = tuple(x.view_as(x) for x in xs)
+        return out if len(out) > 1 else out[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        ctx.reached()
+        return (None, *grads)
+
+
 class ZeroEngine:
     """Shards ``module``'s parameters stepped by ``optimizers`` over ``dp_group`` (level 2 or 3) and rebuilds the
     optimizers over the shards (:attr:`optimizers`).
@@ -84,11 +115,14 @@ class ZeroEngine:
         level: 2 (gradients and optimizer state sharded) or 3 (parameters too).
         dp_group: the DP process group.
         split: ``id()`` of the parameters that are MP shards; ``partial``: of the sequence-parallel partial ones.
+        conditional: a step may leave parameters out (see the module's docstring); ``branches`` the modules whose
+            forward branched on the data in the traced step (``""`` the root's).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[Optimizer], level: int, dp_group: Any,
-                 split: set[int], partial: set[int]) -> None:
-        self.level, self.group = level, dp_group
+                 split: set[int], partial: set[int], conditional: bool = False,
+                 branches: tuple[str, ...] = ()) -> None:
+        self.level, self.group, self.conditional = level, dp_group, conditional
         self.dp, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.sync = True
         self._queued = False
@@ -97,7 +131,8 @@ class ZeroEngine:
             for j, g in enumerate(opt.param_groups):
                 for p in g["params"]:
                     opt_of.setdefault(id(p), (i, j))
-        self.units = find_units(module)  # zero=2 buckets by unit too: each block's reduce-scatter overlaps the backward
+        # zero=2 buckets by unit too: each block's reduce-scatter overlaps the backward
+        self.units = find_units(module, branches if conditional else ())
         unit_of = self._assign_units(module)
         self._broadcast_from_first(module)
         keyed: dict[tuple[Any, ...], list[nn.Parameter]] = {}
@@ -107,7 +142,8 @@ class ZeroEngine:
                     else "split" if id(p) in split else "replicated")
             if kind == "frozen" and level < 3:
                 continue  # zero=2 leaves parameters nobody steps as they are
-            keyed.setdefault((unit_of.get(id(p), -1), key_opt, kind, p.dtype, p.device), []).append(p)
+            own = id(p) if conditional and kind != "frozen" else 0  # its own shard: its own optimizer state
+            keyed.setdefault((unit_of.get(id(p), -1), key_opt, kind, p.dtype, p.device, own), []).append(p)
         self.buckets = [Bucket(ps, key[2], key[0], key[1], dp_group, self.dp, self.rank) for key, ps in keyed.items()]
         self.by_unit: dict[int, list[Bucket]] = {}
         for b in self.buckets:
@@ -124,6 +160,11 @@ class ZeroEngine:
             if b.trainable:
                 for p in b.params:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(b)))
+        self._calls: dict[int, int] = {}  # conditional: forward calls of each unit this step, minus backwards reached
+        self._fired: set[int] = set()  # conditional: units reduce-scattered in this backward
+        if conditional:
+            for u, (_, mod) in enumerate(self.units):
+                self._handles.append(mod.register_forward_pre_hook(self._wrap_inputs(u), with_kwargs=True))
         if level == 3:
             for u, (_, mod) in enumerate(self.units):
                 self._handles.append(mod.register_forward_pre_hook(self._pre_forward(u)))
@@ -161,8 +202,10 @@ class ZeroEngine:
     def _grad_hook(self, b: Bucket) -> Any:
         def hook(p: Tensor) -> None:
             self._queue_end_of_backward()
-            if not (self.sync or self.level == 3):
-                return  # accumulating locally (zero=2): one reduce-scatter on the last micro-batch
+            if self.conditional or not (self.sync or self.level == 3):
+                # conditional: the unit goes when the backward reaches its inputs, whatever this rank produced;
+                # accumulating locally (zero=2): one reduce-scatter on the last micro-batch
+                return
             b.fired.add(id(p))
             unit = self._trainable_by_unit[b.unit]
             if len(b.fired) == len(b.params) and all(len(x.fired) == len(x.params) for x in unit):
@@ -172,14 +215,75 @@ class ZeroEngine:
                         x.free()  # every backward use of these parameters has run
         return hook
 
+    def _wrap_inputs(self, u: int) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if not torch.is_grad_enabled():
+                return None
+            keys = [("a", i) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+            keys += [("k", k) for k, v in kwargs.items() if isinstance(v, Tensor) and v.requires_grad]
+            if not keys:
+                return None  # nothing to reach: the unit goes at the end of the backward
+            self._calls[u] = self._calls.get(u, 0) + 1
+            new_args, new_kwargs = list(args), dict(kwargs)
+            wrapped = _BackwardReached.apply(self._reached(u), *[args[k] if w == "a" else kwargs[k] for w, k in keys])
+            for (w, k), t in zip(keys, wrapped if len(keys) > 1 else (wrapped,)):
+                if w == "a":
+                    new_args[k] = t
+                else:
+                    new_kwargs[k] = t
+            return tuple(new_args), new_kwargs
+        return hook
+
+    def _reached(self, u: int) -> Any:
+        def reached() -> None:
+            self._queue_end_of_backward()
+            self._calls[u] -= 1
+            if self._calls[u] > 0 or u in self._fired or not (self.sync or self.level == 3):
+                return  # an earlier call's backward is still to come, or accumulating locally (zero=2)
+            self._fired.add(u)
+            reduce_scatter_buckets(self._trainable_by_unit.get(u, []), self.group)
+            if self.level == 3:
+                self._free(u)  # every backward use of these parameters has run
+        return reached
+
     def _end_of_backward(self) -> None:
         self._queued = False
+        if self.conditional:
+            self._end_of_conditional_backward()
+            return
         if self.sync or self.level == 3:
             # Parameters that got no gradient this time: whatever is left, in one collective.
             reduce_scatter_buckets([b for b in self.buckets if b.trainable and b.has_grads()], self.group)
             for b in self.buckets:
                 b.finish_reduce_scatter()
                 b.fired.clear()
+        if self.level == 3:
+            for u in self.by_unit:
+                if u >= 0:
+                    self._free(u)
+
+    def _end_of_conditional_backward(self) -> None:
+        """Every unit not reduce-scattered yet, in unit order (absent gradients as zeros), then which buckets some
+        DP rank used: one all-reduce (MAX) of one flag per bucket."""
+        self._calls.clear()
+        if self.sync or self.level == 3:
+            late = [p for u in self._fired for b in self._trainable_by_unit[u] for p in b.params if p.grad is not None]
+            if late:
+                raise RuntimeError(
+                    f"zero={self.level}: {len(late)} parameters got a gradient after the backward had left their"
+                    " block (a block called on an input that needs no gradient, or its parameters used outside its"
+                    " forward); their reduction would depend on each rank's data. Use zero<=1 for this model."
+                )
+            for u in self._trainable_by_unit:
+                if u not in self._fired:
+                    reduce_scatter_buckets(self._trainable_by_unit[u], self.group)
+            trainable = [b for b in self.buckets if b.trainable]
+            if trainable:
+                flags = torch.tensor([float(b.used_here) for b in trainable], device=trainable[0].full.device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+                for b, used in zip(trainable, flags.tolist()):
+                    b.finish_reduce_scatter(used=bool(used))
+        self._fired.clear()
         if self.level == 3:
             for u in self.by_unit:
                 if u >= 0:

@@ -143,6 +143,7 @@ class Bucket:
         self._gather_work: Any = None
         self._rs: Optional[tuple[Any, Tensor, Tensor]] = None  # (work, out, flat input kept alive)
         self.fired: set[int] = set()
+        self.used_here = False  # whether this rank had any of the parameters' gradients at the last reduce-scatter
 
     @property
     def trainable(self) -> bool:
@@ -200,19 +201,24 @@ class Bucket:
         if self._rs is not None:
             return None
         flat = torch.zeros(self.layout.total, dtype=self.full.dtype, device=self.full.device)
+        self.used_here = False
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
+                self.used_here = True
                 flat[off : off + p.numel()].copy_(p.grad.detach().reshape(-1))
                 p.grad = None
         return torch.empty(self.layout.shard, dtype=flat.dtype, device=flat.device), flat
 
-    def finish_reduce_scatter(self) -> None:
-        """Wait for the reduce-scatter and add the DP average into the shard's gradient."""
+    def finish_reduce_scatter(self, used: bool = True) -> None:
+        """Wait for the reduce-scatter and add the DP average into the shard's gradient; unless ``used`` (no DP
+        rank had these parameters' gradients), leave the shard's gradient as it is (``None``: the step skips it)."""
         if self._rs is None:
             return
         work, out, _ = self._rs
         work.wait()
         self._rs = None
+        if not used:
+            return
         out.div_(self.dp)  # SUM / dp: DDP's average
         if self.shard.grad is None:
             self.shard.grad = out
@@ -280,8 +286,8 @@ def gather_buckets(buckets: list[Bucket], group: Any, async_op: bool) -> None:
 
 
 def reduce_scatter_buckets(buckets: list[Bucket], group: Any) -> None:
-    """Start the DP reduce-scatter of every bucket's gradients in one coalesced collective (asynchronous; each
-    bucket's :meth:`Bucket.finish_reduce_scatter` waits)."""
+    """Start the DP reduce-scatter of every bucket's gradients (absent ones as zeros) in one coalesced collective
+    (asynchronous; each bucket's :meth:`Bucket.finish_reduce_scatter` waits)."""
     todo = [(b, ready) for b in buckets if (ready := b.prepare_reduce_scatter()) is not None]
     if len(todo) == 1:
         b, (out, flat) = todo[0]

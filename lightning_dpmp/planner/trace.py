@@ -101,6 +101,10 @@ class Trace:
     calls: list[ModuleCall] = field(default_factory=list)  # other modules' calls, with every tensor argument
     linear_forms: dict[str, LinearForm] = field(default_factory=dict)  # linear-like modules (not nn.Linear) found
     attention: dict[str, list[AttentionCall]] = field(default_factory=dict)  # nn.MultiheadAttention calls
+    # (op, module) for each op inside the model's forward whose result's shape, or the Python branch taken after it,
+    # depends on the data (``nonzero``, a boolean mask, ``bool(t)``): which parameters get gradients may change
+    # from step to step and from rank to rank (experts, LayerDrop, a branch on the data)
+    data_dependent: list[tuple[str, str]] = field(default_factory=list)
     result: Any = None
 
     def linear_calls(self) -> list[LinearCall]:
@@ -115,6 +119,7 @@ class _Recorder(TorchFunctionMode):
         self._ids: dict[int, int] = {}
         self._keep: list[Tensor] = []  # keeps every traced tensor alive so that no id() is reused
         self.scope: list[str] = []  # names of the (non-Linear) modules being run, innermost last
+        self.forward_depth = 0  # > 0 inside the model's own forward (not in the rest of the step: logging .item())
 
     def node(self, t: Tensor) -> int:
         key = id(t)
@@ -129,6 +134,8 @@ class _Recorder(TorchFunctionMode):
         if self.hidden:
             return out
         name = op_name(func)
+        if self.forward_depth and (name in DATA_DEPENDENT or (name == "__getitem__" and _bool_mask(args))):
+            self.trace.data_dependent.append((name, self.scope[-1] if self.scope else ""))
         if name == "size" and args and isinstance(args[0], Tensor):
             sizes = tuple(out) if isinstance(out, tuple) else (out,) if isinstance(out, int) else ()
             self.trace.events.append(OpCall("size", (self.node(args[0]),), (), tuple(int(v) for v in sizes)))
@@ -151,6 +158,20 @@ class _Recorder(TorchFunctionMode):
             index = (("equation", args[0]),)
         self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index))
         return out
+
+
+# Ops whose output shape (``nonzero``, ``masked_select``) or Python value (``bool(t)``, ``t.item()``) depends on the
+# data: code that follows them may leave parameters out of a step.
+DATA_DEPENDENT = frozenset({
+    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "__bool__", "item", "tolist", "__int__",
+    "__index__", "__float__",
+})
+
+
+def _bool_mask(args: tuple) -> bool:
+    items = args[1] if len(args) > 1 else ()
+    items = items if isinstance(items, tuple) else (items,)
+    return any(isinstance(i, Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in items)
 
 
 def op_name(func: Any) -> str:
@@ -243,7 +264,14 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         if node is not None and isinstance(output, Tensor) and recorder.hidden == 0:
             trace.modules.append((others[module], node, recorder.node(output)))
 
-    handles = _hook_linear_like(model, recorder, trace, set(names) | set(embeddings))
+    def enter(module: nn.Module, args: tuple) -> None:
+        recorder.forward_depth += 1
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        recorder.forward_depth -= 1
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+    handles += _hook_linear_like(model, recorder, trace, set(names) | set(embeddings))
     handles += _hook_attention(model, recorder, trace)
     for module in others:
         handles.append(module.register_forward_pre_hook(mod_pre))

@@ -52,6 +52,46 @@ class ResMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
+class ExpertMLP(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoEBlock(nn.Module):
+    """Pre-LN residual top-1 mixture of experts, experts in a ``ModuleList``, run only on the tokens routed to them:
+    on a small batch some experts get no token on one DP rank (or on every rank) and so no gradient."""
+
+    def __init__(self, width: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.router = nn.Linear(width, n_experts)
+        self.experts = nn.ModuleList(ExpertMLP(width, hidden) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        prob, choice = self.router(h).softmax(-1).max(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero(as_tuple=True)[0]
+            if idx.numel() == 0:
+                continue  # data-dependent: this expert's parameters get no gradient on this rank
+            out = out.index_add(0, idx, expert(h[idx]) * prob[idx, None])
+        return x + out
+
+
+class MoEMLP(ResMLP):
+    """ResMLP whose blocks are :class:`MoEBlock` (4 experts each)."""
+
+    def __init__(self, n_experts: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MoEBlock(16, 32, n_experts) for _ in range(2))
+
+
 class ChainMLP(L.LightningModule):
     """``n`` Linears in a row, GELU after all but the last two: ``L1 -> GELU -> ... -> L(n-1) -> Ln -> cross-entropy``.
 
@@ -297,9 +337,11 @@ def freeze_attention(module: nn.Module) -> nn.Module:
 
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
-    gpt_frozen (gpt_untied with frozen attention)."""
+    gpt_frozen (gpt_untied with frozen attention), moe_list (ResMLP with top-1 ModuleList experts)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
+    if name == "moe_list":
+        return MoEMLP(), make_dataset()
     if name in ("gpt", "gpt_untied", "gpt_frozen"):
         from examples.models.gpt import GPT
 
