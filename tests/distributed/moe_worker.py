@@ -1,7 +1,8 @@
 """Data-dependent parameter use (issue 22): a top-1 ``ModuleList`` mixture of experts at every zero level.
 
-Usage: python tests/distributed/moe_worker.py DP MP OUT_DIR ZERO[,ZERO...]
-  For each zero level: 20 AdamW steps in float64 with norm clipping, saved consolidated as ``moe_z{zero}.ckpt``;
+Usage: python tests/distributed/moe_worker.py DP MP OUT_DIR MODEL:ZERO[,MODEL:ZERO...] [JSON strategy kwargs]
+  For each run: 20 AdamW steps in float64 with norm clipping, torch reseeded at each step (LayerDrop draws),
+  saved consolidated as ``{model}_z{zero}.ckpt``;
   each rank writes the DP collectives of step 3 and which experts got tokens on it, per step.
 """
 
@@ -24,9 +25,17 @@ from tests.distributed.zero_worker import Probe  # noqa: E402
 from tests.support.models import build  # noqa: E402
 
 
-def fit(dp: int, mp: int, zero: int, out: str, **strategy_kw) -> dict:
+class SeedEachStep(L.Callback):
+    """LayerDrop draws from torch's RNG: the same draws in every process and in the single-process reference
+    (Lightning's multi-process start leaves the stream elsewhere than a single-device run)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.manual_seed(SEED + trainer.global_step)
+
+
+def fit(dp: int, mp: int, zero: int, out: str, name: str = "moe_list", **strategy_kw) -> dict:
     L.seed_everything(SEED, workers=True)
-    model, dataset = build("moe_list")
+    model, dataset = build(name)
     used: list[set] = []
 
     def seen(name: str):
@@ -35,10 +44,10 @@ def fit(dp: int, mp: int, zero: int, out: str, **strategy_kw) -> dict:
                 used[-1].add(name)
         return hook
 
-    for name, mod in model.named_modules():
-        if name.endswith(".experts"):
+    for path, mod in model.named_modules():
+        if path.endswith(".experts"):
             for i, expert in enumerate(mod):
-                expert.register_forward_pre_hook(seen(f"{name}.{i}"))
+                expert.register_forward_pre_hook(seen(f"{path}.{i}"))
     probe = Probe()
 
     class Steps(L.Callback):
@@ -48,10 +57,10 @@ def fit(dp: int, mp: int, zero: int, out: str, **strategy_kw) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=120, **strategy_kw),
         precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Steps(), probe],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Steps(), probe, SeedEachStep()],
     )
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
-    trainer.save_checkpoint(os.path.join(out, f"moe_z{zero}.ckpt"))
+    trainer.save_checkpoint(os.path.join(out, f"{name}_z{zero}.ckpt"))
     return {"counts": probe.res.get("counts", {}), "used": [sorted(u) for u in used]}
 
 
@@ -59,6 +68,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dp, mp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     kw = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-    res = {f"z{z}": fit(dp, mp, int(z), out, **kw) for z in sys.argv[4].split(",")}
+    runs = [item.split(":") for item in sys.argv[4].split(",")]
+    res = {f"{name}_z{z}": fit(dp, mp, int(z), out, name, **kw) for name, z in runs}
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(res, f, indent=1)

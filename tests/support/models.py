@@ -92,6 +92,19 @@ class MoEMLP(ResMLP):
         self.blocks = nn.ModuleList(MoEBlock(16, 32, n_experts) for _ in range(2))
 
 
+class LayerDropMLP(ResMLP):
+    """ResMLP that skips each block with probability 0.3 while training (LayerDrop, drawn from torch's RNG in the
+    model's own forward, as transformers does): some steps leave a whole block without gradients."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            if self.training and torch.rand(()) < 0.3:
+                continue
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 class ChainMLP(L.LightningModule):
     """``n`` Linears in a row, GELU after all but the last two: ``L1 -> GELU -> ... -> L(n-1) -> Ln -> cross-entropy``.
 
@@ -337,11 +350,14 @@ def freeze_attention(module: nn.Module) -> nn.Module:
 
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
-    gpt_frozen (gpt_untied with frozen attention), moe_list (ResMLP with top-1 ModuleList experts)."""
+    gpt_frozen (gpt_untied with frozen attention), moe_list (ResMLP with top-1 ModuleList experts),
+    layerdrop (ResMLP skipping blocks at random)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
     if name == "moe_list":
         return MoEMLP(), make_dataset()
+    if name == "layerdrop":
+        return LayerDropMLP(n_blocks=4), make_dataset()
     if name in ("gpt", "gpt_untied", "gpt_frozen"):
         from examples.models.gpt import GPT
 
