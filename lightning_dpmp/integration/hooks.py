@@ -4,6 +4,11 @@
   Trainer picks it from ``precision=``), so this public method is shadowed on the plugin *instance* and removed at
   teardown. It takes the norm of the dense gradient (shards' squares summed over MP, replicated parameters counted
   once), so every MP rank scales by the same factor, as one process would.
+* ``16-mixed``: the GradScaler decides per rank whether a gradient overflowed, but each rank holds only its MP
+  shard (and under ZeRO-2/3 its DP shard) of the gradients, so an inf in one rank's slice would make that rank alone
+  skip its step and lower its scale, and the replicas would part. The scaler's ``unscale_`` is shadowed on the
+  instance so that ``found_inf`` is all-reduced (MAX) over the world after each unscale, as Megatron agrees it
+  over the model-parallel group: every rank skips or steps together and keeps one scale.
 * Sequence parallelism: the gradients of parameters that saw 1/mp of the tokens are summed over MP once per
   optimizer step, after all accumulated micro-batches and before clipping. ``DPMPStrategy.optimizer_step`` (public
   Strategy API) wraps the closure with :func:`then_sum_sequence_partial`: the precision plugin runs the closure
@@ -18,14 +23,16 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_sequence_partial_grads
 
-__all__ = ["install", "remove", "then_sum_sequence_partial"]
+__all__ = ["agree_found_inf", "install", "remove", "then_sum_sequence_partial"]
 
 
 def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = None) -> None:
@@ -36,6 +43,35 @@ def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = Non
         clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val), split_params, group, dp_group)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and hasattr(scaler, "unscale_"):
+        agree_found_inf(scaler, None)
+
+
+def agree_found_inf(scaler: Any, group: Optional[Any]) -> None:
+    """Shadow ``scaler.unscale_`` on the instance: after unscaling, the optimizer's ``found_inf`` is the MAX over
+    ``group`` (``None``: the world), in one all-reduce, so every rank skips or steps together.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu"); agree_found_inf(scaler, group)   # doctest: +SKIP
+    """
+    unscale = type(scaler).unscale_
+
+    def unscale_(optimizer: Any) -> None:
+        unscale(scaler, optimizer)
+        if not scaler.is_enabled():
+            return
+        state = scaler._per_optimizer_states[id(optimizer)]
+        found = state["found_inf_per_device"]
+        device = scaler._scale.device
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for v in found.values():
+            local = torch.maximum(local, v.to(device))
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        # every device's entry (and one for a rank that holds no gradient) takes the agreed value
+        state["found_inf_per_device"] = {d: local.to(d) for d in found} or {device: local}
+
+    scaler.unscale_ = unscale_
 
 
 def then_sum_sequence_partial(
@@ -54,3 +90,6 @@ def then_sum_sequence_partial(
 def remove(plugin: Any) -> None:
     """Undo :func:`install` (no-op if nothing was installed)."""
     plugin.__dict__.pop("clip_grad_by_norm", None)
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None:
+        scaler.__dict__.pop("unscale_", None)
