@@ -49,7 +49,7 @@ from lightning_dpmp.integration.failfast import (
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.integration.layout import Layout, resolve_layout
 from lightning_dpmp.integration.mp_batch import broadcast_batch, check_batch
-from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
+from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size, device_mesh
 
 __all__ = ["GridStrategy"]
 
@@ -73,6 +73,7 @@ class GridStrategy(DDPStrategy):
     _mp_arg: Size = "auto"
     _layout: Optional[Layout] = None  # resolved in set_world_ranks, once devices and nodes are known
     _grid: Optional[Grid] = None  # built in setup_environment (or in set_layout when the layout was pending)
+    _device_mesh: Any = None  # made from _grid on first use
     _pending: bool = False  # dp="auto", mp="auto": the split of the world is chosen at setup (set_layout)
     _chosen: Optional[Layout] = None  # a measured choice, kept for later runs of the same strategy
     _layout_report: str = ""  # how the layout was chosen, for the plan printout
@@ -134,6 +135,20 @@ class GridStrategy(DDPStrategy):
                 "DPMPStrategy.grid is built in setup_environment(); it is not available before fit/validate starts."
             )
         return self._grid
+
+    @property
+    def device_mesh(self) -> Any:
+        """The grid as torch's 2-D ``DeviceMesh``, dims ``("dp", "mp")``, over :attr:`grid`'s groups, for torch's
+        DTensor and DCP tools (as ``ModelParallelStrategy.device_mesh``); available after ``setup_environment``.
+
+        Example:
+            >>> mesh = trainer.strategy.device_mesh                              # doctest: +SKIP
+            >>> mesh["mp"].get_group() is trainer.strategy.grid.mp_group        # doctest: +SKIP
+            True
+        """
+        if self._device_mesh is None:
+            self._device_mesh = device_mesh(self.grid, self.root_device.type)
+        return self._device_mesh
 
     @property
     def grid_or_none(self) -> Optional[Grid]:
@@ -217,7 +232,7 @@ class GridStrategy(DDPStrategy):
     def _build_grid(self) -> None:
         check_world_size(self.dp, self.mp, dist.get_world_size())
         warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
-        self._grid = build_grid(self.dp, self.mp, timeout=self.timeout)  # subgroups do not inherit the world's timeout
+        self._grid, self._device_mesh = build_grid(self.dp, self.mp, timeout=self.timeout), None  # subgroups do not inherit the world's timeout
 
     # ------------------------------------------------------------------ the data path
     @override

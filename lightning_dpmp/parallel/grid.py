@@ -20,7 +20,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Grid", "build_grid", "check_parallel_size", "check_world_size", "coords_of", "group_ranks"]
+__all__ = [
+    "Grid", "build_grid", "check_parallel_size", "check_world_size", "coords_of", "device_mesh", "group_ranks",
+]
 
 
 def check_parallel_size(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -162,3 +164,20 @@ def build_grid(dp: int, mp: int, timeout: Optional[timedelta] = None) -> Grid:
         if m == my_mp:
             dp_group = group
     return Grid(dp=dp, mp=mp, rank=rank, dp_group=dp_group, mp_group=mp_group)
+
+
+def device_mesh(grid: Grid, device_type: str) -> Any:
+    """The grid as torch's 2-D ``DeviceMesh`` with dims ``("dp", "mp")``, over the grid's own groups (none is
+    created): ``mesh["dp"].get_group()`` is ``grid.dp_group``, so DTensor and DCP tools run on our groups.
+
+    Example:
+        >>> mesh = device_mesh(grid, "cpu")               # doctest: +SKIP
+        >>> mesh.shape, mesh.mesh_dim_names               # doctest: +SKIP
+        ((2, 2), ('dp', 'mp'))
+    """
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(grid.world_size).view(grid.dp, grid.mp)  # rank = dp_rank * mp + mp_rank
+    return DeviceMesh.from_group([grid.dp_group, grid.mp_group], device_type, mesh=ranks,
+                                 mesh_dim_names=("dp", "mp"))

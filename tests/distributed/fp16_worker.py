@@ -4,7 +4,8 @@ Usage: python tests/distributed/fp16_worker.py DP MP OUT_DIR ZERO[,ZERO...]
   ResMLP, 8 AdamW steps in fp16 autocast with a GradScaler on CPU (the plugin given explicitly: Lightning turns
   ``precision="16-mixed"`` into bf16 on CPU); at step 3, global rank 1 (DP rank 0, MP rank 1) writes
   an inf into one gradient element of an MP-split weight before the scaler unscales. Each rank writes, per step,
-  the loss scale after the step and its optimizer's step count, and its final parameters, as JSON.
+  the loss scale after the step and its optimizer's step count, and its final parameters, as JSON; and what
+  ``trainer.strategy.device_mesh`` is (shape, names, groups, a DTensor gathered over its "mp" dim).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
@@ -66,9 +68,16 @@ def fit(dp: int, mp: int, zero: int) -> dict:
         enable_model_summary=False, callbacks=[poison],
     )
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
+    mesh, grid = trainer.strategy.device_mesh, trainer.strategy.grid
+    # DTensor over our MP group: a tensor sharded by MP rank, gathered whole
+    local = torch.full((2,), float(grid.mp_rank))
+    whole = DTensor.from_local(local, mesh["mp"], [Shard(0)]).full_tensor().tolist()
     with trainer.strategy.parameters_whole():
         params = {n: p.detach().double().reshape(-1).tolist() for n, p in model.named_parameters()}
-    return {"scales": poison.scales, "steps": poison.steps, "params": params}
+    return {"scales": poison.scales, "steps": poison.steps, "params": params, "mesh": {
+        "shape": list(mesh.shape), "names": list(mesh.mesh_dim_names), "dtensor_mp": whole,
+        "groups": [mesh["dp"].get_group() is grid.dp_group, mesh["mp"].get_group() is grid.mp_group],
+        "coordinate": list(mesh.get_coordinate()), "grid": [grid.dp_rank, grid.mp_rank]}}
 
 
 if __name__ == "__main__":

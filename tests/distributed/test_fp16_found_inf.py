@@ -1,4 +1,5 @@
-"""fp16 loss scaling across the grid (issue 22): one rank's overflow makes every rank skip that step.
+"""fp16 loss scaling across the grid (issue 22): one rank's overflow makes every rank skip that step; and the
+grid as torch's ``DeviceMesh`` (the same launch).
 
 One 4-process launch of ``fp16_worker.py`` at (2, 2), zero=0, 1 and 3: at step 3, global rank 1 alone writes an inf
 into one element of its MP-split gradient (under zero=3, of its DP shard). Without agreeing ``found_inf``, rank 1
@@ -39,3 +40,12 @@ def test_every_rank_skips_the_overflowed_step_and_keeps_one_scale(ranks, zero):
     assert runs[0]["scales"][POISONED_STEP] == runs[0]["scales"][POISONED_STEP - 1] / 2
     # DP replicas (rank = dp_rank * 2 + mp_rank) hold bitwise-equal parameters
     assert runs[0]["params"] == runs[2]["params"] and runs[1]["params"] == runs[3]["params"]
+
+
+@pytest.mark.slow
+def test_device_mesh_is_the_grid_over_its_own_groups(ranks):
+    for r in ranks:
+        mesh = r["z0"]["mesh"]
+        assert mesh["shape"] == [2, 2] and mesh["names"] == ["dp", "mp"]
+        assert mesh["groups"] == [True, True] and mesh["coordinate"] == mesh["grid"]
+        assert mesh["dtensor_mp"] == [0.0, 0.0, 1.0, 1.0]  # each MP rank's shard, in MP-rank order
