@@ -67,7 +67,6 @@ __all__ = [
     "tree_map",
     "unwrap_optimizer",
     "uses_distributed_sampler",
-    "zero_optimizer_constructor",
 ]
 
 
@@ -171,12 +170,6 @@ def compiled_by_user(module: nn.Module) -> Optional[str]:
 def distributed_is_initialized() -> bool:
     """Public torch (replaces Lightning's ``_distributed_is_initialized``)."""
     return dist.is_available() and dist.is_initialized()
-
-
-def zero_optimizer_constructor(zero: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """``ZeroRedundancyOptimizer._optim_constructor`` and ``._optim_defaults``: the wrapped optimizer's class
-    (or constructor) and its keyword defaults, stored in ``__init__`` (torch 2.13); no public accessor."""
-    return zero._optim_constructor, dict(zero._optim_defaults)
 
 
 _DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"

@@ -232,7 +232,8 @@ class GridStrategy(DDPStrategy):
     def _build_grid(self) -> None:
         check_world_size(self.dp, self.mp, dist.get_world_size())
         warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
-        self._grid, self._device_mesh = build_grid(self.dp, self.mp, timeout=self.timeout), None  # subgroups do not inherit the world's timeout
+        # subgroups do not inherit the world's timeout
+        self._grid, self._device_mesh = build_grid(self.dp, self.mp, timeout=self.timeout), None
 
     # ------------------------------------------------------------------ the data path
     @override

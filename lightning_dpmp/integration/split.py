@@ -28,7 +28,6 @@ from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
-from lightning_dpmp.integration.zero import is_zero, unshard
 from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.planner.materialize import materialize
@@ -89,8 +88,8 @@ def split_model(
         applied.text += (
             f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): "
             + ("DDP finds the parameters no DP rank used, each step (find_unused_parameters=True)"
-               if strategy._zero <= 1 else
-               "zero>=2 keeps each parameter in its own shard and marks, in one all-reduce per step, those no DP"
+               if strategy._zero == 0 else
+               "ZeRO keeps each parameter in its own shard and marks, in one all-reduce per step, those no DP"
                " rank used (their gradients stay None, as on one process)"))
     summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""
     rank_zero_info(
@@ -106,17 +105,9 @@ def split_model(
 
 
 def unsplit_model(strategy: Any) -> None:
-    """Gather ``strategy.lightning_module``'s layers back to dense, and its optimizers' state with them (collective).
-
-    ZeRO optimizers cannot be re-pointed at dense parameters: their consolidated state goes into a plain optimizer
-    of the wrapped class instead.
-    """
+    """Gather ``strategy.lightning_module``'s layers back to dense, and its optimizers' state with them (collective;
+    under ZeRO the strategy has released the engine first, so the optimizers are plain again)."""
     lm = strategy.lightning_module
-    zero_states = [strategy.broadcast(strategy.optimizer_state(o)) if is_zero(o) else None for o in strategy.optimizers]
     moved = consolidate(lm)
-    for i, optimizer in enumerate(strategy.optimizers):
-        zero_state = zero_states[i]
-        if zero_state is not None:
-            strategy.optimizers[i] = unshard(optimizer, moved, zero_state)
-        else:
-            consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, strategy.grid.mp_group)
+    for optimizer in strategy.optimizers:
+        consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, strategy.grid.mp_group)

@@ -91,10 +91,11 @@ class DPMPStrategy(GridStrategy):
             600 when neither this nor ``timeout`` is given.
         timeout: the same as a ``timedelta``, as ``DDPStrategy`` takes it; give one of the two.
         zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.integration.zero`): 1/dp
-            of it per rank, same training trajectory; checkpoints stay consolidated. 2 shards the gradients too
+            of it per rank, same training trajectory. 1 and 2 share one schedule, which shards the gradients too
             (reduce-scattered over DP in buckets during the backward, parameters all-gathered after the step; no
-            DDP wrapper), 3 the parameters as well (gathered per block for its forward and again for its backward,
-            freed after; :mod:`lightning_dpmp.parallel.zero_engine`). Levels 2/3 need an element-wise optimizer
+            DDP wrapper: as fast as zero=0), 3 the parameters as well (gathered per block for its forward and again
+            for its backward,
+            freed after; :mod:`lightning_dpmp.parallel.zero_engine`). ZeRO needs an element-wise optimizer
             (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB) and write both checkpoint formats.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
@@ -289,8 +290,8 @@ class DPMPStrategy(GridStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if self.dp == 1 or self._zero >= 2:
-            return  # no DP replicas to average over, or ZeRO-2/3 reduce-scatters the gradients itself
+        if self.dp == 1 or self._zero >= 1:
+            return  # no DP replicas to average over, or ZeRO reduce-scatters the gradients itself
         # With mp=1 the DP group is the world: give DDP the default group, exactly as DDPStrategy does.
         compat.ddp_kwargs(self)["process_group"] = self.grid.dp_group if self.mp > 1 else None
         if self._applied_plan is not None and self._applied_plan.conditional:

@@ -49,7 +49,6 @@ from lightning_dpmp.checkpoint.files import (
 )
 from lightning_dpmp.checkpoint.integrity import load_checked
 from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
-from lightning_dpmp.integration.zero import is_zero, zero_state_dict
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 
 __all__ = ["StrategyCheckpointer"]
@@ -104,13 +103,8 @@ class StrategyCheckpointer:
 
     def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
         """The optimizer's state (``default``: Lightning's), consolidated to dense shapes where :meth:`gathers`."""
-        grid = self.strategy.grid_or_none
         optimizer = self._plain(optimizer, with_state=True)
-        if is_zero(optimizer) and grid is not None:
-            # ZeRO-1: the DP group's first rank gathers the partitions; each such rank holds its MP shard's state
-            state = zero_state_dict(optimizer, keep=grid.dp_rank == 0)
-        else:
-            state = default(optimizer)
+        state = default(optimizer)
         if not self.gathers() or self.strategy.mp == 1:
             return state
         inner = compat.unwrap_optimizer(optimizer)

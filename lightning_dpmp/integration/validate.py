@@ -95,8 +95,6 @@ def check_init_args(
             f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters),"
             f" got {zero!r}."
         )
-    if zero == 1 and save_distributed_checkpoint:
-        raise ValueError("zero=1 writes consolidated checkpoints only; use save_distributed_checkpoint=False.")
     check_styles(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
     for name, value in values.items():
@@ -113,11 +111,12 @@ def check_init_args(
 
 
 def check_zero_without_ddp(zero: int, ddp_kwargs: Mapping[str, Any]) -> None:
-    """zero=2/3 reduce-scatter the gradients themselves, with no DDP wrapper: DDP options would be ignored."""
-    if zero >= 2 and ddp_kwargs:
+    """zero>=1 reduce-scatters the gradients itself, with no DDP wrapper: DDP options would be ignored."""
+    if zero >= 1 and ddp_kwargs:
         raise ValueError(
             f"zero={zero} shards gradients over DP without DistributedDataParallel, so DDP options do not apply;"
-            f" got {sorted(ddp_kwargs)}. Drop them, or use zero=0 or zero=1."
+            f" got {sorted(ddp_kwargs)}. Drop them (parameters a step may leave out are found from the traced step),"
+            " or use zero=0."
         )
 
 
@@ -328,7 +327,7 @@ def advise_our_arguments(exception: BaseException, dp: Any, mp: Any, zero: int) 
                 " by training_step (some steps leave some layers out: experts, LayerDrop, a branch on the data). If"
                 " this is intentional, enable DDP's detection of unused parameters over the DP group with"
                 f" `strategy=DPMPStrategy(dp={dp!r}, mp={mp!r}, find_unused_parameters=True)`"
-                + (f" (zero={zero} keeps DDP)" if zero else "") + "; a DDP strategy string would drop DP x MP."
+                + "; a DDP strategy string would drop DP x MP."
             )
             changed = True
         args.append(arg)

@@ -1,11 +1,11 @@
-"""ZeRO-2/3 over the DP group, the schedule: when buckets reduce-scatter gradients and gather parameters.
+"""ZeRO-1/2/3 over the DP group, the schedule: when buckets reduce-scatter gradients and gather parameters.
 
 * **Collectives per unit.** A unit's buckets (one per param group, kind and dtype) are gathered, and their
   gradients reduce-scattered, in one coalesced collective (:func:`~lightning_dpmp.parallel.zero_shard.gather_buckets`,
   :func:`~lightning_dpmp.parallel.zero_shard.reduce_scatter_buckets`): one DP round trip per unit and direction.
-* **zero=2.** Parameters stay whole. A unit's gradients are reduce-scattered (SUM, then ``/dp``, as DDP averages)
-  as soon as all its parameters' gradients have accumulated (``register_post_accumulate_grad_hook``), so the
-  reduce-scatters overlap the rest of the backward; the full gradients are freed; the end of the backward waits
+* **zero=1 and zero=2** (one schedule). Parameters stay whole. A unit's gradients are reduce-scattered (SUM, then
+  ``/dp``, as DDP averages) as soon as all its parameters' gradients have accumulated
+  (``register_post_accumulate_grad_hook``), so the reduce-scatters overlap the rest of the backward; the full gradients are freed; the end of the backward waits
   for them. Under gradient accumulation (:meth:`ZeroEngine.no_sync`) gradients accumulate locally and are
   reduce-scattered once, on the last micro-batch. After the optimizer steps the shards, each bucket is
   all-gathered back into the parameters, all in one collective (:meth:`ZeroEngine.after_step`).
@@ -112,7 +112,7 @@ class ZeroEngine:
     Args:
         module: the (MP-split) module; its parameters become views into the buckets' flat buffers.
         optimizers: the user's optimizers, before their first step.
-        level: 2 (gradients and optimizer state sharded) or 3 (parameters too).
+        level: 1 or 2 (optimizer state and gradients sharded: one schedule) or 3 (parameters too).
         dp_group: the DP process group.
         split: ``id()`` of the parameters that are MP shards; ``partial``: of the sequence-parallel partial ones.
         conditional: a step may leave parameters out (see the module's docstring); ``branches`` the modules whose

@@ -64,7 +64,8 @@ def fit(dp: int, mp: int, zero: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * mp,
         strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=120, consolidate_on_teardown=False),
-        plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False, callbacks=[poison],
     )
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))

@@ -55,9 +55,11 @@ def fit(dp: int, mp: int, zero: int, out: str, name: str = "moe_list", **strateg
             used.append(set())
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=120, **strategy_kw),
+        accelerator="cpu", devices=dp * mp,
+        strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=120, **strategy_kw),
         precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Steps(), probe, SeedEachStep()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Steps(), probe, SeedEachStep()],
     )
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     trainer.save_checkpoint(os.path.join(out, f"{name}_z{zero}.ckpt"))

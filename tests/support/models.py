@@ -105,6 +105,18 @@ class LayerDropMLP(ResMLP):
         return self.head(self.norm(x))
 
 
+class CheckpointedMLP(ResMLP):
+    """ResMLP whose blocks run under ``torch.utils.checkpoint`` (non-reentrant): recomputed in the backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
 class ChainMLP(L.LightningModule):
     """``n`` Linears in a row, GELU after all but the last two: ``L1 -> GELU -> ... -> L(n-1) -> Ln -> cross-entropy``.
 
@@ -351,13 +363,22 @@ def freeze_attention(module: nn.Module) -> nn.Module:
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
     gpt_frozen (gpt_untied with frozen attention), moe_list (ResMLP with top-1 ModuleList experts),
-    layerdrop (ResMLP skipping blocks at random)."""
+    layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under torch.utils.checkpoint), llama_gc
+    (transformers' Llama with gradient checkpointing)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
     if name == "moe_list":
         return MoEMLP(), make_dataset()
     if name == "layerdrop":
         return LayerDropMLP(n_blocks=4), make_dataset()
+    if name == "resmlp_ckpt":
+        return CheckpointedMLP(), make_dataset()
+    if name == "llama_gc":  # transformers' gradient checkpointing (non-reentrant) on its Llama
+        from tests.support.real_models import build_real
+
+        module, data = build_real("hf_llama")
+        module.net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return module, data
     if name in ("gpt", "gpt_untied", "gpt_frozen"):
         from examples.models.gpt import GPT
 

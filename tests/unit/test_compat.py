@@ -81,16 +81,6 @@ def test_distributed_is_initialized() -> None:
     assert compat.distributed_is_initialized() is False
 
 
-def test_zero_optimizer_constructor_and_defaults() -> None:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    src = _source(ZeroRedundancyOptimizer.__init__)
-    for name in ("self._optim_defaults", "self._optim_constructor"):
-        assert name in src, (
-            f"ZeroRedundancyOptimizer no longer stores {name} (zero.unshard rebuilds the optimizer from it)"
-        )
-
-
 def test_skip_ddp_state_sync_attribute_is_read() -> None:
     from lightning.pytorch.overrides import distributed as pl_distributed
 

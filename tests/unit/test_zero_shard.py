@@ -128,8 +128,9 @@ def test_zero_argument_errors_name_the_values():
 
     with pytest.raises(ValueError, match=r"got 4"):
         DPMPStrategy(dp=2, mp=1, zero=4)
-    with pytest.raises(ValueError, match=r"zero=1 writes consolidated"):
-        DPMPStrategy(dp=2, mp=1, zero=1, save_distributed_checkpoint=True)
+    with pytest.raises(ValueError, match=r"zero=1 .*\['find_unused_parameters'\]"):
+        DPMPStrategy(dp=2, mp=1, zero=1, find_unused_parameters=True)  # no DDP at zero>=1
+    DPMPStrategy(dp=2, mp=1, zero=1, save_distributed_checkpoint=True)  # zero=1 shares zero=2's schedule and formats
     with pytest.raises(ValueError, match=r"zero=3 .*\['static_graph'\]"):
         DPMPStrategy(dp=2, mp=1, zero=3, static_graph=True)
-    DPMPStrategy(dp=2, mp=2, zero=3, save_distributed_checkpoint=True)  # both formats at zero=2/3
+    DPMPStrategy(dp=2, mp=2, zero=3, save_distributed_checkpoint=True)  # both formats at every level
