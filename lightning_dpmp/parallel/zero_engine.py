@@ -126,6 +126,7 @@ class ZeroEngine:
         self.dp, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.sync = True
         self._queued = False
+        self._in_backward = False  # zero=3: set once the backward reached a unit (a forward now is a recompute)
         opt_of: dict[int, tuple[int, int]] = {}
         for i, opt in enumerate(optimizers):
             for j, g in enumerate(opt.param_groups):
@@ -247,7 +248,7 @@ class ZeroEngine:
         return reached
 
     def _end_of_backward(self) -> None:
-        self._queued = False
+        self._queued, self._in_backward = False, False
         if self.conditional:
             self._end_of_conditional_backward()
             return
@@ -299,8 +300,10 @@ class ZeroEngine:
     def _pre_forward(self, u: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self._gather(u)
-            if u + 1 < len(self.units):
-                self._gather(u + 1, async_op=True)  # prefetch: overlaps this unit's compute
+            # prefetch: overlaps this unit's compute; not when activation checkpointing recomputes this forward in
+            # the backward, where the next unit is done (and freed) already
+            if u + 1 < len(self.units) and not self._in_backward:
+                self._gather(u + 1, async_op=True)
         return hook
 
     def _post_forward(self, u: int) -> Any:
@@ -314,6 +317,7 @@ class ZeroEngine:
 
     def _pre_backward(self, u: int) -> Any:
         def hook(grad: Tensor) -> None:
+            self._in_backward = True
             self._queue_end_of_backward()
             self._gather(u)
             if u > 0:
