@@ -6,9 +6,10 @@
 * **zero=1 and zero=2** (one schedule). Parameters stay whole. A unit's gradients are reduce-scattered (SUM, then
   ``/dp``, as DDP averages) as soon as all its parameters' gradients have accumulated
   (``register_post_accumulate_grad_hook``), so the reduce-scatters overlap the rest of the backward; the full
-  gradients are freed; the end of the backward waits for them. Under gradient accumulation (:meth:`ZeroEngine.no_sync`) gradients accumulate locally and are
-  reduce-scattered once, on the last micro-batch. After the optimizer steps the shards, each bucket is
-  all-gathered back into the parameters, all in one collective (:meth:`ZeroEngine.after_step`).
+  gradients are freed; the end of the backward waits for them. Under gradient accumulation
+  (:meth:`ZeroEngine.no_sync`) gradients accumulate locally and are reduce-scattered once, on the last micro-batch.
+  After the optimizer steps the shards, each bucket is all-gathered back into the parameters, all in one collective
+  (:meth:`ZeroEngine.after_step`).
 * **zero=3.** Parameters are sharded too. Units are the children of every ``nn.ModuleList``/``nn.Sequential``
   that own parameters (the repeated blocks) plus one root unit for the rest (and for any parameter that two units
   reach: tied weights). A unit is gathered just before its forward (the next one prefetched, asynchronously),
