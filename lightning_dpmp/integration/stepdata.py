@@ -72,12 +72,16 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
     _, hook, context = _STEPS[trainer.state.fn]
     plugin = strategy.precision_plugin
     training = trainer.state.fn == TrainerFn.FITTING
+    # Lightning's fit loop runs each module in the mode it is in now (it never calls train(): a submodule that
+    # from_pretrained or the user left in eval mode trains in eval mode), so the traced step runs in these modes
+    modes = [(m, m.training) for m in lm.modules()]
 
     def run() -> Any:
         b = compat.apply_batch_transfer_handler(lm, batch, strategy.root_device)
         b = plugin.convert_input(to_meta(b) if meta else b)
         if training:  # trace the path that trains (caches, checkpointing, aux losses follow self.training)
-            lm.train()  # `isolated` restores every module's mode afterwards
+            for m, mode in modes:  # `isolated` restores every module's mode afterwards
+                m.training = mode
         state = trainer_state(strategy, lm) if training else contextlib.nullcontext()
         with state, getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
             return getattr(lm, hook)(b, 0)

@@ -127,7 +127,9 @@ class ZeroEngine:
         self.dp, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.sync = True
         self._queued = False
-        self._in_backward = False  # zero=3: set once the backward reached a unit (a forward now is a recompute)
+        # set once the backward reached a unit (zero=3, conditional): a unit's forward now is a recompute (activation
+        # checkpointing), which must neither prefetch nor count as a call whose backward is still to come
+        self._in_backward = False
         opt_of: dict[int, tuple[int, int]] = {}
         for i, opt in enumerate(optimizers):
             for j, g in enumerate(opt.param_groups):
@@ -167,6 +169,8 @@ class ZeroEngine:
         if conditional:
             for u, (_, mod) in enumerate(self.units):
                 self._handles.append(mod.register_forward_pre_hook(self._wrap_inputs(u), with_kwargs=True))
+                if level != 3:  # (zero=3's own output hook marks the backward)
+                    self._handles.append(mod.register_forward_hook(self._mark_backward))
         if level == 3:
             for u, (_, mod) in enumerate(self.units):
                 self._handles.append(mod.register_forward_pre_hook(self._pre_forward(u)))
@@ -217,10 +221,20 @@ class ZeroEngine:
                         x.free()  # every backward use of these parameters has run
         return hook
 
+    def _mark_backward(self, module: nn.Module, args: Any, out: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._backward_began)
+
+    def _backward_began(self, grad: Tensor) -> None:
+        self._in_backward = True
+        self._queue_end_of_backward()
+
     def _wrap_inputs(self, u: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            if not torch.is_grad_enabled():
-                return None
+            if not torch.is_grad_enabled() or self._in_backward:
+                return None  # no graph, or a recompute in the backward (its original call was wrapped)
             keys = [("a", i) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
             keys += [("k", k) for k, v in kwargs.items() if isinstance(v, Tensor) and v.requires_grad]
             if not keys:
@@ -274,7 +288,7 @@ class ZeroEngine:
                 raise RuntimeError(
                     f"zero={self.level}: {len(late)} parameters got a gradient after the backward had left their"
                     " block (a block called on an input that needs no gradient, or its parameters used outside its"
-                    " forward); their reduction would depend on each rank's data. Use zero<=1 for this model."
+                    " forward); their reduction would depend on each rank's data. Use zero=0 for this model."
                 )
             for u in self._trainable_by_unit:
                 if u not in self._fired:

@@ -25,7 +25,8 @@ from tests.support.reference import max_weight_diff, one_process_trainer
 
 WORKER = "tests/distributed/moe_worker.py"
 TOL = 1e-8
-RUNS = [("moe_list", z) for z in (0, 1, 2, 3)] + [("layerdrop", 3), ("resmlp_ckpt", 3), ("llama_gc", 3)]
+RUNS = [("moe_list", z) for z in (0, 1, 2, 3)] + [("layerdrop", 3), ("moe_ckpt", 3), ("resmlp_ckpt", 3),
+                                                   ("llama_gc", 3)]
 
 
 def _reference(name: str) -> dict:
@@ -47,8 +48,8 @@ def launch(tmp_path_factory):
 @pytest.mark.slow
 def test_weights_match_single_process_whatever_each_rank_used(launch):
     out, ranks, _ = launch
-    refs = {name: _reference(name) for name in ("moe_list", "layerdrop")}
-    for name, zero in RUNS[:5]:
+    refs = {name: _reference(name) for name in ("moe_list", "layerdrop", "moe_ckpt")}
+    for name, zero in RUNS[:6]:
         worst = max_weight_diff(torch.load(out / f"{name}_z{zero}.ckpt", weights_only=True), refs[name])
         print(f"{name} zero={zero}: max |w - w_ref| = {worst:.2e}")
         assert worst <= TOL, (name, zero, worst)
@@ -71,6 +72,9 @@ def test_collectives_are_the_same_on_every_rank_and_minimal(launch):
         assert (z3["dp/reduce_scatter"], z3["dp/all_reduce"], z3["dp/all_gather"]) == (3, 2, 1 + 2 * 2)
         # LayerDrop branches in the model's own forward: its blocks may be skipped, so they are no units
         assert (drop["dp/reduce_scatter"], drop["dp/all_reduce"], drop["dp/all_gather"]) == (1, 2, 1)
+        # the experts under activation checkpointing: a recomputed block prefetches nothing
+        ck = r["moe_ckpt_z3"]["counts"]
+        assert (ck["dp/reduce_scatter"], ck["dp/all_reduce"], ck["dp/all_gather"]) == (3, 2, 1 + 2 * 2)
     for key in ("moe_list_z2", "moe_list_z3"):  # (MP collectives follow the experts each DP row's batch reached)
         dp_counts = [{k: n for k, n in r[key]["counts"].items() if k.startswith("dp/")} for r in ranks]
         assert all(c == dp_counts[0] for c in dp_counts)

@@ -123,3 +123,13 @@ def test_float32_loss_in_a_float64_model_verifies_splits_and_matches_single_proc
         worst = _max_diff(res["weights"], ref)
         print(f"float32 loss in a float64 model dp=1 mp=2: max |w - w_ref| = {worst:.2e}")
         assert worst <= F32_LOSS_BOUND
+
+
+@pytest.mark.slow
+def test_the_step_is_traced_in_the_modes_it_trains_in(grid12):
+    for r in grid12:
+        res = r["evalmode"]
+        # aux (eval mode) is skipped by the training step: traced in forced train mode it would have been split
+        assert res["styles"]["aux.0"] == "replicate" and res["styles"]["aux.2"] == "replicate", res["plan_text"]
+        assert "not called through forward() in the traced step" in res["plan_text"]
+        assert res["styles"]["blocks.0.fc1"] == r["plain"]["styles"]["blocks.0.fc1"] != "replicate"

@@ -10,7 +10,9 @@ Cases (each a ``fit``; results per rank in OUT_DIR/rank{r}.json):
   stateful  a loss scaled by a call counter: even the plan that splits nothing disagrees, setup must raise;
   loader    a step reading ``len(self.trainer.train_dataloader)`` (None at setup): not traced, a warning says so;
   half      float16 parameters at precision 32-true: 2 steps, the plan must verify;
-  f32loss   a float64 model whose loss is ``F.cross_entropy(logits.float(), y)``: float64, 10 steps.
+  f32loss   a float64 model whose loss is ``F.cross_entropy(logits.float(), y)``: float64, 10 steps;
+  evalmode  a submodule left in eval mode before fit, whose forward adds a Linear only in train mode: the step is
+            traced in the modes it trains in, so that Linear is not called (and not split).
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ class Float32Loss(ResMLP):
         return F.cross_entropy(self(x).float(), y)
 
 
+class EvalModeAux(ResMLP):
+    """``aux`` runs only while its module is in train mode; the user puts it in eval mode before fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+    def forward(self, x):
+        x = self.inp(x)
+        if self.aux.training:
+            x = x + self.aux(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 class CountStep(L.Callback):
     """MP collectives of the third training step (forward, backward and optimizer step)."""
 
@@ -183,6 +201,12 @@ def main(dp: int, mp: int, out: str) -> dict:
 
     L.seed_everything(0)
     res["f32loss"] = fit(dp, mp, Float32Loss(), "64-true", STEPS)
+
+    L.seed_everything(0)
+    m = EvalModeAux()
+    m.aux.eval()
+    res["evalmode"] = fit(dp, mp, m, "64-true", 2)
+    res["evalmode"].pop("weights")
     return res
 
 

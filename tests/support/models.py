@@ -117,6 +117,12 @@ class CheckpointedMLP(ResMLP):
         return self.head(self.norm(x))
 
 
+class CheckpointedMoE(MoEMLP):
+    """:class:`MoEMLP` with each block under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    forward = CheckpointedMLP.forward
+
+
 class ChainMLP(L.LightningModule):
     """``n`` Linears in a row, GELU after all but the last two: ``L1 -> GELU -> ... -> L(n-1) -> Ln -> cross-entropy``.
 
@@ -363,7 +369,7 @@ def freeze_attention(module: nn.Module) -> nn.Module:
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
     gpt_frozen (gpt_untied with frozen attention), moe_list (ResMLP with top-1 ModuleList experts),
-    layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under torch.utils.checkpoint), llama_gc
+    layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under torch.utils.checkpoint), moe_ckpt (moe_list so), llama_gc
     (transformers' Llama with gradient checkpointing)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
@@ -373,6 +379,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return LayerDropMLP(n_blocks=4), make_dataset()
     if name == "resmlp_ckpt":
         return CheckpointedMLP(), make_dataset()
+    if name == "moe_ckpt":
+        return CheckpointedMoE(), make_dataset()
     if name == "llama_gc":  # transformers' gradient checkpointing (non-reentrant) on its Llama
         from tests.support.real_models import build_real
 
