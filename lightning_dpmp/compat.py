@@ -57,6 +57,7 @@ __all__ = [
     "optimizer_to_device",
     "optimizers_to_device",
     "script_object_type",
+    "scaler_found_inf",
     "set_launcher",
     "set_num_threads_if_needed",
     "set_rng_states",
@@ -165,6 +166,13 @@ def compiled_by_user(module: nn.Module) -> Optional[str]:
     if getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None:
         return "module.forward = torch.compile(module.forward)"
     return None
+
+
+def scaler_found_inf(scaler: Any, optimizer: Any) -> tuple[dict[Any, Any], torch.device]:
+    """A ``GradScaler``'s per-device ``found_inf`` tensors for ``optimizer`` after ``unscale_`` (the dict itself,
+    which ``step`` and ``update`` read, so writes take effect) and the device of its scale. torch 2.13 keeps them
+    in ``_per_optimizer_states[id(optimizer)]["found_inf_per_device"]`` and ``_scale``; no public accessor."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"], scaler._scale.device
 
 
 def distributed_is_initialized() -> bool:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_sequence_partial_grads
 
 __all__ = ["agree_found_inf", "install", "remove", "then_sum_sequence_partial"]
@@ -61,15 +62,15 @@ def agree_found_inf(scaler: Any, group: Optional[Any]) -> None:
         unscale(scaler, optimizer)
         if not scaler.is_enabled():
             return
-        state = scaler._per_optimizer_states[id(optimizer)]
-        found = state["found_inf_per_device"]
-        device = scaler._scale.device
+        found, device = compat.scaler_found_inf(scaler, optimizer)
         local = torch.zeros((), dtype=torch.float32, device=device)
         for v in found.values():
             local = torch.maximum(local, v.to(device))
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         # every device's entry (and one for a rank that holds no gradient) takes the agreed value
-        state["found_inf_per_device"] = {d: local.to(d) for d in found} or {device: local}
+        agreed = {d: local.to(d) for d in found} or {device: local}
+        found.clear()
+        found.update(agreed)
 
     scaler.unscale_ = unscale_
 

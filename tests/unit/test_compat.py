@@ -77,6 +77,20 @@ def test_default_store_function_exists() -> None:
     assert compat.default_store() is None  # no process group here: None, not an exception
 
 
+def test_scaler_found_inf_is_the_dict_step_reads() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    found, device = compat.scaler_found_inf(scaler, opt)
+    assert set(found) == {torch.device("cpu")} and device.type == "cpu", "GradScaler's found_inf layout changed"
+    found[torch.device("cpu")] = torch.ones((), dtype=torch.float32)  # an agreed overflow: step must skip
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    assert torch.equal(model.weight, before), "GradScaler.step no longer reads _per_optimizer_states' found_inf"
+
+
 def test_distributed_is_initialized() -> None:
     assert compat.distributed_is_initialized() is False
 
