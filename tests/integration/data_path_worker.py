@@ -212,28 +212,24 @@ def run(out: str) -> dict:
 class StepSkip(ResMLP):
     """LayerDrop-like control flow: every other step skips the last block (its parameters get no gradient)."""
 
+    SKIP_ON = 0  # the steps (global_step % 2) that skip it
+
     def forward(self, x):
         x = self.inp(x)
         for i, block in enumerate(self.blocks):
-            if i == len(self.blocks) - 1 and self.trainer.global_step % 2 == 0:
+            if i == len(self.blocks) - 1 and self.trainer.global_step % 2 == self.SKIP_ON:
                 continue
             x = block(x)
         return self.head(self.norm(x))
 
 
-class Unused(ResMLP):
+class Unused(StepSkip):
     """Skips its last block on odd steps, decided by a Python int the traced step (step 0, every block used, no
     data-dependent op) cannot reveal: DDP's unused-parameter error at step 1, with our advice. (A layer the traced
     step leaves out, or a branch on the data, is found at setup and trains: tests/distributed/test_data_dependent.py.)
     """
 
-    def forward(self, x):
-        x = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            if i == len(self.blocks) - 1 and self.trainer.global_step % 2 == 1:
-                continue
-            x = block(x)
-        return self.head(self.norm(x))
+    SKIP_ON = 1
 
 
 def fail(case: str, out: str) -> None:
