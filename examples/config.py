@@ -34,6 +34,7 @@ class StrategyConfig:
     sequence_parallel: bool = False
     verify_plan: bool = True
     mp_batch: str = "broadcast"
+    zero: int = 0
     timeout_s: float = 600.0
     ddp: Dict[str, Any] = field(default_factory=dict)
 

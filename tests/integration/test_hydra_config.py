@@ -68,6 +68,13 @@ def test_default_trainer_instantiates_with_the_strategy(tmp_path):
     assert trainer.max_steps == cfg.trainer.max_steps
 
 
+def test_zero_is_a_typed_strategy_option(tmp_path):
+    cfg = _compose(tmp_path, "strategy.zero=3")
+    assert instantiate_strategy(cfg.strategy)._zero == 3
+    with pytest.raises(Exception, match="zero"):
+        _compose(tmp_path, "strategy.zero=three")  # typed: fails while composing
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_instantiates(tmp_path, experiment):
     cfg = _compose(tmp_path, f"experiment={experiment}")
