@@ -365,19 +365,12 @@ def _same_layout(a: Plan, b: Plan) -> bool:
     return strip(a) == strip(b) and a.adjust == b.adjust
 
 
-def _world_max(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def _world_max(values: list[float], device: torch.device) -> list[float]:
+    """Each value's MAX over the world (a flag's OR), in one all-reduce."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _world_any(flags: list[bool], device: torch.device) -> list[bool]:
-    """Each flag OR-ed over the world, in one all-reduce."""
-    t = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    return t.tolist()
 
 
 def _conditional_use(module: nn.Module, trace: Optional[Trace], grads: dict) -> tuple[str, ...]:
@@ -541,16 +534,19 @@ def plan_module(
             trace = None
             notes.append(f"could not trace the step ({type(exc).__name__}: {exc})")
     conditional = _conditional_use(module, trace, grads_ref)
-    branches = _broadcast(tuple(sorted({m for _, m in trace.data_dependent})) if trace is not None else ())
-    failed_anywhere, conditional_anywhere = _world_any([trace is None, bool(conditional)], device)
+    branches = tuple(sorted({m for _, m in trace.data_dependent})) if trace is not None else ()
+    # one all-reduce: whether any rank failed to trace or saw a step leave parameters out, and one tolerance
+    # (hence one verification decision) on every rank
+    failed_anywhere, conditional_anywhere, tol = _world_max(
+        [float(trace is None), float(bool(conditional)), tolerance(precision, dtype)], device)
     trace = None if failed_anywhere else trace
     if conditional_anywhere and not conditional:
         conditional = ("another rank's traced step left parameters out or branched on the data",)
-    tol = _world_max(tolerance(precision, dtype), device)  # one tolerance, hence one decision, on every rank
     if verify:
         _check_mp_agreement(loss_ref, grads_ref, grid, tol, device)
     checkable = verify and trace is not None and loss_ref is not None and bool(grads_ref) and grid.mp > 1
-    notes = _broadcast(notes)  # rank 0's, as the plan is (and the warning, from rank 0, names them)
+    # rank 0's, as the plan is (and the warning, from rank 0, names them); its branches, which ZeRO's units follow
+    notes, branches = _broadcast((notes, branches))
     _warn_if_unverified(run, trace, loss_ref, grads_ref, verify, grid.mp, notes, training)
     fallbacks = {
         1: "pairs through reshapes or attention self-contained",

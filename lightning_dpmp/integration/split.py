@@ -61,8 +61,10 @@ def split_model(
     plan_overrides: Optional[Mapping[str, str]],
     verify: bool,
     sequence_parallel: bool,
+    zero: int = 0,
 ) -> Split:
-    """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world)."""
+    """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world);
+    ``zero`` only words the printout's line on steps that leave parameters out."""
     lm = strategy.lightning_module
     assert lm is not None
     grid, device = strategy.grid, strategy.root_device
@@ -88,7 +90,7 @@ def split_model(
         applied.text += (
             f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): "
             + ("DDP finds the parameters no DP rank used, each step (find_unused_parameters=True)"
-               if strategy._zero == 0 else
+               if zero == 0 else
                "ZeRO keeps each parameter in its own shard and marks, in one all-reduce per step, those no DP"
                " rank used (their gradients stay None, as on one process)"))
     summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""

@@ -94,9 +94,9 @@ class DPMPStrategy(GridStrategy):
             of it per rank, same training trajectory. 1 and 2 share one schedule, which shards the gradients too
             (reduce-scattered over DP in buckets during the backward, parameters all-gathered after the step; no
             DDP wrapper: as fast as zero=0), 3 the parameters as well (gathered per block for its forward and again
-            for its backward,
-            freed after; :mod:`lightning_dpmp.parallel.zero_engine`). ZeRO needs an element-wise optimizer
-            (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB) and write both checkpoint formats.
+            for its backward, freed after; :mod:`lightning_dpmp.parallel.zero_engine`). ZeRO needs an element-wise
+            optimizer (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB); every level writes both checkpoint
+            formats.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -274,7 +274,8 @@ class DPMPStrategy(GridStrategy):
             callbacks = getattr(trainer, "callbacks", [])
             validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn,
                                                self.checkpointer.distributed)
-        split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel)
+        split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel,
+                            self._zero)
         self._applied_plan, self._rng = split.applied_plan, split.rng
         if self.layout_report:
             self._applied_plan.text += "\n" + self.layout_report

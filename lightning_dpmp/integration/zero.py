@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 import lightning_dpmp.compat as compat
+from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import storage_bytes
@@ -58,8 +59,8 @@ def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: li
 
 
 def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, grid: Any,
-                     split_params: set[int], sequence_partial: Sequence[nn.Parameter], applied: Any = None
-                     ) -> tuple[list[Any], Optional[ZeroEngine]]:
+                     split_params: set[int], sequence_partial: Sequence[nn.Parameter],
+                     applied: Optional[PlanResult] = None) -> tuple[list[Any], Optional[ZeroEngine]]:
     """The optimizers for ZeRO level ``level`` over ``grid``'s DP group, and the engine: rebuilt over the DP shards
     (:func:`build_engine`, in its conditional mode where the ``applied`` plan's trace saw a step leave parameters out);
     unchanged at zero=0 or dp=1."""

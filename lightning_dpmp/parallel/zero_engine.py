@@ -81,6 +81,15 @@ def find_units(module: nn.Module, branches: tuple[str, ...] = ()) -> list[tuple[
     return units
 
 
+def _on_output_grads(out: Any, hook: Any) -> None:
+    """``hook(grad)`` on each tensor of a module's output that autograd records: it runs when the backward
+    reaches that module."""
+    if torch.is_grad_enabled():
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(hook)
+
+
 def _tensors(out: Any) -> list[Tensor]:
     if isinstance(out, Tensor):
         return [out]
@@ -222,10 +231,7 @@ class ZeroEngine:
         return hook
 
     def _mark_backward(self, module: nn.Module, args: Any, out: Any) -> None:
-        if torch.is_grad_enabled():
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._backward_began)
+        _on_output_grads(out, self._backward_began)
 
     def _backward_began(self, grad: Tensor) -> None:
         self._in_backward = True
@@ -264,46 +270,41 @@ class ZeroEngine:
 
     def _end_of_backward(self) -> None:
         self._queued, self._in_backward = False, False
-        if self.conditional:
-            self._end_of_conditional_backward()
-            return
-        if self.sync or self.level == 3:
-            # Parameters that got no gradient this time: whatever is left, in one collective.
-            reduce_scatter_buckets([b for b in self.buckets if b.trainable and b.has_grads()], self.group)
-            for b in self.buckets:
-                b.finish_reduce_scatter()
-                b.fired.clear()
-        if self.level == 3:
-            for u in self.by_unit:
-                if u >= 0:
-                    self._free(u)
-
-    def _end_of_conditional_backward(self) -> None:
-        """Every unit not reduce-scattered yet, in unit order (absent gradients as zeros), then which buckets some
-        DP rank used: one all-reduce (MAX) of one flag per bucket."""
         self._calls.clear()
         if self.sync or self.level == 3:
-            late = [p for u in self._fired for b in self._trainable_by_unit[u] for p in b.params if p.grad is not None]
-            if late:
-                raise RuntimeError(
-                    f"zero={self.level}: {len(late)} parameters got a gradient after the backward had left their"
-                    " block (a block called on an input that needs no gradient, or its parameters used outside its"
-                    " forward); their reduction would depend on each rank's data. Use zero=0 for this model."
-                )
-            for u in self._trainable_by_unit:
-                if u not in self._fired:
-                    reduce_scatter_buckets(self._trainable_by_unit[u], self.group)
-            trainable = [b for b in self.buckets if b.trainable]
-            if trainable:
-                flags = torch.tensor([float(b.used_here) for b in trainable], device=trainable[0].full.device)
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-                for b, used in zip(trainable, flags.tolist()):
-                    b.finish_reduce_scatter(used=bool(used))
+            if self.conditional:
+                self._flush_conditional()
+            else:
+                # Parameters that got no gradient this time: whatever is left, in one collective.
+                reduce_scatter_buckets([b for b in self.buckets if b.trainable and b.has_grads()], self.group)
+                for b in self.buckets:
+                    b.finish_reduce_scatter()
+                    b.fired.clear()
         self._fired.clear()
         if self.level == 3:
             for u in self.by_unit:
                 if u >= 0:
                     self._free(u)
+
+    def _flush_conditional(self) -> None:
+        """Every unit not reduce-scattered yet, in unit order (absent gradients as zeros), then which buckets some
+        DP rank used: one all-reduce (MAX) of one flag per bucket."""
+        late = [p for u in self._fired for b in self._trainable_by_unit[u] for p in b.params if p.grad is not None]
+        if late:
+            raise RuntimeError(
+                f"zero={self.level}: {len(late)} parameters got a gradient after the backward had left their"
+                " block (a block called on an input that needs no gradient, or its parameters used outside its"
+                " forward); their reduction would depend on each rank's data. Use zero=0 for this model."
+            )
+        for u in self._trainable_by_unit:
+            if u not in self._fired:
+                reduce_scatter_buckets(self._trainable_by_unit[u], self.group)
+        trainable = [b for b in self.buckets if b.trainable]
+        if trainable:
+            flags = torch.tensor([float(b.used_here) for b in trainable], device=trainable[0].full.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            for b, used in zip(trainable, flags.tolist()):
+                b.finish_reduce_scatter(used=bool(used))
 
     def _gather(self, u: int, async_op: bool = False) -> None:
         gather_buckets(self.by_unit.get(u, []), self.group, async_op)  # the unit's buckets in one collective
@@ -323,17 +324,13 @@ class ZeroEngine:
 
     def _post_forward(self, u: int) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if torch.is_grad_enabled():
-                for t in _tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(self._pre_backward(u))
+            _on_output_grads(out, self._pre_backward(u))
             self._free(u)
         return hook
 
     def _pre_backward(self, u: int) -> Any:
         def hook(grad: Tensor) -> None:
-            self._in_backward = True
-            self._queue_end_of_backward()
+            self._backward_began(grad)
             self._gather(u)
             if u > 0:
                 self._gather(u - 1, async_op=True)  # prefetch the unit the backward reaches next

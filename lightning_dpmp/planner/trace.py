@@ -129,13 +129,21 @@ class _Recorder(TorchFunctionMode):
             self.trace.shapes[self._ids[key]] = tuple(t.shape)
         return self._ids[key]
 
+    def module(self) -> str:
+        """The innermost (non-Linear) module running, ``""`` outside every submodule."""
+        return self.scope[-1] if self.scope else ""
+
+    def data_dependent(self, name: str) -> None:
+        if self.forward_depth:  # the model's forward, not the rest of the step (logging ``loss.item()``)
+            self.trace.data_dependent.append((name, self.module()))
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.hidden:
             return out
         name = op_name(func)
-        if self.forward_depth and (name in DATA_DEPENDENT or (name == "__getitem__" and _bool_mask(args))):
-            self.trace.data_dependent.append((name, self.scope[-1] if self.scope else ""))
+        if name in DATA_DEPENDENT:  # (a boolean mask is found with the subscript, below)
+            self.data_dependent(name)
         if name == "size" and args and isinstance(args[0], Tensor):
             sizes = tuple(out) if isinstance(out, tuple) else (out,) if isinstance(out, int) else ()
             self.trace.events.append(OpCall("size", (self.node(args[0]),), (), tuple(int(v) for v in sizes)))
@@ -144,7 +152,7 @@ class _Recorder(TorchFunctionMode):
         leaves = tree_leaves((args, kwargs or {}))
         if name in FACTORIES and len(outs) == 1:  # constant tensors: uniform along every dim, sized by literals
             values = tuple(a if isinstance(a, int) and not isinstance(a, bool) else None for a in leaves)
-            scope = (("module", self.scope[-1] if self.scope else ""),)
+            scope = (("module", self.module()),)
             self.trace.events.append(OpCall(name, (), (self.node(outs[0]),), values, scope))
             return out
         if not outs or not any(isinstance(a, Tensor) for a in leaves):
@@ -154,6 +162,8 @@ class _Recorder(TorchFunctionMode):
         index: tuple[tuple, ...] = ()
         if name in ("__getitem__", "__setitem__") and len(args) > 1:
             index = describe_index(args[1])
+            if name == "__getitem__" and any(i[0] == "tensor" and i[2] and i[1] > 0 for i in index):
+                self.data_dependent(name)  # x[mask]: as many rows as the mask has True
         elif name == "einsum" and args and isinstance(args[0], str):
             index = (("equation", args[0]),)
         self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index))
@@ -166,12 +176,6 @@ DATA_DEPENDENT = frozenset({
     "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "__bool__", "item", "tolist", "__int__",
     "__index__", "__float__",
 })
-
-
-def _bool_mask(args: tuple) -> bool:
-    items = args[1] if len(args) > 1 else ()
-    items = items if isinstance(items, tuple) else (items,)
-    return any(isinstance(i, Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in items)
 
 
 def op_name(func: Any) -> str:
