@@ -14,6 +14,7 @@ from lightning_dpmp.integration.accounting import CommAccounting, CommCounter
 from lightning_dpmp.integration.autoplan import PlanFallbackWarning, PlanVerificationError, UnverifiedPlanWarning
 from lightning_dpmp.integration.data_path import UnevenBatchesError
 from lightning_dpmp.integration.mp_batch import BatchMismatchError
+from lightning_dpmp.integration.pretrained import from_pretrained, load_weights
 from lightning_dpmp.integration.strategy import DPMPStrategy
 from lightning_dpmp.parallel.clipping import clip_grad_norm_
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
@@ -50,7 +51,9 @@ __all__ = [
     "consolidate",
     "consolidated_state_dict",
     "copy_to_group",
+    "from_pretrained",
     "gather_from_group",
+    "load_weights",
     "make_plan",
     "parallelize",
     "reduce_from_group",

@@ -49,6 +49,7 @@ __all__ = [
     "disable_torch_function_subclass",
     "dynamo_without_ddp_split",
     "distributed_is_initialized",
+    "hf_model_from_config",
     "init_optimizers_and_lr_schedulers",
     "layer_sync",
     "loop_data_source",
@@ -334,3 +335,12 @@ def __getattr__(name: str) -> Any:
 
         return _SubprocessScriptLauncher
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def hf_model_from_config(model_class: Any, config: Any, **kwargs: Any) -> Any:
+    """A transformers model built from ``config`` (no weights loaded): ``from_config`` for the ``Auto*`` classes,
+    else ``PreTrainedModel._from_config`` (private; transformers 5.24), which applies ``dtype`` and
+    ``attn_implementation`` exactly as ``from_pretrained`` does, where ``model_class(config)`` would ignore both."""
+    if hasattr(model_class, "from_config"):
+        return model_class.from_config(config, **kwargs)
+    return model_class._from_config(config, **kwargs)

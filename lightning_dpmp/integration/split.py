@@ -25,6 +25,7 @@ from torch import nn
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer
+from lightning_dpmp.checkpoint.weights import load_deferred
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
@@ -80,6 +81,7 @@ def split_model(
     )
     if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
         materialize(lm, device, seed, grid.mp_rank)
+        load_deferred(lm, grid.mp_group)  # pretrained weights: each rank reads only the slices it holds
     sp = applied.plan.sequence
     names = set(sp.partial_params) if sp is not None else set()
     dims = shard_dims(lm)

@@ -22,13 +22,13 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor
+from torch import Tensor, nn
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration.autoplan import isolated
 from lightning_dpmp.planner.trace import NoDropout
 
-__all__ = ["first_batch", "step_runner", "trainer_state"]
+__all__ = ["buffers_on_meta", "first_batch", "step_runner", "trainer_state"]
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step", "train_step_context"),
@@ -83,7 +83,8 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
             for m, mode in modes:  # `isolated` restores every module's mode afterwards
                 m.training = mode
         state = trainer_state(strategy, lm) if training else contextlib.nullcontext()
-        with state, getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
+        buffers = buffers_on_meta(lm) if meta else contextlib.nullcontext()
+        with state, buffers, getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
             return getattr(lm, hook)(b, 0)
 
     return run
@@ -113,6 +114,20 @@ def trainer_state(strategy: Any, module: Any) -> Iterator[None]:
         yield
     finally:
         strategy.optimizers, strategy.lr_scheduler_configs = saved
+
+
+@contextlib.contextmanager
+def buffers_on_meta(module: nn.Module) -> Iterator[None]:
+    """While tracing a meta model: its real buffers (computed at build, e.g. rotary ``inv_freq``) as meta copies, so
+    no op mixes devices; the real ones are back afterwards, untouched by the traced step."""
+    saved = [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None and not b.is_meta]
+    for m, k, b in saved:
+        m._buffers[k] = b.to("meta")
+    try:
+        yield
+    finally:
+        for m, k, b in saved:
+            m._buffers[k] = b
 
 
 def to_meta(batch: Any) -> Any:

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_dpmp.compat as compat
+from lightning_dpmp.checkpoint.weights import defer_loading, note_deferring_strategy
 from lightning_dpmp.integration import hooks, validate
 from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.autoplan import PlanResult
@@ -57,7 +58,7 @@ from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
-from lightning_dpmp.planner.materialize import is_meta
+from lightning_dpmp.planner.materialize import empty_parameters, is_meta
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class DPMPStrategy(GridStrategy):
         self._failed = False
         self._undo_sync_skip: Optional[Callable[[], None]] = None  # set by model_to_device outside fitting
         self._zero_engine: Optional[ZeroEngine] = None  # zero=2/3 while fitting
+        note_deferring_strategy(self)  # from_pretrained called from now on leaves its weights to the split
 
     @property
     def rng_tracker(self) -> Optional[RNGTracker]:
@@ -367,10 +369,19 @@ class DPMPStrategy(GridStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """``Trainer.init_module(empty_init=True)``: build on the meta device; each rank materialises its shards
-        after the split (:mod:`lightning_dpmp.planner.materialize`), so the dense model never exists in memory."""
-        device_ctx = torch.device("meta") if empty_init else nullcontext()
-        with device_ctx, self.precision_plugin.tensor_init_context():
+        """``Trainer.init_module(empty_init=True)``: parameters on the meta device (buffers computed for real); each
+        rank materialises its shards after the split (:mod:`lightning_dpmp.planner.materialize`), so the dense
+        model never exists in memory."""
+        params_ctx = empty_parameters() if empty_init else nullcontext()  # buffers still computed, on the CPU
+        with params_ctx, defer_loading(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model``: :func:`lightning_dpmp.from_pretrained` called in it leaves its weights to the split,
+        so each rank reads only its slices (other layers are built as usual)."""
+        with defer_loading(), super().model_sharded_context():
             yield
 
     # ------------------------------------------------------------------ teardown
@@ -402,6 +413,19 @@ class DPMPStrategy(GridStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return self.checkpointer.optimizer_state(optimizer, super().optimizer_state)
+
+    def save_pretrained(self, module: torch.nn.Module, out_dir: str, max_shard_size: Union[int, str] = "5GB"
+                        ) -> dict[str, int]:
+        """Write ``module`` (e.g. the transformers model in ``self.net``) as a Hugging Face folder: safetensors,
+        sharded with ``model.safetensors.index.json`` above ``max_shard_size``, plus its config and generation
+        config. Call it on every rank, during fit (split) or after it; rank 0 writes, holding one dense tensor at a
+        time. ``transformers``' ``from_pretrained`` (or :func:`lightning_dpmp.from_pretrained`) loads the result.
+
+        Example:
+            >>> trainer.strategy.save_pretrained(model.net, "finetuned/")      # doctest: +SKIP
+            {'files': 1, 'tensors': 21, 'bytes': 181504}
+        """
+        return self.checkpointer.save_pretrained(module, out_dir, max_shard_size)
 
     # Strategy hook = StrategyCheckpointer method, same arguments and defaults.
     lightning_module_state_dict = to_checkpointer("lightning_module_state_dict", "module_state_dict")

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from lightning_dpmp.checkpoint.consolidated import (
     consolidate_optimizer_state,
     dense_shapes,
     gather_state_dict,
+    gather_to_first,
     optimizer_param_blocks,
     optimizer_param_dims,
     shard_optimizer_state,
@@ -46,6 +48,14 @@ from lightning_dpmp.checkpoint.files import (
     make_weights_only_safe,
     recover_path,
     write_on_rank_zero,
+)
+from lightning_dpmp.checkpoint.hf_export import (
+    TensorEntry,
+    discard_staging,
+    floating_dtype,
+    state_entries,
+    write_config,
+    write_streamed,
 )
 from lightning_dpmp.checkpoint.integrity import load_checked
 from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
@@ -165,6 +175,48 @@ class StrategyCheckpointer:
         if "://" in found or not os.path.exists(found):
             return st.checkpoint_io.load_checkpoint(found, weights_only=True)
         return load_checked(found, load_file)  # a truncated file: named, and said to be incomplete
+
+    def save_pretrained(self, module: Any, out_dir: str, max_shard_size: Any = "5GB") -> dict[str, int]:
+        """Write ``module`` (a submodule of the trained model, e.g. the transformers model in ``self.net``) as a
+        Hugging Face folder: safetensors under its own names plus its config (collective over the world).
+
+        Each split tensor is gathered onto global rank 0 over DP row 0's MP group, written, and freed before the
+        next one, so no rank ever holds more than its shards and one dense tensor; rank 0 writes, the others
+        return once the folder is complete.
+        """
+        st = self.strategy
+        grid = st.grid_or_none
+        distributed = grid is not None and dist.is_initialized()
+        engine = self._engine()
+        gathered = engine.gathered() if engine is not None else contextlib.nullcontext()
+        with gathered:  # zero=3: the MP-local parameters exist only inside
+            state = module.state_dict()
+            dims, blocks = shard_dims(module), shard_blocks(module)
+            mp_group = grid.mp_group if distributed else None
+            shapes = dense_shapes(module, mp_group) if distributed else {k: tuple(v.shape) for k, v in state.items()}
+            entries = state_entries(state, shapes)
+            first_row = not distributed or grid.dp_rank == 0
+
+            def fetch(e: TensorEntry) -> Optional[Tensor]:
+                if e.name in dims and distributed:
+                    return gather_to_first(state[e.name], mp_group, dims[e.name], blocks.get(e.name, 1))
+                return state[e.name] if st.is_global_zero else None
+
+            summary = {"files": 0, "tensors": len(entries), "bytes": 0}
+            if first_row:
+                try:
+                    summary = write_streamed(out_dir, entries, fetch, max_shard_size, write=st.is_global_zero)
+                except BaseException:
+                    if st.is_global_zero:
+                        discard_staging(out_dir)
+                    raise
+        config, generation = getattr(module, "config", None), getattr(module, "generation_config", None)
+        finish = lambda: write_config(out_dir, config, floating_dtype(module), [generation])  # noqa: E731
+        if distributed:
+            write_on_rank_zero(finish, max(st.timeout, timedelta(hours=1)))
+        else:
+            finish()
+        return summary
 
     def remove(self, filepath: Any) -> None:
         """Delete a checkpoint file or sharded folder (rank 0)."""

@@ -1,30 +1,49 @@
-"""Models bigger than one process: build on the meta device, split, then allocate only this rank's shards.
+"""Models bigger than one process: build with parameters on the meta device, split, then allocate only this rank's
+shards.
 
-With ``Trainer.init_module(empty_init=True)`` (or ``configure_model`` under the strategy's init context) the dense
-model is built on the ``meta`` device: shapes, no memory. The plan is traced on meta tensors, the layers are split
-(still meta), and only then does each rank allocate and initialise what it holds.
+With ``Trainer.init_module(empty_init=True)`` (or :func:`lightning_dpmp.from_pretrained`) the dense model is built
+under :func:`empty_parameters`: every *parameter* goes to the ``meta`` device (shapes, no memory) the moment it is
+registered, while *buffers* are computed for real on the current device. Computed buffers (rotary embeddings'
+``inv_freq``, causal masks, position ids) therefore hold their values, which no re-initialisation could recover.
+The plan is traced on meta tensors, the layers are split (still meta), and only then does each rank allocate and
+initialise what it holds.
 
-Initialisation: every module's own ``reset_parameters()`` (torch's default distributions; the parallel layers use
-the *dense* fan-in, so a shard has the distribution the dense layer would have), under a generator seeded from the
-global seed and the module's name, and, for split layers, the MP rank. Replicated parameters are therefore equal
-on every rank, shards differ across MP ranks, and DP replicas agree. The values are not those of a single-process
-run (those would need the dense tensors this path exists to avoid), and custom initialisation written in a
-model's ``__init__`` does not run on meta tensors: apply it in ``on_fit_start`` or load weights from a checkpoint.
+Initialisation, per module, under a generator seeded from the global seed and the module's name (and, for split
+layers, the MP rank), so replicated parameters are equal on every rank, shards differ across MP ranks, and DP
+replicas agree:
+
+- a model's own ``_init_weights(module)`` where an enclosing module has one (transformers' ``PreTrainedModel``:
+  RMSNorm to ones, Linear to ``normal(0, initializer_range)``, rotary buffers rebuilt); split layers are handed to it
+  as an ``nn.Linear`` over their shards, so they get the distribution the dense layer would;
+- else the module's ``reset_parameters()`` (torch's defaults; the split layers use the *dense* fan-in);
+- else a clear error naming the module.
+
+The values are not those of a single-process run (those would need the dense tensors this path exists to avoid):
+load weights to get those (:func:`lightning_dpmp.from_pretrained`, ``ckpt_path``). Tied parameters (an embedding
+shared with the output layer) stay one parameter.
 
 Example:
-    >>> materialize(lightning_module, torch.device("cpu"), seed=0, mp_rank=grid.mp_rank)   # doctest: +SKIP
+    >>> with empty_parameters():
+    ...     layer = nn.Linear(4, 4)
+    >>> layer.weight.is_meta
+    True
+    >>> materialize(layer, torch.device("cpu"), seed=0, mp_rank=0)
+    20
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from lightning_dpmp.parallel.sharding import ParallelLinear
 
-__all__ = ["is_meta", "materialize"]
+__all__ = ["empty_parameters", "is_meta", "materialize"]
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -32,27 +51,95 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
+@contextmanager
+def empty_parameters() -> Iterator[None]:
+    """Build modules with every parameter on the meta device and every buffer computed for real.
+
+    Parameters are moved to meta as they are registered (``nn.Module.register_parameter``, which attribute
+    assignment goes through), so code in ``__init__`` that initialises them runs on meta tensors for free. Buffers
+    are created on the current default device; under an enclosing ``torch.device("meta")`` context they go to the
+    CPU instead, so that their values are computed.
+    """
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    default = torch.get_default_device()
+    device = torch.device("cpu") if default.type == "meta" else default
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _model_init(module: nn.Module) -> dict[str, Callable[[nn.Module], Any]]:
+    """For each submodule name, the ``_init_weights`` of its nearest enclosing module that has one (if any)."""
+    found: dict[str, Callable[[nn.Module], Any]] = {}
+    for name, mod in module.named_modules():
+        parent = name.rsplit(".", 1)[0] if "." in name else ("" if name else None)
+        own = getattr(mod, "_init_weights", None)
+        if callable(own):
+            found[name] = own
+        elif parent is not None and parent in found:
+            found[name] = found[parent]
+    return found
+
+
+def _as_linear(layer: ParallelLinear) -> nn.Linear:
+    """An ``nn.Linear`` whose parameters *are* ``layer``'s shards: a model's init written for ``nn.Linear``
+    initialises them in place with the dense layer's distribution."""
+    proxy = nn.Linear(1, 1, bias=False, device="meta")
+    proxy.weight = layer.weight
+    proxy.bias = layer.bias
+    return proxy
+
 
 def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int) -> int:
-    """Allocate every meta parameter/buffer of ``module`` on ``device`` and initialise it; returns elements made."""
+    """Allocate every meta parameter/buffer of ``module`` on ``device``, move real buffers there, and initialise
+    what was allocated; returns the number of elements allocated."""
     made = 0
     devices = [device.index or 0] if device.type == "cuda" else []
+    made_params: dict[int, nn.Parameter] = {}  # one new parameter per meta parameter: ties stay tied
+    model_init = _model_init(module)
     for name, mod in module.named_modules():
-        own = [t for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)) if t.is_meta]
-        if not own:
+        fresh = False
+        for key, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made_params:
+                made_params[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                made += p.numel()
+                fresh = True
+            mod._parameters[key] = made_params[id(p)]
+        for key, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if b.is_meta:
+                mod._buffers[key] = torch.empty_like(b, device=device)
+                made += b.numel()
+                fresh = True
+            elif b.device != device:
+                mod._buffers[key] = b.to(device)
+        if not fresh:
             continue
-        mod.to_empty(device=device, recurse=False)
-        made += sum(t.numel() for t in own)
         split = isinstance(mod, ParallelLinear)
         key = f"{seed}:{name}:{mp_rank if split else 'replicated'}".encode()
-        with torch.random.fork_rng(devices=devices):
+        init = model_init.get(name)
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(zlib.crc32(key))
-            if hasattr(mod, "reset_parameters"):
+            if init is not None:
+                init(_as_linear(mod) if split else mod)
+            elif hasattr(mod, "reset_parameters"):
                 mod.reset_parameters()
             else:
                 raise RuntimeError(
                     f"{name or type(module).__name__} ({type(mod).__name__}) was built on the meta device but has no"
-                    " reset_parameters() to initialise it; give it one, or build it outside"
-                    " init_module(empty_init=True)."
+                    " reset_parameters() (nor an enclosing _init_weights) to initialise it; give it one, or build"
+                    " it outside init_module(empty_init=True)."
                 )
     return made

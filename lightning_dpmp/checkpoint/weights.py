@@ -1,0 +1,257 @@
+"""Initial weights read slice by slice: a dense checkpoint (Hugging Face safetensors, one file or a sharded index,
+or a Lightning / torch checkpoint of the plain model) loaded into a model that is split, each rank reading only the
+slices it keeps.
+
+A model built with its parameters on the meta device is marked with :func:`defer_weights`; after the strategy has
+split and materialised it, :func:`load_deferred` reads, for every tensor of the split model, exactly the rows or
+columns this MP rank holds (``safe_open(...).get_slice``; a memory-mapped ``torch.load`` for ``.ckpt`` files), one
+tensor at a time, through the same shard metadata (:func:`~lightning_dpmp.parallel.sharding.shard_dims`, fused
+blocks) that checkpoints use. Tied and aliased parameters are read once, frozen parameters stay frozen, and names
+saved once for a tied pair (``lm_head.weight`` with ``embed_tokens.weight``) are found under the other name.
+
+Example:
+    >>> files = WeightFiles("pretrained/")                        # doctest: +SKIP
+    >>> files.read("model.layers.0.mlp.up_proj.weight", dim=0, parts=2, part=1).shape   # doctest: +SKIP
+    torch.Size([32, 32])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dpmp.checkpoint.files import load_file
+from lightning_dpmp.parallel.comm import group_rank, group_size
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
+
+__all__ = [
+    "DEFERRED_ATTR",
+    "DeferredWeights",
+    "WeightFiles",
+    "defer_loading",
+    "defer_weights",
+    "load_deferred",
+    "loading_deferred",
+    "match_keys",
+    "note_deferring_strategy",
+]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+DEFERRED_ATTR = "_dpmp_deferred_weights"  # on a module: the DeferredWeights that fill it after the split
+
+
+class WeightFiles:
+    """The dense tensors of a checkpoint by name, read in slices.
+
+    Args:
+        path: a folder holding ``model.safetensors`` or a sharded index (``model.safetensors.index.json``) as
+            ``save_pretrained`` writes them, a single ``.safetensors`` file, or a Lightning / torch checkpoint file
+            (its ``state_dict``, or the file's own mapping when it has none).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+        self._where: dict[str, str] = {}  # key -> safetensors file
+        self._state: Optional[Mapping[str, Any]] = None  # torch checkpoint (memory-mapped)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        if os.path.isdir(self.path):
+            index = os.path.join(self.path, SAFETENSORS_INDEX)
+            if os.path.exists(index):
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                for key, name in weight_map.items():
+                    self._where[key] = os.path.join(self.path, name)
+            else:
+                files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+                if not files:
+                    raise FileNotFoundError(
+                        f"{self.path} holds no model.safetensors, no {SAFETENSORS_INDEX} and no other .safetensors"
+                        " file (a folder written by save_pretrained has one of them).")
+                for name in files:
+                    self._add_file(os.path.join(self.path, name))
+        elif self.path.endswith(".safetensors"):
+            self._add_file(self.path)
+        elif os.path.isfile(self.path):
+            loaded = load_file(self.path)  # weights_only=True, memory-mapped: no page is read before it is sliced
+            state = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
+            if not isinstance(state, Mapping):
+                raise ValueError(f"{self.path} holds no state_dict (found {type(loaded).__name__}).")
+            self._state = {k: v for k, v in state.items() if isinstance(v, Tensor)}
+            self._shapes = {k: tuple(v.shape) for k, v in self._state.items()}
+        else:
+            raise FileNotFoundError(f"No pretrained weights at {self.path}.")
+        if self._where and not self._shapes:
+            self._read_shapes()
+
+    def _add_file(self, file: str) -> None:
+        from safetensors import safe_open
+
+        with safe_open(file, "pt", device="cpu") as f:
+            for key in f.keys():
+                self._where[key] = file
+
+    def _read_shapes(self) -> None:
+        from safetensors import safe_open
+
+        for file in sorted(set(self._where.values())):
+            with safe_open(file, "pt", device="cpu") as f:
+                for key in f.keys():
+                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+
+    def keys(self) -> list[str]:
+        """Every tensor name in the checkpoint, in its order."""
+        return list(self._shapes)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The dense shape of ``key``."""
+        return self._shapes[key]
+
+    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: int = 1) -> Tensor:
+        """Part ``part`` of ``parts`` of ``key`` along ``dim`` (the whole tensor when ``dim`` is None); with
+        ``blocks > 1`` (fused q|k|v), that part of each block, concatenated, as
+        :func:`~lightning_dpmp.parallel.sharding.shard_tensor` cuts it. Only those elements are read."""
+        shape = self._shapes[key]
+        ranges = [(0, shape[dim] if dim is not None else 0)]
+        if dim is not None and parts > 1:
+            block, n = shape[dim] // blocks, shape[dim] // blocks // parts
+            if shape[dim] % (blocks * parts):
+                raise ValueError(f"{key}: dim {dim} of size {shape[dim]} does not split into {blocks} block(s) x"
+                                 f" mp={parts}.")
+            ranges = [(b * block + part * n, b * block + (part + 1) * n) for b in range(blocks)]
+        pieces = [self._read_range(key, dim, lo, hi) for lo, hi in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim if dim is not None else 0)
+
+    def _read_range(self, key: str, dim: Optional[int], lo: int, hi: int) -> Tensor:
+        index = tuple([slice(None)] * dim + [slice(lo, hi)]) if dim is not None else ()
+        if self._state is not None:
+            t = self._state[key]
+            return (t[index] if index else t).clone()  # a copy: the mapped file is not kept alive
+        from safetensors import safe_open
+
+        # Opened per tensor: the mapping (and the pages it touched, which count in RSS) closes with each read.
+        with safe_open(self._where[key], "pt", device="cpu") as f:
+            sl = f.get_slice(key)
+            return sl[index] if index else sl[:]
+
+
+def match_keys(module: nn.Module, names: list[str], prefix: Optional[str] = None) -> dict[str, str]:
+    """For each ``state_dict`` key of ``module``, the checkpoint name that holds it.
+
+    Tried in order: the key itself; another name of the same tensor (a tied weight saved once); and, for the whole
+    model at once, the checkpoint's names with a leading ``prefix`` added or removed (transformers' base-model
+    prefix, e.g. a ``LlamaModel`` read from a ``LlamaForCausalLM`` folder). Keys found nowhere are left out.
+    """
+    state = module.state_dict(keep_vars=True)
+    available = set(names)
+    candidates = [("", "")]
+    if prefix:
+        candidates += [(f"{prefix}.", ""), ("", f"{prefix}.")]  # (add to our key, strip from our key)
+
+    def rename(key: str, add: str, strip: str) -> str:
+        return add + key[len(strip):] if key.startswith(strip) else add + key
+
+    add, strip = max(candidates, key=lambda c: sum(rename(k, *c) in available for k in state))
+    found = {k: rename(k, add, strip) for k in state if rename(k, add, strip) in available}
+    by_tensor: dict[int, str] = {}
+    for k, t in state.items():
+        if k in found and isinstance(t, Tensor):
+            by_tensor.setdefault(id(t), found[k])
+    for k, t in state.items():
+        if k not in found and isinstance(t, Tensor) and id(t) in by_tensor:
+            found[k] = by_tensor[id(t)]  # an alias of a tensor stored under another name
+    return found
+
+
+@dataclass
+class DeferredWeights:
+    """Weights to read into a module once it is split: where they are, and whether every tensor must be found."""
+
+    path: str
+    strict: bool = True
+    prefix: Optional[str] = None  # a base-model prefix the checkpoint's names may carry or lack (see match_keys)
+
+
+def defer_weights(module: nn.Module, path: str, strict: bool = True, prefix: Optional[str] = None) -> nn.Module:
+    """Mark ``module`` (its parameters on the meta device) to be filled from ``path`` after the split; the
+    strategy then calls :func:`load_deferred`. Returns ``module``."""
+    WeightFiles(str(path))  # fail now, with the path named, rather than at setup on every rank
+    module.__dict__[DEFERRED_ATTR] = DeferredWeights(str(path), strict, prefix)
+    return module
+
+
+def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
+    """Fill every module marked by :func:`defer_weights` under ``root`` with its slices (no communication).
+
+    Returns ``{"tensors": ..., "elements": ...}`` read by this rank. Raises ``KeyError`` naming the first tensor
+    the checkpoint lacks (``strict``) or ``ValueError`` naming one whose shape differs, before anything is copied.
+    """
+    read = {"tensors": 0, "elements": 0}
+    parts, part = group_size(mp_group), group_rank(mp_group)
+    for _, module in root.named_modules():
+        spec = module.__dict__.pop(DEFERRED_ATTR, None)
+        if spec is None:
+            continue
+        files = WeightFiles(spec.path)
+        state = module.state_dict(keep_vars=True)
+        names = match_keys(module, files.keys(), spec.prefix)
+        dims, blocks = shard_dims(module), shard_blocks(module)
+        missing = [k for k in state if k not in names]
+        if spec.strict and missing:
+            raise KeyError(f"{spec.path} has no tensor for {missing[0]!r} ({len(missing)} missing in all) of"
+                           f" {type(module).__name__}; pass strict=False to keep their initial values.")
+        for key, name in names.items():
+            dense = list(state[key].shape)
+            if key in dims:
+                dense[dims[key]] *= parts
+            if tuple(dense) != files.shape(name):
+                raise ValueError(f"{spec.path}: {name!r} has shape {files.shape(name)} but the model's {key!r} is"
+                                 f" {tuple(dense)}.")
+        done: set[int] = set()
+        with torch.no_grad():
+            for key, name in names.items():
+                target = state[key]
+                if id(target) in done:
+                    continue
+                done.add(id(target))
+                dim = dims.get(key)
+                local = files.read(name, dim, parts if dim is not None else 1, part, blocks.get(key, 1))
+                target.copy_(local)
+                read["tensors"] += 1
+                read["elements"] += local.numel()
+    return read
+
+
+# Whether a pretrained model built now will be split by DPMPStrategy (so its loading can wait for the split): set
+# inside the strategy's init contexts (configure_model, init_module), or once a strategy exists in this process.
+_DEFERRING: ContextVar[bool] = ContextVar("dpmp_defer_loading", default=False)
+_STRATEGIES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@contextmanager
+def defer_loading() -> Iterator[None]:
+    """Inside: :func:`loading_deferred` is True (the strategy's ``configure_model`` / ``init_module`` contexts)."""
+    token = _DEFERRING.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRING.reset(token)
+
+
+def note_deferring_strategy(strategy: Any) -> None:
+    """Record a live strategy that splits models after building them (a weak reference)."""
+    _STRATEGIES.add(strategy)
+
+
+def loading_deferred() -> bool:
+    """Whether weights loaded now can be read slice by slice after a split: inside :func:`defer_loading`, or with a
+    strategy recorded by :func:`note_deferring_strategy` alive in this process."""
+    return _DEFERRING.get() or len(_STRATEGIES) > 0
