@@ -44,6 +44,7 @@ __all__ = [
     "optimizer_param_blocks",
     "optimizer_param_dims",
     "optimizer_param_names",
+    "optimizer_to_meta",
     "shard_optimizer_state",
     "shard_state_dict",
 ]
@@ -161,22 +162,41 @@ def shard_state_dict(
 
 
 def consolidate_optimizer(
-    optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any
+    optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any, keep: bool = True
 ) -> None:
     """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate` made,
-    with its per-parameter state gathered to dense shapes (collective over MP; every rank ends up dense)."""
+    with its per-parameter state gathered to dense shapes (collective over MP; with ``keep=False`` this rank keeps
+    the dense state's shapes only, on the meta device, one gathered tensor at a time)."""
     for pg in optimizer.param_groups:
         new_params = []
         for p in pg["params"]:
             dense, dim, blocks = moved.get(id(p), (p, None, 1))
             state = optimizer.state.pop(p, None)
             if state is not None:
+                kept = (lambda t: t) if keep else (lambda t: t.to("meta") if t.dim() else t)
                 optimizer.state[dense] = {
-                    k: (gather_tensor(v.detach(), dim, group, blocks)
-                        if dim is not None and isinstance(v, Tensor) and v.shape == p.shape else v)
+                    k: (kept(gather_tensor(v.detach(), dim, group, blocks))
+                        if dim is not None and isinstance(v, Tensor) and v.shape == p.shape
+                        else kept(v) if isinstance(v, Tensor) else v)
                     for k, v in state.items()
                 }
             new_params.append(dense)
+        pg["params"] = new_params
+
+
+def optimizer_to_meta(optimizer: Optimizer, params: Mapping[int, nn.Parameter]) -> None:
+    """Point ``optimizer`` at the meta parameters ``params`` (``{id(old): new}``) and move its state tensors to the
+    meta device: shapes kept, memory freed (a rank that does not keep the model after a run)."""
+    for pg in optimizer.param_groups:
+        new_params = []
+        for p in pg["params"]:
+            fresh = params.get(id(p), p)
+            state = optimizer.state.pop(p, None)
+            if state is not None:
+                optimizer.state[fresh] = {
+                    k: v.to("meta") if isinstance(v, Tensor) and v.dim() else v for k, v in state.items()
+                }
+            new_params.append(fresh)
         pg["params"] = new_params
 
 

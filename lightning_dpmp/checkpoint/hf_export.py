@@ -76,8 +76,8 @@ def parse_size(size: Union[int, str]) -> int:
 
 
 def state_entries(state: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]]) -> list[TensorEntry]:
-    """The entries to write for a module's ``state_dict`` (``shapes``: dense shapes by key): each tensor once,
-    under its first name (tied weights, shared modules), in ``state_dict`` order."""
+    """The entries to write for a module's ``state_dict(keep_vars=True)`` (``shapes``: dense shapes by key): each
+    tensor once, under its first name (tied weights, shared modules), in ``state_dict`` order."""
     seen: set[int] = set()
     out = []
     for key, t in state.items():
@@ -107,7 +107,8 @@ def _header(entries: list[TensorEntry]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # transformers refuses files without format "pt"
     offset = 0
     for e in entries:
-        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -143,7 +144,8 @@ def write_streamed(
                     continue
                 if tuple(t.shape) != e.shape or t.dtype != e.dtype:
                     raise ValueError(f"{e.name}: got {tuple(t.shape)} {t.dtype}, expected {e.shape} {e.dtype}.")
-                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                # A copy first: numpy sharing a parameter's storage would pin it (ZeRO-3 frees storages by resizing).
+                f.write(t.detach().to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().data)
                 total += e.nbytes
         finally:
             if f is not None:

@@ -24,18 +24,20 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
+from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
 
 __all__ = [
     "DEFERRED_ATTR",
     "DeferredWeights",
+    "RankZeroWeights",
     "WeightFiles",
     "defer_loading",
     "defer_weights",
@@ -171,13 +173,50 @@ def match_keys(module: nn.Module, names: list[str], prefix: Optional[str] = None
     return found
 
 
+class RankZeroWeights:
+    """The dense tensors global rank 0 holds, read by every rank in slices (collective over the world): for each
+    tensor, rank 0 broadcasts it, each rank keeps its slice and frees the rest, so no other rank ever holds more
+    than one dense tensor. Every rank must read the same keys in the same order.
+
+    Args:
+        state: rank 0's dense ``state_dict`` (``None`` on the other ranks).
+        device: where the broadcast happens (the strategy's root device: NCCL needs CUDA tensors).
+    """
+
+    def __init__(self, state: Optional[Mapping[str, Tensor]], device: torch.device) -> None:
+        self.path = "rank 0's model"
+        self._state = state
+        self._device = device
+        box = [{k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, Tensor)} if state else None]
+        dist.broadcast_object_list(box, src=0)
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = box[0] or {}
+
+    def keys(self) -> list[str]:
+        return list(self._meta)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._meta[key][0]
+
+    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: int = 1) -> Tensor:
+        shape, dtype = self._meta[key]
+        if self._state is not None:
+            full = self._state[key].detach().to(self._device)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=self._device)
+        dist.broadcast(full, src=0)
+        return full if dim is None or parts == 1 else shard_tensor(full, dim, parts, part, blocks).clone()
+
+
 @dataclass
 class DeferredWeights:
     """Weights to read into a module once it is split: where they are, and whether every tensor must be found."""
 
-    path: str
+    source: Union[str, RankZeroWeights]  # a path for WeightFiles, or rank 0's tensors
     strict: bool = True
     prefix: Optional[str] = None  # a base-model prefix the checkpoint's names may carry or lack (see match_keys)
+
+    def open(self) -> Union[WeightFiles, RankZeroWeights]:
+        return WeightFiles(self.source) if isinstance(self.source, str) else self.source
 
 
 def defer_weights(module: nn.Module, path: str, strict: bool = True, prefix: Optional[str] = None) -> nn.Module:
@@ -200,20 +239,20 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
         spec = module.__dict__.pop(DEFERRED_ATTR, None)
         if spec is None:
             continue
-        files = WeightFiles(spec.path)
+        files = spec.open()
         state = module.state_dict(keep_vars=True)
         names = match_keys(module, files.keys(), spec.prefix)
         dims, blocks = shard_dims(module), shard_blocks(module)
         missing = [k for k in state if k not in names]
         if spec.strict and missing:
-            raise KeyError(f"{spec.path} has no tensor for {missing[0]!r} ({len(missing)} missing in all) of"
+            raise KeyError(f"{files.path} has no tensor for {missing[0]!r} ({len(missing)} missing in all) of"
                            f" {type(module).__name__}; pass strict=False to keep their initial values.")
         for key, name in names.items():
             dense = list(state[key].shape)
             if key in dims:
                 dense[dims[key]] *= parts
             if tuple(dense) != files.shape(name):
-                raise ValueError(f"{spec.path}: {name!r} has shape {files.shape(name)} but the model's {key!r} is"
+                raise ValueError(f"{files.path}: {name!r} has shape {files.shape(name)} but the model's {key!r} is"
                                  f" {tuple(dense)}.")
         done: set[int] = set()
         with torch.no_grad():
@@ -227,6 +266,7 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
                 target.copy_(local)
                 read["tensors"] += 1
                 read["elements"] += local.numel()
+                del local  # before the next read: one tensor's slice at a time
     return read
 
 

@@ -12,8 +12,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,17 +25,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer
-from lightning_dpmp.checkpoint.weights import load_deferred
+from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer, optimizer_to_meta
+from lightning_dpmp.checkpoint.weights import DEFERRED_ATTR, DeferredWeights, RankZeroWeights, load_deferred
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import shard_dims
-from lightning_dpmp.planner.materialize import materialize
+from lightning_dpmp.planner.materialize import is_meta, materialize, params_to_meta
 from lightning_dpmp.planner.parallelize import consolidate
 
-__all__ = ["Split", "broadcast_dense", "split_model", "unsplit_model"]
+__all__ = ["Split", "agree_on_meta", "broadcast_dense", "meta_safe_teardown", "split_model", "unsplit_model"]
 
 
 @dataclass
@@ -53,6 +54,38 @@ def broadcast_dense(module: nn.Module) -> None:
         for t in list(module.parameters()) + list(module.buffers()):
             if t.device.type != "meta":
                 dist.broadcast(t.data, src=0)
+
+
+def agree_on_meta(strategy: Any) -> bool:
+    """Whether the model is to be split from the meta device, agreed by every rank (one all-reduce).
+
+    A model that is meta on some ranks and real on global rank 0 (what ``consolidate_on_teardown="rank0"`` leaves
+    after a run, for the next ``fit``/``validate``/``test``) is taken from rank 0: every rank turns its parameters
+    to meta, and after the split each reads its slices of rank 0's tensors, one broadcast tensor at a time.
+    Raises ``ValueError`` on every rank when rank 0 is meta but another rank is not.
+    """
+    lm = strategy.lightning_module
+    meta = is_meta(lm)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return meta
+    real0 = strategy.global_rank == 0 and not meta
+    flags = torch.tensor([float(meta), float(not meta), float(real0)], device=strategy.root_device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    any_meta, any_real, rank0_real = (bool(f) for f in flags.tolist())
+    if not any_meta or not any_real:
+        return any_meta
+    if not rank0_real:
+        raise ValueError(
+            "The model's parameters are on the meta device on global rank 0 but real on another rank: build it the"
+            " same way on every rank (lightning_dpmp.from_pretrained decides laziness per process: create the"
+            " Trainer before the model, call it in configure_model, or pass lazy=True)."
+        )
+    state = {k: v.detach() for k, v in lm.state_dict().items()} if strategy.global_rank == 0 else None
+    for mod in lm.modules():  # rank 0's values win over any other source
+        mod.__dict__.pop(DEFERRED_ATTR, None)
+    params_to_meta(lm)
+    lm.__dict__[DEFERRED_ATTR] = DeferredWeights(RankZeroWeights(state, strategy.root_device))
+    return True
 
 
 def split_model(
@@ -108,10 +141,36 @@ def split_model(
     )
 
 
-def unsplit_model(strategy: Any) -> None:
+def unsplit_model(strategy: Any, keep: bool = True) -> None:
     """Gather ``strategy.lightning_module``'s layers back to dense, and its optimizers' state with them (collective;
-    under ZeRO the strategy has released the engine first, so the optimizers are plain again)."""
+    under ZeRO the strategy has released the engine first, so the optimizers are plain again). With ``keep=False``
+    this rank ends with the dense shapes on the meta device (rank 0 alone keeps the model)."""
     lm = strategy.lightning_module
-    moved = consolidate(lm)
+    moved = consolidate(lm, keep)
     for optimizer in strategy.optimizers:
-        consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, strategy.grid.mp_group)
+        consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, strategy.grid.mp_group, keep)
+    if not keep:  # the replicated rest too: the next setup takes every value from rank 0
+        meta = params_to_meta(lm)
+        for optimizer in strategy.optimizers:
+            optimizer_to_meta(compat.unwrap_optimizer(optimizer), meta)
+
+
+@contextlib.contextmanager
+def meta_safe_teardown(strategy: Any) -> Iterator[None]:
+    """Around Lightning's teardown, which moves the module and optimizer state to the CPU: a module left with
+    meta parameters (a rank that does not keep the model, or a setup that failed before materialising) moves its
+    real tensors only, instead of failing with "Cannot copy out of meta tensor" under the first error."""
+    lm = strategy.lightning_module
+    if lm is None or not is_meta(lm):
+        yield
+        return
+    lm._apply(lambda t: t if t.is_meta else t.cpu())
+    optimizers = strategy.optimizers
+    lm.__dict__["cpu"] = lambda: lm  # Strategy.teardown calls lightning_module.cpu(); the move is done above
+    strategy.optimizers = []  # their state is meta on this rank, or was never made
+    try:
+        yield
+    finally:
+        lm.__dict__.pop("cpu", None)
+        strategy.optimizers = optimizers
+

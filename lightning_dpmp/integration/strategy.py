@@ -43,7 +43,7 @@ from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batc
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.layout import resolve_aliases
 from lightning_dpmp.integration.metrics import route_metrics
-from lightning_dpmp.integration.split import split_model, unsplit_model
+from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown, split_model, unsplit_model
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.zero import (
     memory_line,
@@ -58,7 +58,7 @@ from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
-from lightning_dpmp.planner.materialize import empty_parameters, is_meta
+from lightning_dpmp.planner.materialize import empty_parameters
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,11 @@ class DPMPStrategy(GridStrategy):
         verify_plan: run the first batch through the dense and the parallel model and compare loss and gradients
             before training; layers that disagree fall back to safer styles (a ``PlanFallbackWarning``), and a step
             no plan can match (rank-dependent, or not reproducible) raises ``PlanVerificationError`` on every rank.
-        consolidate_on_teardown: gather the layers (and optimizer state) back to dense at the end of ``fit``,
-            ``validate``, ``test`` or ``predict``, so the module you passed is the plain model again.
+        consolidate_on_teardown: at the end of ``fit``, ``validate``, ``test`` or ``predict``, gather the layers
+            (and optimizer state) back to dense. ``"rank0"`` (default): global rank 0 holds the plain model, the
+            other ranks its shapes on the meta device (no rank but 0 ever holds a full copy; a later
+            ``fit``/``test`` on the same module takes the weights from rank 0); ``True``: every rank holds it;
+            ``False``: the module stays split.
         save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel
             (:mod:`lightning_dpmp.checkpoint.sharded`), instead of one consolidated file; both load into any layout.
         timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging);
@@ -130,7 +133,7 @@ class DPMPStrategy(GridStrategy):
         plan_overrides: Optional[Mapping[str, str]] = None,
         sequence_parallel: bool = False,
         verify_plan: bool = True,
-        consolidate_on_teardown: bool = True,
+        consolidate_on_teardown: Union[bool, Literal["rank0"]] = "rank0",
         save_distributed_checkpoint: bool = False,
         timeout_s: Optional[float] = None,
         check_consistency_every_n_steps: int = 0,
@@ -265,7 +268,7 @@ class DPMPStrategy(GridStrategy):
         or its module-state broadcast from rank 0 (other stages), which would overwrite MP shards with rank 0's.
         """
         assert self.model is not None and self.lightning_module is not None
-        meta = is_meta(self.model)
+        meta = agree_on_meta(self)  # rank 0 alone holding the model (a previous run's teardown): taken from it
         if not meta:
             super().model_to_device()
         trainer = self.lightning_module.trainer
@@ -398,11 +401,13 @@ class DPMPStrategy(GridStrategy):
             self.optimizers = release_engine(self._zero_engine, self.optimizers, self.lr_scheduler_configs)
         self._zero_engine = None
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
-            unsplit_model(self)  # before super(): it moves the module to CPU, where NCCL cannot gather
+            # Before super(): it moves the module to CPU, where NCCL cannot gather. "rank0": the others keep shapes.
+            unsplit_model(self, keep=self._consolidate_on_teardown is True or self.is_global_zero)
         if self._compile and lm is not None:
             uncompile_blocks(lm)
         hooks.remove(self.precision_plugin)
-        super().teardown()
+        with meta_safe_teardown(self):
+            super().teardown()
 
     # ------------------------------------------------------------------ checkpoints (delegated to self.checkpointer)
     @property

@@ -190,7 +190,7 @@ class StrategyCheckpointer:
         engine = self._engine()
         gathered = engine.gathered() if engine is not None else contextlib.nullcontext()
         with gathered:  # zero=3: the MP-local parameters exist only inside
-            state = module.state_dict()
+            state = module.state_dict(keep_vars=True)  # tied weights are one object: written once
             dims, blocks = shard_dims(module), shard_blocks(module)
             mp_group = grid.mp_group if distributed else None
             shapes = dense_shapes(module, mp_group) if distributed else {k: tuple(v.shape) for k, v in state.items()}
@@ -200,7 +200,7 @@ class StrategyCheckpointer:
             def fetch(e: TensorEntry) -> Optional[Tensor]:
                 if e.name in dims and distributed:
                     return gather_to_first(state[e.name], mp_group, dims[e.name], blocks.get(e.name, 1))
-                return state[e.name] if st.is_global_zero else None
+                return state[e.name].detach() if st.is_global_zero else None
 
             summary = {"files": 0, "tensors": len(entries), "bytes": 0}
             if first_row:

@@ -79,7 +79,7 @@ def check_init_args(
     plan_overrides: Any = None,
     sequence_parallel: Any = False,
     verify_plan: Any = True,
-    consolidate_on_teardown: Any = True,
+    consolidate_on_teardown: Any = "rank0",
     save_distributed_checkpoint: Any = False,
     process_group_backend: Any = None,
     start_method: Any = "popen",
@@ -97,6 +97,11 @@ def check_init_args(
         )
     check_styles(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
+    if consolidate_on_teardown == "rank0":
+        values.pop("consolidate_on_teardown")
+    elif not isinstance(consolidate_on_teardown, bool):
+        raise TypeError(f"`consolidate_on_teardown` must be 'rank0', True or False, got {consolidate_on_teardown!r}"
+                        f" ({type(consolidate_on_teardown).__name__}).")
     for name, value in values.items():
         if not isinstance(value, bool):
             raise TypeError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")

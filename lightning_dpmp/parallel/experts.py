@@ -149,8 +149,9 @@ def _unhook(module: nn.Module) -> None:
     module.__dict__.pop("_dpmp_experts_group", None)
 
 
-def consolidate_experts(model: nn.Module) -> dict[int, tuple[nn.Parameter, int, int]]:
-    """Gather every sharded experts module of ``model`` back to dense parameters, same names (collective over MP).
+def consolidate_experts(model: nn.Module, keep: bool = True) -> dict[int, tuple[nn.Parameter, int, int]]:
+    """Gather every sharded experts module of ``model`` back to dense parameters, same names (collective over MP);
+    with ``keep=False``, dense shapes on the meta device (this rank only takes part in the gathers).
 
     Returns ``{id(shard): (dense parameter, dim, blocks)}`` for the optimizer to follow.
     """
@@ -164,7 +165,7 @@ def consolidate_experts(model: nn.Module) -> dict[int, tuple[nn.Parameter, int, 
             local = getattr(module, name)
             with torch.no_grad():
                 full = gather_tensor(local.detach(), dim, group, blocks)
-            dense = nn.Parameter(full.clone(), requires_grad=local.requires_grad)
+            dense = nn.Parameter(full.clone() if keep else full.to("meta"), requires_grad=local.requires_grad)
             setattr(module, name, dense)
             moved[id(local)] = (dense, dim, blocks)
         _unhook(module)

@@ -43,7 +43,7 @@ from torch import nn
 
 from lightning_dpmp.parallel.sharding import ParallelLinear
 
-__all__ = ["empty_parameters", "is_meta", "materialize"]
+__all__ = ["empty_parameters", "is_meta", "materialize", "params_to_meta"]
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -77,6 +77,20 @@ def empty_parameters() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def params_to_meta(module: nn.Module) -> dict[int, nn.Parameter]:
+    """Replace every real parameter of ``module`` by a meta one of the same shape (ties kept, ``requires_grad``
+    kept), freeing its memory; buffers stay. Returns ``{id(old parameter): meta parameter}``."""
+    memo: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None or p.is_meta:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            mod._parameters[key] = memo[id(p)]
+    return memo
+
+
 def _model_init(module: nn.Module) -> dict[str, Callable[[nn.Module], Any]]:
     """For each submodule name, the ``_init_weights`` of its nearest enclosing module that has one (if any)."""
     found: dict[str, Callable[[nn.Module], Any]] = {}
@@ -95,7 +109,7 @@ def _as_linear(layer: ParallelLinear) -> nn.Linear:
     initialises them in place with the dense layer's distribution."""
     proxy = nn.Linear(1, 1, bias=False, device="meta")
     proxy.weight = layer.weight
-    proxy.bias = layer.bias
+    proxy.register_parameter("bias", layer.bias)
     return proxy
 
 

@@ -72,7 +72,7 @@ def test_misspelt_style_fails_at_construction_with_did_you_mean():
         ({"plan_overrides": {("fc1",): "row"}}, TypeError, "`plan_overrides` entries must be str glob -> str style"),
         ({"sequence_parallel": "yes"}, TypeError, "`sequence_parallel` must be True or False, got 'yes'"),
         ({"verify_plan": 1}, TypeError, "`verify_plan` must be True or False"),
-        ({"consolidate_on_teardown": None}, TypeError, "`consolidate_on_teardown` must be True or False"),
+        ({"consolidate_on_teardown": None}, TypeError, "`consolidate_on_teardown` must be 'rank0', True or False"),
         ({"save_distributed_checkpoint": "false"}, TypeError, "`save_distributed_checkpoint` must be True or False"),
         ({"process_group_backend": 1}, TypeError, "`process_group_backend` must be a backend name"),
         ({"start_method": "popn"}, ValueError, "did you mean 'popen'?"),

@@ -1,0 +1,78 @@
+"""Tiny transformers models saved with ``save_pretrained`` (random init, no downloads), standing in for a pretrained
+checkpoint, and the LightningModules that fine-tune them in the pretrained tests.
+
+``save(name, folder)`` writes one of :data:`PRETRAINED` (seeded, so the reference and the workers read the same
+files); ``+sharded`` in a case name writes it as a sharded index instead of one file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tests.support.models import make_lm_dataset
+from tests.support.real_models import SEQ, VOCAB, CausalLM, LabelsLM
+
+
+def _llama(tied: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=tied))
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0))
+
+
+# name -> (builder, the model class to load it with, the LightningModule that trains it)
+PRETRAINED: dict[str, tuple[Callable[[], nn.Module], str, Callable[[nn.Module], Any]]] = {
+    "llama": (lambda: _llama(False), "LlamaForCausalLM", CausalLM),
+    "llama_tied": (lambda: _llama(True), "LlamaForCausalLM", LabelsLM),  # transformers' own labels= loss
+    "gpt2": (_gpt2, "GPT2LMHeadModel", CausalLM),  # Conv1D, fused q|k|v
+    "t5": (_t5, "T5ForConditionalGeneration", LabelsLM),  # one embedding under three names
+}
+
+
+def base(case: str) -> str:
+    """The model of a case name (``llama_tied+sharded`` -> ``llama_tied``)."""
+    return case.split("+")[0]
+
+
+def save(case: str, folder: str) -> str:
+    """Write the case's model (seed 0) with ``save_pretrained`` into ``folder/<case>``; returns that folder."""
+    path = os.path.join(folder, case)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        net = PRETRAINED[base(case)][0]()
+        net.save_pretrained(path, max_shard_size="20KB" if "+sharded" in case else "5GB")
+    return path
+
+
+def model_class(case: str) -> Any:
+    import transformers
+
+    return getattr(transformers, PRETRAINED[base(case)][1])
+
+
+def lightning_module(case: str, net: nn.Module) -> Any:
+    return PRETRAINED[base(case)][2](net)
+
+
+def dataset() -> Any:
+    return make_lm_dataset(vocab=VOCAB, seq=SEQ)

@@ -1,0 +1,179 @@
+"""One-process pieces of the pretrained path: slices read from safetensors and checkpoint files, key matching
+(tied weights, base-model prefix), the streamed safetensors writer, parameters on meta with buffers computed, and
+meta materialisation through a model's own ``_init_weights``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dpmp.checkpoint.hf_export import TensorEntry, parse_size, state_entries, write_config, write_streamed
+from lightning_dpmp.checkpoint.weights import WeightFiles, defer_weights, load_deferred, match_keys
+from lightning_dpmp.integration.pretrained import from_pretrained, load_weights
+from lightning_dpmp.parallel.sharding import shard_tensor
+from lightning_dpmp.planner.materialize import empty_parameters, materialize, params_to_meta
+
+safetensors = pytest.importorskip("safetensors")
+from safetensors.torch import save_file  # noqa: E402
+
+
+@pytest.fixture
+def files(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"fused.weight": torch.randn(12, 4, generator=g), "row.weight": torch.randn(4, 8, generator=g),
+               "norm.weight": torch.randn(4, generator=g)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    torch.save({"state_dict": tensors}, tmp_path / "plain.ckpt")
+    return tmp_path, tensors
+
+
+@pytest.mark.parametrize("source", ["model.safetensors", "plain.ckpt", "."])
+def test_slices_equal_shard_tensor(files, source):
+    folder, tensors = files
+    wf = WeightFiles(str(folder / source))
+    assert wf.shape("fused.weight") == (12, 4)
+    for parts in (1, 2):
+        for part in range(parts):
+            got = wf.read("fused.weight", 0, parts, part, blocks=3)  # q|k|v: the same rows of each block
+            assert torch.equal(got, shard_tensor(tensors["fused.weight"], 0, parts, part, blocks=3))
+            row = shard_tensor(tensors["row.weight"], 1, parts, part)
+            assert torch.equal(wf.read("row.weight", 1, parts, part), row)
+    assert torch.equal(wf.read("norm.weight"), tensors["norm.weight"])
+    with pytest.raises(ValueError, match="does not split into 3 block"):
+        wf.read("fused.weight", 0, 8, 0, blocks=3)
+
+
+def test_missing_weights_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no model.safetensors"):
+        WeightFiles(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="No pretrained weights"):
+        WeightFiles(str(tmp_path / "nope.ckpt"))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_match_keys_finds_tied_and_prefixed_names():
+    m = Tied()
+    assert match_keys(m, ["embed.weight"]) == {"embed.weight": "embed.weight", "head.weight": "embed.weight"}
+    assert match_keys(m, ["model.embed.weight"], prefix="model")["head.weight"] == "model.embed.weight"
+    wrapped = nn.Sequential()
+    wrapped.add_module("model", m)
+    assert match_keys(wrapped, ["embed.weight"], prefix="model")["model.embed.weight"] == "embed.weight"
+
+
+def test_deferred_load_one_process_and_errors(tmp_path):
+    ref = Tied()
+    save_file({"embed.weight": ref.embed.weight.detach()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with empty_parameters():
+        m = Tied()
+    assert m.embed.weight.is_meta and m.head.weight is m.embed.weight
+    defer_weights(m, str(tmp_path))
+    materialize(m, torch.device("cpu"), seed=0, mp_rank=0)
+    assert load_deferred(m, None) == {"tensors": 1, "elements": 24}
+    assert torch.equal(m.embed.weight, ref.embed.weight) and m.head.weight is m.embed.weight
+    wrong = nn.Linear(4, 5)
+    with empty_parameters():
+        wrong = defer_weights(nn.Linear(4, 5), str(tmp_path), strict=True)
+    materialize(wrong, torch.device("cpu"), 0, 0)
+    with pytest.raises(KeyError, match="has no tensor for 'weight'"):
+        load_deferred(wrong, None)
+
+
+def test_load_weights_real_module_loads_now(tmp_path):
+    ref = nn.Linear(3, 2)
+    torch.save({"state_dict": {f"net.{k}": v for k, v in ref.state_dict().items()}}, tmp_path / "m.ckpt")
+    got = load_weights(nn.Linear(3, 2), str(tmp_path / "m.ckpt"), prefix="net")
+    assert torch.equal(got.weight, ref.weight) and torch.equal(got.bias, ref.bias)
+
+
+def test_streamed_writer_reads_back(tmp_path):
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(3, 5, generator=g, dtype=torch.float64), "b": torch.randn(7, generator=g).bfloat16(),
+               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    entries = state_entries(tensors, {k: tuple(v.shape) for k, v in tensors.items()})
+    out = str(tmp_path / "export")
+    summary = write_streamed(out, entries, lambda e: tensors[e.name], max_shard_size=100)
+    write_config(out, None, None)
+    assert summary == {"files": 2, "tensors": 3, "bytes": 120 + 14 + 48}
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 182 and set(index["weight_map"]) == {"a", "b", "c"}
+    for name, t in tensors.items():
+        with safe_open(os.path.join(out, index["weight_map"][name]), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert torch.equal(f.get_tensor(name), t)
+
+
+def test_streamed_writer_refuses_wrong_tensor(tmp_path):
+    with pytest.raises(ValueError, match="expected"):
+        write_streamed(str(tmp_path / "x"), [TensorEntry("w", (2,), torch.float32)], lambda e: torch.ones(3))
+
+
+def test_state_entries_store_tied_once():
+    m = Tied()
+    state = m.state_dict(keep_vars=True)
+    names = [e.name for e in state_entries(state, {k: tuple(v.shape) for k, v in state.items()})]
+    assert names == ["embed.weight"]
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("20KB") == 20_000 and parse_size("1GiB") == 2**30
+    assert parse_size(7) == 7
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size("lots")
+
+
+class WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 4, 2).float() / 4)), persistent=False)
+
+
+def test_empty_parameters_computes_buffers_even_under_meta():
+    with torch.device("meta"), empty_parameters():
+        m = WithBuffer()
+    assert m.lin.weight.is_meta and m.lin.weight.requires_grad
+    assert not m.inv_freq.is_meta and torch.allclose(m.inv_freq, torch.tensor([1.0, 0.01]))
+    materialize(m, torch.device("cpu"), 0, 0)
+    assert not m.lin.weight.is_meta and torch.allclose(m.inv_freq, torch.tensor([1.0, 0.01]))
+    meta = params_to_meta(m)
+    assert m.lin.weight.is_meta and len(meta) == 2 and not m.inv_freq.is_meta
+
+
+def test_materialize_uses_the_models_own_init():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, initializer_range=0.5)
+    with empty_parameters():
+        m = transformers.LlamaForCausalLM(cfg)
+    materialize(m, torch.device("cpu"), 0, 0)
+    assert torch.equal(m.model.norm.weight, torch.ones(16))  # RMSNorm has no reset_parameters: _init_weights
+    assert 0.3 < m.model.layers[0].mlp.up_proj.weight.std().item() < 0.7  # normal(0, initializer_range)
+    fresh = transformers.LlamaForCausalLM(cfg)
+    assert torch.equal(m.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
+
+
+def test_from_pretrained_outside_the_strategy_is_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    eager = from_pretrained(transformers.LlamaForCausalLM, str(tmp_path), lazy=False)
+    assert not any(p.is_meta for p in eager.parameters())
+    lazy = from_pretrained(transformers.LlamaForCausalLM, str(tmp_path), lazy=True)
+    assert all(p.is_meta for p in lazy.parameters()) and not lazy.training
+    with pytest.raises(TypeError, match="does not take \\['device_map'\\]"):
+        from_pretrained(transformers.LlamaForCausalLM, str(tmp_path), lazy=True, device_map="cpu")
