@@ -10,7 +10,7 @@ returns it. After the split each rank reads its shards and the replicated tensor
 strategy) it is transformers' own ``model_class.from_pretrained``.
 
 Example:
-    >>> from transformers import LlamaForCausalLM
+    >>> from transformers import LlamaForCausalLM                            # doctest: +SKIP
     >>> class FineTune(L.LightningModule):                                   # doctest: +SKIP
     ...     def __init__(self, path):
     ...         super().__init__()

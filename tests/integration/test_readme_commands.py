@@ -66,6 +66,10 @@ COMMANDS: dict[str, tuple[str, list[str]]] = {
         "elsewhere", ["tests/distributed/test_checkpoint.py (sharded -> consolidated conversion)"]
     ),
     "python -m lightning_dpmp.costmodel --model gpt-7b --hardware dgx-a100 --devices 64": ("run", []),
+    "python examples/finetune.py": ("run", FEW_STEPS + SMALL_TEXT),
+    "python -m lightning_dpmp.convert last.ckpt finetuned/ --hf --config pretrained/": (
+        "elsewhere", ["tests/distributed/test_pretrained.py (convert --hf from the consolidated checkpoint)"]
+    ),
 }
 # conf/experiment/<name>.yaml -> the README command (or the test) that covers it.
 EXPERIMENTS = {
@@ -73,6 +77,7 @@ EXPERIMENTS = {
     "layout_sweep": "python examples/train.py experiment=layout_sweep",
     "gpt_tiny": "tests/integration/test_hydra_sweep.py (every sweep there runs experiment=gpt_tiny)",
     "gpt_gpu": "compose",
+    "finetune_hf": "python examples/finetune.py",
 }
 
 
@@ -103,12 +108,15 @@ def cache(tmp_path_factory):
 
 
 def _argv(command: str, extra: list[str], tmp: Path) -> list[str]:
-    args = [str(ROOT / a) if a == "examples/train.py" else a for a in shlex.split(command)]  # run from tmp_path
+    scripts = ("examples/train.py", "examples/finetune.py")
+    args = [str(ROOT / a) if a in scripts else a for a in shlex.split(command)]  # run from tmp_path
     if args[0] == "torchrun":  # the same launcher, without relying on a `torchrun` script on PATH
         args = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
     elif args[0] == "python":
         args = [sys.executable, *args[1:]]
-    if "examples/train.py" in command:
+    if "examples/finetune.py" in command:  # its tiny "pretrained" model written under tmp_path, not the checkout
+        args.append(f"model.pretrained={tmp / 'tiny-llama'}")
+    if any(s in command for s in scripts):
         if "trainer.max_steps=50" in args:
             args[args.index("trainer.max_steps=50")] = "trainer.max_steps=2"  # a few steps, same sweep
         multirun = "-m" in args or "layout_sweep" in command
@@ -137,6 +145,10 @@ def test_readme_command_runs(command, tmp_path, cache):
         assert "_target_: lightning_dpmp.DPMPStrategy" in proc.stdout
     if "experiment=mlp_digits" in command:
         assert "kept whole: out_features=10 <= in_features=128" in proc.stdout + proc.stderr  # the plan printout
+    if "finetune.py" in command:  # the fine-tuned model, exported at the end of fit, loads with transformers
+        from transformers import AutoModelForCausalLM
+
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "finetuned").num_parameters() > 0
     if "train.py -m " in command or "layout_sweep" in command:
         summary = (tmp_path / "sweep" / "summary.csv").read_text()
         assert ",ok," in summary and ",failed," not in summary, summary
