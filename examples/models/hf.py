@@ -9,23 +9,25 @@ of the safetensors files after the split; on one device it is transformers' ``fr
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+import shutil
+from typing import Optional
 
-import lightning.pytorch as pl
-import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics import MeanMetric
 
 import lightning_dpmp
-from examples.models.common import OptimizerFactory, SchedulerFactory, build_optimizers
+from examples.models.common import OptimizerFactory, SchedulerFactory
+from examples.models.gpt import GPTLitModule
 
 
-class HFCausalLM(pl.LightningModule):
-    """Next-token fine-tuning of ``AutoModelForCausalLM`` loaded from ``pretrained``.
+class HFCausalLM(GPTLitModule):
+    """Next-token fine-tuning of ``AutoModelForCausalLM`` loaded from ``pretrained`` (the GPT example's steps,
+    loss and optimizers around a transformers model).
 
     Args:
         pretrained: a folder written by ``save_pretrained`` (one safetensors file or a sharded index).
         export_dir: where to write the fine-tuned model after ``fit`` (``None``: no export).
+        make_tiny_if_missing: write a tiny random Llama to ``pretrained`` first if nothing is there (the example
+            runs without a download); every rank may race to it: the first rename wins.
         optimizer: a partial optimizer (``_partial_: true``); called with the parameter groups.
         scheduler: an optional partial LR scheduler; called with ``optimizer`` and ``total_steps``.
 
@@ -37,32 +39,22 @@ class HFCausalLM(pl.LightningModule):
         self,
         pretrained: str,
         export_dir: Optional[str] = None,
+        make_tiny_if_missing: bool = False,
         optimizer: Optional[OptimizerFactory] = None,
         scheduler: Optional[SchedulerFactory] = None,
     ) -> None:
-        super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"], logger=False)
-        self.net = lightning_dpmp.from_pretrained(AutoModelForCausalLM, pretrained)
-        self.net.train()  # transformers returns it in eval mode; fine-tuning trains it
+        if make_tiny_if_missing:
+            write_tiny_pretrained(pretrained)
+        net = lightning_dpmp.from_pretrained(AutoModelForCausalLM, pretrained)
+        net.train()  # transformers returns it in eval mode; fine-tuning trains it
+        super().__init__(net, optimizer, scheduler)  # type: ignore[arg-type]  # a transformers model, not a GPT
+        self.save_hyperparameters("pretrained", "export_dir", logger=False)
         self.export_dir = export_dir
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.val_loss = MeanMetric()
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        x, y = batch
-        logits = self.net(input_ids=x).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch))
-        self.log("val/loss", self.val_loss, prog_bar=True, on_step=False, on_epoch=True)
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.net(input_ids=idx).logits
 
     def on_train_end(self) -> None:
         if not self.export_dir:
@@ -72,10 +64,6 @@ class HFCausalLM(pl.LightningModule):
             strategy.save_pretrained(self.net, self.export_dir)
         elif self.trainer.is_global_zero:
             self.net.save_pretrained(self.export_dir)
-
-    def configure_optimizers(self) -> Any:
-        return build_optimizers(self, self.optimizer_factory, self.scheduler_factory,
-                                self.trainer.estimated_stepping_batches)
 
 
 def write_tiny_pretrained(path: str) -> None:
@@ -93,5 +81,5 @@ def write_tiny_pretrained(path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
         os.rename(tmp, path)
-    except OSError:  # another process wrote it first
-        pass
+    except OSError:  # another rank wrote it first
+        shutil.rmtree(tmp, ignore_errors=True)

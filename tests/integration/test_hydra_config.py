@@ -77,12 +77,7 @@ def test_zero_is_a_typed_strategy_option(tmp_path):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes_and_instantiates(tmp_path, experiment):
-    extra = []
-    if experiment == "finetune_hf":  # its pretrained folder, written as examples/finetune.py does
-        from examples.models.hf import write_tiny_pretrained
-
-        write_tiny_pretrained(str(tmp_path / "tiny-llama"))
-        extra = [f"model.pretrained={tmp_path / 'tiny-llama'}"]
+    extra = [f"model.pretrained={tmp_path / 'tiny-llama'}"] if experiment == "finetune_hf" else []  # written there
     cfg = _compose(tmp_path, f"experiment={experiment}", *extra)
     _instantiate_all(cfg, with_data=experiment != "gpt_gpu")  # gpt_gpu reads 20 MB of corpus
 
