@@ -51,6 +51,13 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 DEFERRED_ATTR = "_dpmp_deferred_weights"  # on a module: the DeferredWeights that fill it after the split
 
 
+def _safe_open(file: str) -> Any:
+    """``safetensors.safe_open(file)`` on the CPU (safetensors comes with transformers: imported when needed)."""
+    from safetensors import safe_open
+
+    return safe_open(file, "pt", device="cpu")
+
+
 class WeightFiles:
     """The dense tensors of a checkpoint by name, read in slices.
 
@@ -69,17 +76,15 @@ class WeightFiles:
             index = os.path.join(self.path, SAFETENSORS_INDEX)
             if os.path.exists(index):
                 with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-                for key, name in weight_map.items():
-                    self._where[key] = os.path.join(self.path, name)
+                    files = sorted(set(json.load(f)["weight_map"].values()))
             else:
                 files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
-                if not files:
-                    raise FileNotFoundError(
-                        f"{self.path} holds no model.safetensors, no {SAFETENSORS_INDEX} and no other .safetensors"
-                        " file (a folder written by save_pretrained has one of them).")
-                for name in files:
-                    self._add_file(os.path.join(self.path, name))
+            if not files:
+                raise FileNotFoundError(
+                    f"{self.path} holds no model.safetensors, no {SAFETENSORS_INDEX} and no other .safetensors"
+                    " file (a folder written by save_pretrained has one of them).")
+            for name in files:
+                self._add_file(os.path.join(self.path, name))
         elif self.path.endswith(".safetensors"):
             self._add_file(self.path)
         elif os.path.isfile(self.path):
@@ -91,23 +96,13 @@ class WeightFiles:
             self._shapes = {k: tuple(v.shape) for k, v in self._state.items()}
         else:
             raise FileNotFoundError(f"No pretrained weights at {self.path}.")
-        if self._where and not self._shapes:
-            self._read_shapes()
 
     def _add_file(self, file: str) -> None:
-        from safetensors import safe_open
-
-        with safe_open(file, "pt", device="cpu") as f:
+        """Record where each tensor of one safetensors file is, and its shape (the header only)."""
+        with _safe_open(file) as f:
             for key in f.keys():
                 self._where[key] = file
-
-    def _read_shapes(self) -> None:
-        from safetensors import safe_open
-
-        for file in sorted(set(self._where.values())):
-            with safe_open(file, "pt", device="cpu") as f:
-                for key in f.keys():
-                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+                self._shapes[key] = tuple(f.get_slice(key).get_shape())
 
     def keys(self) -> list[str]:
         """Every tensor name in the checkpoint, in its order."""
@@ -137,10 +132,8 @@ class WeightFiles:
         if self._state is not None:
             t = self._state[key]
             return (t[index] if index else t).clone()  # a copy: the mapped file is not kept alive
-        from safetensors import safe_open
-
         # Opened per tensor: the mapping (and the pages it touched, which count in RSS) closes with each read.
-        with safe_open(self._where[key], "pt", device="cpu") as f:
+        with _safe_open(self._where[key]) as f:
             sl = f.get_slice(key)
             return sl[index] if index else sl[:]
 
