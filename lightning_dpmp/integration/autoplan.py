@@ -56,7 +56,7 @@ from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_ten
 from lightning_dpmp.planner.parallelize import parallelize, restore
 from lightning_dpmp.planner.plan import Plan, make_plan
 from lightning_dpmp.planner.sequence import plan_sequence_parallel
-from lightning_dpmp.planner.trace import Trace, loss_of, trace_step
+from lightning_dpmp.planner.trace import Trace, first_pass, loss_of, trace_step
 
 __all__ = [
     "LowestFloat",
@@ -235,14 +235,15 @@ class LowestFloat(TorchFunctionMode):
 
 
 def _dense_grads(
-    module: nn.Module, run: Callable[[], Any], losses: list[Tensor]
+    module: nn.Module, run: Callable[[], Any], losses: list[Tensor], keep_partial: bool = False
 ) -> tuple[Optional[Trace], Optional[Tensor], dict, Optional[torch.dtype]]:
-    """The traced dense step, its loss and gradients, and the lowest floating dtype it computed in."""
+    """The traced dense step, its loss and gradients, and the lowest floating dtype it computed in (with
+    ``keep_partial``, a step that raised gives its partial trace and no loss)."""
     lowest = LowestFloat(module)
     with torch.enable_grad():
         with lowest:
-            trace = trace_step(module, run)
-        loss = _step_loss(trace.result, losses)
+            trace = trace_step(module, run, keep_partial)
+        loss = _step_loss(trace.result, losses) if not trace.error else None
         if loss is not None:
             lowest.see(loss)
         grads: dict[str, Tensor] = {}
@@ -529,10 +530,22 @@ def plan_module(
         try:
             losses: list[Tensor] = []
             with isolated(module, losses):
-                trace, loss_ref, grads_ref, dtype = _dense_grads(module, run, losses)
+                trace, loss_ref, grads_ref, dtype = _dense_grads(module, run, losses, keep_partial=not training)
         except Exception as exc:  # a step that cannot run outside the loop
             trace = None
             notes.append(f"could not trace the step ({type(exc).__name__}: {exc})")
+    if trace is not None and not training:  # generation: one pass per new token, each planned as the first
+        trace, repeated = first_pass(trace)
+        if repeated:
+            notes.append(f"planned from the first complete pass through {repeated} in the step (generation runs"
+                         " one per new token), so every pass keeps the split layout"
+                         + (f"; the step stopped after it ({trace.error})" if trace.error else "")
+                         + (f"; on meta tensors, {len(trace.defaulted)} Python value(s) read before it"
+                            f" ({', '.join(sorted(set(trace.defaulted)))}) were taken as 0/False"
+                            if trace.defaulted else ""))
+        elif trace.error:
+            notes.append(f"could not trace the step ({trace.error})")
+            trace = None
     conditional = _conditional_use(module, trace, grads_ref)
     branches = tuple(sorted({m for _, m in trace.data_dependent})) if trace is not None else ()
     # one all-reduce: whether any rank failed to trace or saw a step leave parameters out, and one tolerance

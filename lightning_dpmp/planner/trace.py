@@ -17,7 +17,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -29,8 +30,8 @@ from lightning_dpmp.planner.linear_like import LinearForm, candidate_params, det
 from lightning_dpmp.planner.ops import DROPOUTS, FACTORIES
 
 __all__ = [
-    "AttentionCall", "LinearCall", "ModuleCall", "NoDropout", "OpCall", "Trace", "describe_index", "is_linear",
-    "loss_of", "op_name", "trace_step",
+    "AttentionCall", "LinearCall", "ModuleCall", "NoDropout", "OpCall", "Trace", "describe_index", "first_pass",
+    "is_linear", "loss_of", "op_name", "trace_step",
 ]
 
 
@@ -106,15 +107,30 @@ class Trace:
     # from step to step and from rank to rank (experts, LayerDrop, a branch on the data)
     data_dependent: list[tuple[str, str]] = field(default_factory=list)
     result: Any = None
+    error: str = ""  # why the step stopped early (``trace_step(keep_partial=True)``); "" when it ran through
+    defaulted: list[str] = field(default_factory=list)  # Python values of meta tensors taken as 0/False (see above)
 
     def linear_calls(self) -> list[LinearCall]:
         return [e for e in self.events if isinstance(e, LinearCall)]
 
 
+class PassComplete(Exception):
+    """Raised inside a traced step on meta tensors at the first Python value it reads after one whole pass through
+    the model: what follows (generation's next token) would depend on values meta tensors do not have."""
+
+
+# Python values a step may read from a tensor; on meta tensors, before the model has run once, the defaults below.
+_META_DEFAULTS: dict[str, Any] = {"__bool__": False, "item": 0, "__int__": 0, "__index__": 0, "__float__": 0.0}
+
+
 class _Recorder(TorchFunctionMode):
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, meta_defaults: bool = False) -> None:
         super().__init__()
         self.trace = trace
+        # A non-training step on meta tensors (generation): Python values read before the model's first pass get
+        # defaults (generate checks its special tokens first), and the trace stops at the first one after it.
+        self.meta_defaults = meta_defaults
+        self.pass_done = False  # an outermost module call holding Linear calls has completed
         self.hidden = 0  # > 0 while inside a Linear: its F.linear is the LinearCall itself
         self._ids: dict[int, int] = {}
         self._keep: list[Tensor] = []  # keeps every traced tensor alive so that no id() is reused
@@ -138,6 +154,14 @@ class _Recorder(TorchFunctionMode):
             self.trace.data_dependent.append((name, self.module()))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if self.meta_defaults and not self.hidden and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            name = op_name(func)
+            if name in _META_DEFAULTS or name == "tolist":
+                if self.pass_done:
+                    raise PassComplete(f"{name} of a meta tensor after one whole pass through the model")
+                self.trace.defaulted.append(name)
+                return _META_DEFAULTS[name] if name != "tolist" else torch.zeros(args[0].shape, dtype=torch.int64,
+                                                                                  ).tolist()
         out = func(*args, **(kwargs or {}))
         if self.hidden:
             return out
@@ -212,14 +236,16 @@ def describe_index(index: Any) -> tuple[tuple, ...]:
     return tuple(out)
 
 
-def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
+def trace_step(model: nn.Module, run: Callable[[], Any], keep_partial: bool = False) -> Trace:
     """Run ``run()`` once while recording the data flow through ``model``'s ``nn.Linear`` layers.
 
     ``run`` should perform one forward step (e.g. ``training_step`` on a batch) and return its output; tensors in
     that output are recorded as escaping the step. The caller is responsible for RNG and mode (eval) hygiene.
+    With ``keep_partial``, a step that raises gives the trace recorded up to the error, with ``error`` set (a
+    generation step on meta tensors stops at its first ``.item()``, after one whole pass through the model).
     """
     trace = Trace()
-    recorder = _Recorder(trace)
+    recorder = _Recorder(trace, meta_defaults=keep_partial)
     names = {m: n for n, m in model.named_modules() if is_linear(m)}
     pending: dict[nn.Module, list[tuple[int, bool]]] = {}
 
@@ -288,8 +314,13 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         handles.append(module.register_forward_pre_hook(emb_pre))
         handles.append(module.register_forward_hook(emb_post))
     try:
-        with recorder:
-            result = run()
+        try:
+            with recorder:
+                result = run()
+        except Exception as exc:
+            if not keep_partial:
+                raise
+            trace.error, result = f"{type(exc).__name__}: {exc}", None
         trace.result = result
         trace.escapes = {recorder.node(t) for t in tree_leaves(result) if isinstance(t, Tensor)}
         by_id = {id(p): n for n, p in model.named_parameters()}
@@ -299,6 +330,44 @@ def trace_step(model: nn.Module, run: Callable[[], Any]) -> Trace:
         for h in handles:
             h.remove()
     return trace
+
+
+def first_pass(trace: Trace) -> tuple[Trace, str]:
+    """``trace`` cut to the first complete pass through the outermost module that runs the Linear layers, and that
+    module's name; ``(trace, "")`` when there is nothing to cut.
+
+    A generation step runs the model once per new token: every Linear is called ``k`` times, each pass the same
+    sequence of layers. Planned as it is, every layer would be "called more than once" and kept whole; planned from
+    one pass, each decode step keeps the split layout (2 all-reduces per block). It applies when one module's ``k``
+    calls hold every Linear call in the same order, or when the step stopped with an error (``trace.error``: on
+    meta tensors, at generation's first ``.item()``) after that module's first call had completed.
+    """
+    linear = [i for i, e in enumerate(trace.events) if isinstance(e, LinearCall)]
+    if not linear:
+        return trace, ""
+    outer = [c for c in trace.calls if c.start <= linear[0] < c.end]
+    if not outer:
+        return trace, ""
+    first = min(outer, key=lambda c: (c.start, -c.end))  # the outermost completed call holding the first Linear
+    calls = sorted((c for c in trace.calls if c.name == first.name), key=lambda c: c.start)
+    names = [[e.name for e in trace.events[c.start:c.end] if isinstance(e, LinearCall)] for c in calls]
+    if trace.error:
+        cut = first.end
+    elif (len(calls) < 2 or sum(map(len, names)) != len(linear) or any(n != names[0] for n in names)
+          or len(set(Counter(n for p in names for n in p).values())) != 1):
+        return trace, ""
+    else:
+        cut = calls[1].start
+    kept = trace.events[:cut]
+    last = max((n for e in kept for n in (e.outputs if isinstance(e, OpCall) else (e.output,))), default=-1)
+    embeddings = Counter(dict(e.index).get("module") for e in kept if isinstance(e, OpCall) and e.name == "embedding")
+    passes = max(len(calls), 1)
+    return replace(
+        trace, events=kept, calls=[c for c in trace.calls if c.end <= cut],
+        modules=[m for m in trace.modules if m[2] <= last],
+        embeddings={n: embeddings.get(n, 0) for n in trace.embeddings},
+        attention={n: a[: max(1, len(a) // passes)] for n, a in trace.attention.items()},
+    ), first.name
 
 
 def _record_calls(names: dict[nn.Module, str], recorder: _Recorder, trace: Trace) -> list[Any]:
@@ -315,6 +384,8 @@ def _record_calls(names: dict[nn.Module, str], recorder: _Recorder, trace: Trace
         if recorder.hidden == 0:
             outs = tuple(recorder.node(t) for t in tree_leaves(output) if isinstance(t, Tensor))
             trace.calls.append(ModuleCall(names[module], tensors, outs, start, len(trace.events)))
+            if not recorder.scope and any(isinstance(e, LinearCall) for e in trace.events[start:]):
+                recorder.pass_done = True  # an outermost call (the scope is popped first) that ran Linear layers
 
     handles = []
     for module in names:

@@ -6,7 +6,7 @@ between every tensor this rank holds right after the load and its slice of the f
 trained checkpoint, an export written with ``strategy.save_pretrained`` while the model is split, and which ranks
 hold the plain model after ``fit`` (``consolidate_on_teardown="rank0"``). A case ``<model>+again`` fits a second
 time on the same module (its weights then come from rank 0); ``+z3`` trains at zero=3; ``+sharded`` reads a
-sharded index.
+sharded index; ``<model>@generate`` runs ``trainer.validate`` with a step that generates.
 
 Usage (from the repo root): python tests/distributed/pretrained_worker.py DP MP OUT_DIR CASE[,CASE...]
 """
@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 import lightning_dpmp  # noqa: E402
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.checkpoint.weights import WeightFiles, match_keys  # noqa: E402
+from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor  # noqa: E402
 from tests.support import pretrained as P  # noqa: E402
 
@@ -71,8 +72,38 @@ def trainer_for(dp: int, mp: int, zero: int, steps: int, callbacks: list) -> L.T
     )
 
 
+class CountValidation(L.Callback):
+    """MP collectives of the whole (generating) validation batch."""
+
+    def __init__(self) -> None:
+        self.mode, self.counts = None, {}
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.mode = CommCounter({"mp": trainer.strategy.grid.mp_group})
+        self.mode.__enter__()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.mode.__exit__(None, None, None)
+        self.counts = {f"{g}/{op}": n for (g, op), n in self.mode.counts.items()}
+
+
+def generate(dp: int, mp: int, path: str) -> dict:
+    """``trainer.validate`` whose step generates: the tokens, the plan and the MP collectives of the batch."""
+    counter = CountValidation()
+    trainer = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=120),
+                        precision="64-true", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=1, callbacks=[counter])
+    model = P.GenerateLM(lightning_dpmp.from_pretrained(P.model_class("llama"), path))
+    trainer.validate(model, DataLoader(P.dataset(), batch_size=2))
+    plan = trainer.strategy.applied_plan
+    return {"tokens": model.generated, "counts": counter.counts, "plan_text": plan.text,
+            "styles": {n: lp.style for n, lp in plan.plan.layers.items()}}
+
+
 def run(dp: int, mp: int, out: str, case: str) -> dict:
     L.seed_everything(SEED, workers=True)
+    if case.endswith("@generate"):
+        return generate(dp, mp, os.path.join(out, "..", "pretrained", P.base(case)))
     path = os.path.join(out, "..", "pretrained", case.replace("+again", "").replace("+z3", ""))
     export = os.path.join(out, f"{case}_export")
     probe = AfterLoad(path, export)

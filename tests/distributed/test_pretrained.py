@@ -8,6 +8,8 @@ its slices, against single-process training from transformers' own ``from_pretra
   q|k|v (GPT-2), T5's one embedding under three names, and at zero=3;
 - an export written with ``strategy.save_pretrained`` while the model is split, and ``python -m
   lightning_dpmp.convert CKPT OUT --hf --config BASE``, load back (transformers) to the trained weights exactly;
+- ``trainer.validate`` with a step that generates keeps the split layout (2 all-reduces per block per token) and
+  gives transformers' tokens;
 - after ``fit`` only global rank 0 holds the model (``consolidate_on_teardown="rank0"``), and a second ``fit`` on
   the same module takes its weights from rank 0: 6 + 4 steps equal single-process 6 + 4.
 
@@ -32,7 +34,7 @@ pytest.importorskip("transformers")
 
 CASES = {
     (2, 2): ["llama", "llama_tied+sharded", "gpt2", "t5", "llama+again", "llama+z3"],
-    (1, 2): ["llama", "gpt2", "t5"],
+    (1, 2): ["llama", "gpt2", "t5", "llama@generate"],
     (1, 4): ["llama_tied+sharded", "gpt2"],
 }
 
@@ -45,7 +47,7 @@ FLOAT32_LOSS_TOL = {"llama_tied+sharded": 1e-6}
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained_runs")
-    for case in {c.replace("+again", "").replace("+z3", "") for cases in CASES.values() for c in cases}:
+    for case in {P.base(c) + ("+sharded" if "+sharded" in c else "") for cases in CASES.values() for c in cases}:
         P.save(case, str(root / "pretrained"))
     return root
 
@@ -63,7 +65,7 @@ def _reference(folder, case: str) -> dict:
 
 @pytest.fixture(scope="module")
 def references(folders):
-    cases = sorted({c for cs in CASES.values() for c in cs})
+    cases = sorted({c for cs in CASES.values() for c in cs if "@" not in c})
     return {c: _reference(folders, c) for c in cases}
 
 
@@ -80,7 +82,8 @@ def run(request, folders):
 
 
 def _cases(run):
-    return CASES[(run[0], run[1])]
+    """The layout's training cases (``@generate`` validates instead)."""
+    return [c for c in CASES[(run[0], run[1])] if "@" not in c]
 
 
 @pytest.mark.slow
@@ -141,3 +144,27 @@ def test_convert_hf_from_the_consolidated_checkpoint(run, folders, tmp_path):
         back = P.model_class(case).from_pretrained(str(target))
         for k, v in back.state_dict().items():
             assert torch.equal(v, trained[f"net.{k}"]), f"{case}: {k} differs after convert --hf"
+
+
+@pytest.mark.slow
+def test_generation_keeps_the_split_layout(run, folders):
+    """``trainer.validate`` whose step calls ``generate`` (greedy, 4 new tokens) on a model loaded lazily: the plan
+    comes from the first pass through the model, so every decode step costs 2 all-reduces per block, plus the
+    embedding's all-reduce and the logits' all-gather, and the tokens are transformers' own on one process."""
+    dp, mp, _, ranks = run
+    if (dp, mp) != (1, 2):
+        pytest.skip("generation is checked at (1, 2)")
+    got = ranks[0]["llama@generate"]
+    assert all(r["llama@generate"]["tokens"] == got["tokens"] for r in ranks)
+    net = P.model_class("llama").from_pretrained(str(folders / "pretrained" / "llama")).double()
+    prompt = P.dataset().tensors[0][:2, :8]
+    want = net.generate(prompt, max_new_tokens=P.NEW_TOKENS, min_new_tokens=P.NEW_TOKENS, do_sample=False,
+                        pad_token_id=0)[:, 8:].tolist()
+    assert got["tokens"] == [want]
+    styles = got["styles"]
+    assert {styles[f"net.model.layers.{b}.self_attn.{p}_proj"] for b in (0, 1) for p in "qkv"} == {"column"}
+    rows = ("self_attn.o_proj", "mlp.down_proj")
+    assert {styles[f"net.model.layers.{b}.{p}"] for b in (0, 1) for p in rows} == {"row"}
+    blocks, forwards = 2, P.NEW_TOKENS  # one forward per new token (the prefill makes the first)
+    assert got["counts"] == {"mp/all_reduce": forwards * (2 * blocks + 1), "mp/all_gather": forwards}, got["counts"]
+    assert "planned from the first complete pass through net" in got["plan_text"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+import lightning as L
 import torch
 from torch import nn
 
@@ -49,9 +50,25 @@ PRETRAINED: dict[str, tuple[Callable[[], nn.Module], str, Callable[[nn.Module], 
 }
 
 
+NEW_TOKENS = 4
+
+
+class GenerateLM(L.LightningModule):
+    """A validation step that generates greedily (``model.generate``) from each sequence's first 8 tokens."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net, self.generated = net, []
+
+    def validation_step(self, batch, batch_idx):
+        out = self.net.generate(batch[0][:, :8], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                do_sample=False, pad_token_id=0)
+        self.generated.append(out[:, 8:].tolist())
+
+
 def base(case: str) -> str:
-    """The model of a case name (``llama_tied+sharded`` -> ``llama_tied``)."""
-    return case.split("+")[0]
+    """The model of a case name (``llama_tied+sharded`` -> ``llama_tied``, ``llama@generate`` -> ``llama``)."""
+    return case.split("+")[0].split("@")[0]
 
 
 def save(case: str, folder: str) -> str:
