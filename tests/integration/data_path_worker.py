@@ -134,6 +134,7 @@ def trainer(dp: int, mp: int, **kw) -> L.Trainer:
     strategy_kw = {k: kw.pop(k) for k in ("mp_batch", "check_consistency_every_n_steps", "zero") if k in kw}
     defaults = dict(accelerator="cpu", devices=dp * mp, logger=False, enable_checkpointing=False, precision="64-true",
                     enable_progress_bar=False, enable_model_summary=False)
+    strategy_kw = {"consolidate_on_teardown": True, **strategy_kw}  # every rank reads the weights after fit
     return L.Trainer(strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=300, **strategy_kw), **{**defaults, **kw})
 
 

@@ -89,6 +89,8 @@ def trainer(dp: int, mp: int, **kw) -> L.Trainer:
     strategy_kw = {k: kw.pop(k) for k in ("zero",) if k in kw}
     defaults = dict(accelerator="cpu", devices=dp * mp, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False)
+    # every rank reads the trained weights after fit: each keeps the plain model (the default keeps it on rank 0)
+    strategy_kw = {"consolidate_on_teardown": True, **strategy_kw}
     return L.Trainer(strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=120, **strategy_kw), **{**defaults, **kw})
 
 
