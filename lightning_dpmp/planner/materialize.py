@@ -12,9 +12,9 @@ Initialisation, per module, under a generator seeded from the global seed and th
 layers, the MP rank), so replicated parameters are equal on every rank, shards differ across MP ranks, and DP
 replicas agree:
 
-- a model's own ``_init_weights(module)`` where an enclosing module has one (transformers' ``PreTrainedModel``:
-  RMSNorm to ones, Linear to ``normal(0, initializer_range)``, rotary buffers rebuilt); split layers are handed to it
-  as an ``nn.Linear`` over their shards, so they get the distribution the dense layer would;
+- a transformers model's own ``_init_weights(module)`` where the module lies inside a ``PreTrainedModel`` (RMSNorm
+  to ones, Linear to ``normal(0, initializer_range)``, rotary buffers rebuilt); split layers are handed to it as an
+  ``nn.Linear`` over their shards, so they get the distribution the dense layer would;
 - else the module's ``reset_parameters()`` (torch's defaults; the split layers use the *dense* fan-in);
 - else a clear error naming the module.
 
@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,13 +93,21 @@ def params_to_meta(module: nn.Module) -> dict[int, nn.Parameter]:
 
 
 def _model_init(module: nn.Module) -> dict[str, Callable[[nn.Module], Any]]:
-    """For each submodule name, the ``_init_weights`` of its nearest enclosing module that has one (if any)."""
+    """For each submodule name, the per-module init of its nearest enclosing transformers model, if any.
+
+    transformers' ``PreTrainedModel._init_weights(module)`` is that library's documented contract (what its own
+    meta-device loading calls for every module); a method of the same name elsewhere may mean anything (the GPT
+    example's ``_init_weights(n_layer)`` re-initialises the whole model), so only a ``PreTrainedModel``'s counts.
+    """
+    transformers = sys.modules.get("transformers")  # no transformers model exists unless it was imported
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
     found: dict[str, Callable[[nn.Module], Any]] = {}
+    if base is None:
+        return found
     for name, mod in module.named_modules():
         parent = name.rsplit(".", 1)[0] if "." in name else ("" if name else None)
-        own = getattr(mod, "_init_weights", None)
-        if callable(own):
-            found[name] = own
+        if isinstance(mod, base):
+            found[name] = mod._init_weights
         elif parent is not None and parent in found:
             found[name] = found[parent]
     return found
@@ -153,7 +162,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
             else:
                 raise RuntimeError(
                     f"{name or type(module).__name__} ({type(mod).__name__}) was built on the meta device but has no"
-                    " reset_parameters() (nor an enclosing _init_weights) to initialise it; give it one, or build"
-                    " it outside init_module(empty_init=True)."
+                    " reset_parameters() (nor an enclosing transformers model's _init_weights) to initialise it; give"
+                    " it one, or build it outside init_module(empty_init=True)."
                 )
     return made

@@ -177,3 +177,15 @@ def test_from_pretrained_outside_the_strategy_is_transformers(tmp_path):
     assert all(p.is_meta for p in lazy.parameters()) and not lazy.training
     with pytest.raises(TypeError, match="does not take \\['device_map'\\]"):
         from_pretrained(transformers.LlamaForCausalLM, str(tmp_path), lazy=True, device_map="cpu")
+
+
+def test_a_method_named_init_weights_outside_transformers_is_not_called():
+    """The GPT example's ``_init_weights(n_layer)`` re-initialises its whole model: not a per-module init."""
+    from examples.models.gpt import GPT
+
+    with empty_parameters():
+        m = GPT(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    materialize(m, torch.device("cpu"), seed=0, mp_rank=0)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert torch.equal(m.ln_f.weight, torch.ones(8))  # LayerNorm.reset_parameters
+    assert m.blocks[0].mlp.fc1.weight.abs().max() <= 1 / 8**0.5  # nn.Linear's own bound, not the example's normal
