@@ -196,7 +196,8 @@ def run(out: str) -> dict:
     m = StepSkip()
     t = L.Trainer(accelerator="cpu", devices=4, precision="64-true", max_steps=STEPS, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  strategy=DPMPStrategy(dp=2, mp=2, timeout_s=300, find_unused_parameters=True))
+                  strategy=DPMPStrategy(dp=2, mp=2, timeout_s=300, find_unused_parameters=True,
+                                        consolidate_on_teardown=True))
     t.fit(m, DataLoader(make_dataset(), batch_size=PER_RANK))
     res["step_skip_weights"] = weights(m)
     # 5. weight averaging on the split model: 3 epochs, then a consolidated checkpoint with the averaged copy
