@@ -65,7 +65,7 @@ def test_schemas_are_not_offered_as_choices():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
         assert loader.get_group_options("strategy") == ["dpmp"]  # what --help lists
-        assert loader.get_group_options("model") == ["gpt", "mlp"]
+        assert loader.get_group_options("model") == ["gpt", "hf_causal_lm", "mlp"]
 
 
 def test_dp_zero_gets_the_strategys_message_not_the_resolvers(tmp_path):
