@@ -26,12 +26,17 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.sharding import gather_tensor, interleave_blocks, shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import (
+    DenseGather,
+    gather_to_first,
+    shard_blocks,
+    shard_dims,
+    shard_tensor,
+)
 
 __all__ = [
     "CheckpointMismatchError",
@@ -40,7 +45,6 @@ __all__ = [
     "consolidate_optimizer_state",
     "dense_shapes",
     "gather_state_dict",
-    "gather_to_first",
     "optimizer_param_blocks",
     "optimizer_param_dims",
     "optimizer_param_names",
@@ -55,24 +59,6 @@ class CheckpointMismatchError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- gathering / slicing
-def gather_to_first(t: Tensor, group: Any, dim: int, blocks: int = 1) -> Optional[Tensor]:
-    """Concatenate the group's shards of ``t`` along ``dim`` on the group's first rank, on CPU; ``None`` elsewhere.
-
-    A ``gather`` rather than an ``all_gather``: the other ranks never hold the dense tensor.
-    """
-    n = group_size(group)
-    t = t.detach().contiguous()
-    if n == 1:
-        return t.cpu()
-    dst = dist.get_global_rank(group, 0)
-    if group_rank(group) == 0:
-        parts = [torch.empty_like(t) for _ in range(n)]
-        dist.gather(t, parts, dst=dst, group=group)
-        return interleave_blocks(parts, dim, blocks).cpu()
-    dist.gather(t, None, dst=dst, group=group)
-    return None
-
-
 def gather_state_dict(
     state: Mapping[str, Any], dims: Mapping[str, int], group: Any, blocks: Optional[Mapping[str, int]] = None
 ) -> dict[str, Any]:
@@ -162,26 +148,35 @@ def shard_state_dict(
 
 
 def consolidate_optimizer(
-    optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any, keep: bool = True
+    optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any,
+    gather: Optional[DenseGather] = None,
 ) -> None:
     """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate` made,
-    with its per-parameter state gathered to dense shapes (collective over MP; with ``keep=False`` this rank keeps
-    the dense state's shapes only, on the meta device, one gathered tensor at a time)."""
+    with its per-parameter state gathered to dense shapes (collective over MP; ``gather`` as there: a rank that
+    does not keep the result gets the dense state's shapes on the meta device)."""
+    gather = gather if gather is not None else DenseGather()
     for pg in optimizer.param_groups:
         new_params = []
         for p in pg["params"]:
             dense, dim, blocks = moved.get(id(p), (p, None, 1))
             state = optimizer.state.pop(p, None)
             if state is not None:
-                kept = (lambda t: t) if keep else (lambda t: t.to("meta") if t.dim() else t)
                 optimizer.state[dense] = {
-                    k: (kept(gather_tensor(v.detach(), dim, group, blocks))
-                        if dim is not None and isinstance(v, Tensor) and v.shape == p.shape
-                        else kept(v) if isinstance(v, Tensor) else v)
+                    k: (_dense_state(v, dim, group, blocks, gather)
+                        if dim is not None and isinstance(v, Tensor) and v.shape == p.shape else v)
                     for k, v in state.items()
                 }
             new_params.append(dense)
         pg["params"] = new_params
+
+
+def _dense_state(v: Tensor, dim: int, group: Any, blocks: int, gather: DenseGather) -> Tensor:
+    full = gather(v.detach(), dim, group, blocks)
+    if full is not None and gather.keep:
+        return full
+    shape = list(v.shape)
+    shape[dim] *= group_size(group)
+    return torch.empty(shape, dtype=v.dtype, device="meta")
 
 
 def optimizer_to_meta(optimizer: Optimizer, params: Mapping[int, nn.Parameter]) -> None:

@@ -31,8 +31,8 @@ from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
-from lightning_dpmp.parallel.sharding import shard_dims
-from lightning_dpmp.planner.materialize import is_meta, materialize, params_to_meta
+from lightning_dpmp.parallel.sharding import DenseGather, params_to_meta, shard_dims
+from lightning_dpmp.planner.materialize import is_meta, materialize
 from lightning_dpmp.planner.parallelize import consolidate
 
 __all__ = ["Split", "agree_on_meta", "broadcast_dense", "meta_safe_teardown", "split_model", "unsplit_model"]
@@ -141,15 +141,24 @@ def split_model(
     )
 
 
-def unsplit_model(strategy: Any, keep: bool = True) -> None:
+def unsplit_model(strategy: Any, everywhere: bool = True) -> None:
     """Gather ``strategy.lightning_module``'s layers back to dense, and its optimizers' state with them (collective;
-    under ZeRO the strategy has released the engine first, so the optimizers are plain again). With ``keep=False``
-    this rank ends with the dense shapes on the meta device (rank 0 alone keeps the model)."""
+    under ZeRO the strategy has released the engine first, so the optimizers are plain again).
+
+    ``everywhere=False``: only global rank 0 ends with the plain model. Its MP group gathers each tensor onto it
+    (no all-gather); the other DP rows do not communicate at all; every rank but 0 ends with the dense shapes on
+    the meta device, having held nothing more than its shards.
+    """
     lm = strategy.lightning_module
-    moved = consolidate(lm, keep)
+    grid = strategy.grid
+    if everywhere:
+        gather = DenseGather()
+    else:
+        gather = DenseGather(to_first=True, keep=strategy.global_rank == 0, communicate=grid.dp_rank == 0)
+    moved = consolidate(lm, gather)
     for optimizer in strategy.optimizers:
-        consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, strategy.grid.mp_group, keep)
-    if not keep:  # the replicated rest too: the next setup takes every value from rank 0
+        consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, grid.mp_group, gather)
+    if not gather.keep:  # the replicated rest too: the next setup takes every value from rank 0
         meta = params_to_meta(lm)
         for optimizer in strategy.optimizers:
             optimizer_to_meta(compat.unwrap_optimizer(optimizer), meta)

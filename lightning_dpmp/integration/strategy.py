@@ -402,7 +402,7 @@ class DPMPStrategy(GridStrategy):
         self._zero_engine = None
         if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
             # Before super(): it moves the module to CPU, where NCCL cannot gather. "rank0": the others keep shapes.
-            unsplit_model(self, keep=self._consolidate_on_teardown is True or self.is_global_zero)
+            unsplit_model(self, everywhere=self._consolidate_on_teardown is True)
         if self._compile and lm is not None:
             uncompile_blocks(lm)
         hooks.remove(self.precision_plugin)

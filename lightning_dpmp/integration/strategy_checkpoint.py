@@ -36,7 +36,6 @@ from lightning_dpmp.checkpoint.consolidated import (
     consolidate_optimizer_state,
     dense_shapes,
     gather_state_dict,
-    gather_to_first,
     optimizer_param_blocks,
     optimizer_param_dims,
     shard_optimizer_state,
@@ -59,7 +58,7 @@ from lightning_dpmp.checkpoint.hf_export import (
 )
 from lightning_dpmp.checkpoint.integrity import load_checked
 from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
-from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
+from lightning_dpmp.parallel.sharding import gather_to_first, shard_blocks, shard_dims
 
 __all__ = ["StrategyCheckpointer"]
 

@@ -35,7 +35,7 @@ from typing_extensions import Self
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group
 from lightning_dpmp.parallel.entry import SharedInputCopy
 from lightning_dpmp.parallel.layers import RowParallelLinear
-from lightning_dpmp.parallel.sharding import ParallelLinear, dense_template, divide
+from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, dense_template, divide
 
 __all__ = ["HeadParallelMultiheadAttention", "unsupported_reason"]
 
@@ -113,16 +113,17 @@ class HeadParallelMultiheadAttention(ParallelLinear):
             if self.in_proj_bias is not None:
                 self.in_proj_bias.zero_()
 
-    def _dense_module(self) -> nn.Module:
+    def _dense_module(self, device: torch.device, gather: DenseGather) -> nn.Module:
         dense = copy.deepcopy(self.__dict__["_template"])
-        dense.out_proj = self.out_proj.to_dense() if isinstance(self.out_proj, ParallelLinear) else self.out_proj
+        out = self.out_proj
+        dense.out_proj = out.to_dense(gather) if isinstance(out, ParallelLinear) else out
         p = self.in_proj_weight
         dense.in_proj_weight = nn.Parameter(
-            torch.empty(3 * self.embed_dim, self.embed_dim, device=p.device, dtype=p.dtype),
+            torch.empty(3 * self.embed_dim, self.embed_dim, device=device, dtype=p.dtype),
             requires_grad=p.requires_grad,
         )
         if self.in_proj_bias is not None:
-            dense.in_proj_bias = nn.Parameter(torch.empty(3 * self.embed_dim, device=p.device, dtype=p.dtype),
+            dense.in_proj_bias = nn.Parameter(torch.empty(3 * self.embed_dim, device=device, dtype=p.dtype),
                                               requires_grad=self.in_proj_bias.requires_grad)
         return dense
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from typing_extensions import Self
 
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence
-from lightning_dpmp.parallel.sharding import ParallelLinear, divide
+from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, divide
 
 __all__ = ["ColumnParallelEmbedding", "VocabParallelEmbedding"]
 
@@ -68,10 +68,10 @@ class VocabParallelEmbedding(ParallelLinear):
         layer.train(emb.training)
         return layer
 
-    def _dense_module(self) -> nn.Module:
-        p = self.weight
+    def _dense_module(self, device: torch.device, gather: DenseGather) -> nn.Module:
         return nn.Embedding(
-            self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=p.device, dtype=p.dtype
+            self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device=device,
+            dtype=self.weight.dtype,
         )
 
     def forward(self, ids: Tensor) -> Tensor:

@@ -18,13 +18,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import all_reduce_sum, group_rank, group_size, reduce_from_group
-from lightning_dpmp.parallel.sharding import SHARDS_ATTR, gather_tensor, shard_tensor
+from lightning_dpmp.parallel.sharding import SHARDS_ATTR, DenseGather, shard_tensor
 
 __all__ = ["ExpertsShards", "consolidate_experts", "copy_many_to_group", "shard_experts"]
 
@@ -149,12 +149,14 @@ def _unhook(module: nn.Module) -> None:
     module.__dict__.pop("_dpmp_experts_group", None)
 
 
-def consolidate_experts(model: nn.Module, keep: bool = True) -> dict[int, tuple[nn.Parameter, int, int]]:
-    """Gather every sharded experts module of ``model`` back to dense parameters, same names (collective over MP);
-    with ``keep=False``, dense shapes on the meta device (this rank only takes part in the gathers).
+def consolidate_experts(model: nn.Module, gather: Optional[DenseGather] = None
+                        ) -> dict[int, tuple[nn.Parameter, int, int]]:
+    """Gather every sharded experts module of ``model`` back to dense parameters, same names (collective over MP;
+    ``gather`` as in :meth:`ParallelLinear.to_dense`: a rank that does not keep the result gets meta shapes).
 
     Returns ``{id(shard): (dense parameter, dim, blocks)}`` for the optimizer to follow.
     """
+    gather = gather if gather is not None else DenseGather()
     moved: dict[int, tuple[nn.Parameter, int, int]] = {}
     for module in model.modules():
         shards = module.__dict__.get(SHARDS_ATTR)
@@ -164,8 +166,12 @@ def consolidate_experts(model: nn.Module, keep: bool = True) -> dict[int, tuple[
         for name, (dim, blocks) in shards.items():
             local = getattr(module, name)
             with torch.no_grad():
-                full = gather_tensor(local.detach(), dim, group, blocks)
-            dense = nn.Parameter(full.clone() if keep else full.to("meta"), requires_grad=local.requires_grad)
+                full = gather(local.detach(), dim, group, blocks)
+            if full is None or not gather.keep:
+                shape = list(local.shape)
+                shape[dim] *= group_size(group)
+                full = torch.empty(shape, dtype=local.dtype, device="meta")
+            dense = nn.Parameter(full.clone() if not full.is_meta else full, requires_grad=local.requires_grad)
             setattr(module, name, dense)
             moved[id(local)] = (dense, dim, blocks)
         _unhook(module)

@@ -17,6 +17,7 @@ import copy
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Self
@@ -25,11 +26,14 @@ from lightning_dpmp.parallel.comm import gather_from_group, group_rank, group_si
 
 __all__ = [
     "SHARDS_ATTR",
+    "DenseGather",
     "ParallelLinear",
     "dense_template",
     "divide",
     "gather_tensor",
+    "gather_to_first",
     "interleave_blocks",
+    "params_to_meta",
     "shard_blocks",
     "shard_dims",
     "shard_tensor",
@@ -102,18 +106,19 @@ class ParallelLinear(nn.Module):
                 getattr(self, name).copy_(local)
                 getattr(self, name).requires_grad_(full.requires_grad)
 
-    def _dense_module(self) -> nn.Module:
+    def _dense_module(self, device: torch.device, gather: "DenseGather") -> nn.Module:
+        """The dense module's shell on ``device`` (``gather``: for the split layers it contains)."""
         p = self.weight
         template = self.__dict__.get("_template")
         if template is None:
             return nn.Linear(
-                self.in_features, self.out_features, bias=self.bias is not None, device=p.device, dtype=p.dtype
+                self.in_features, self.out_features, bias=self.bias is not None, device=device, dtype=p.dtype
             )
         dense = copy.deepcopy(template)
         shape = (self.out_features, self.in_features) if self.out_dim == 0 else (self.in_features, self.out_features)
-        dense.weight = nn.Parameter(torch.empty(shape, device=p.device, dtype=p.dtype), requires_grad=p.requires_grad)
+        dense.weight = nn.Parameter(torch.empty(shape, device=device, dtype=p.dtype), requires_grad=p.requires_grad)
         if self.bias is not None:
-            dense.bias = nn.Parameter(torch.empty(self.out_features, device=p.device, dtype=p.dtype),
+            dense.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=p.dtype),
                                       requires_grad=self.bias.requires_grad)
         return dense
 
@@ -133,15 +138,22 @@ class ParallelLinear(nn.Module):
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
 
-    def to_dense(self) -> nn.Module:
-        """Gather the shards into the dense module (collective: every rank of the group must call it)."""
-        dense = self._dense_module()
+    def to_dense(self, gather: Optional["DenseGather"] = None) -> nn.Module:
+        """Gather the shards into the dense module (collective: every rank of the group must call it).
+
+        ``gather`` (default: every rank gets the dense module) can instead gather onto the group's first rank: the
+        others get the dense module's shell on the meta device (shapes, no memory).
+        """
+        gather = gather if gather is not None else DenseGather()
+        here = next(self.parameters()).device  # an attention layer has in_proj_weight, no weight
+        dense = self._dense_module(here if gather.keep else torch.device("meta"), gather)
         with torch.no_grad():
             for name, dim in self._shard_dims.items():
                 local = getattr(self, name, None)
                 if local is not None:
-                    full = local if dim is None else gather_tensor(local.detach(), dim, self.group, self.blocks)
-                    getattr(dense, name).copy_(full)
+                    full = local if dim is None else gather(local.detach(), dim, self.group, self.blocks)
+                    if gather.keep and full is not None:
+                        getattr(dense, name).copy_(full)
                     getattr(dense, name).requires_grad_(local.requires_grad)
         dense.train(self.training)
         return dense
@@ -230,6 +242,60 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
             if blocks > 1:
                 out[f"{prefix}.{name}" if prefix else name] = blocks
     return _with_aliases(module, out)
+
+
+def gather_to_first(t: Tensor, group: Any, dim: int, blocks: int = 1) -> Optional[Tensor]:
+    """Concatenate the group's shards of ``t`` along ``dim`` on the group's first rank, on CPU; ``None`` elsewhere.
+
+    A ``gather`` rather than an ``all_gather``: the other ranks never hold the dense tensor.
+    """
+    n = group_size(group)
+    t = t.detach().contiguous()
+    if n == 1:
+        return t.cpu()
+    dst = dist.get_global_rank(group, 0)
+    if group_rank(group) == 0:
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.gather(t, parts, dst=dst, group=group)
+        return interleave_blocks(parts, dim, blocks).cpu()
+    dist.gather(t, None, dst=dst, group=group)
+    return None
+
+
+class DenseGather:
+    """How split tensors become dense again: on every rank of the group (``all_gather``, the default), or onto
+    the group's first rank only (``to_first``), or not at all (``communicate=False``: a DP replica whose own MP
+    group is not the one rank 0 gathers from). ``keep``: whether this rank keeps the result (else shapes only).
+
+    Example:
+        >>> DenseGather()(torch.ones(2, 3), 0, None).shape   # one rank: the tensor itself
+        torch.Size([2, 3])
+    """
+
+    def __init__(self, to_first: bool = False, keep: bool = True, communicate: bool = True) -> None:
+        self.to_first, self.keep, self.communicate = to_first, keep, communicate
+
+    def __call__(self, local: Tensor, dim: int, group: Any, blocks: int = 1) -> Optional[Tensor]:
+        if not self.communicate:
+            return None
+        if self.to_first:
+            full = gather_to_first(local, group, dim, blocks)
+            return full if self.keep else None
+        return gather_tensor(local, dim, group, blocks)
+
+
+def params_to_meta(module: nn.Module) -> dict[int, nn.Parameter]:
+    """Replace every real parameter of ``module`` by a meta one of the same shape (ties kept, ``requires_grad``
+    kept), freeing its memory; buffers stay. Returns ``{id(old parameter): meta parameter}``."""
+    memo: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None or p.is_meta:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            mod._parameters[key] = memo[id(p)]
+    return memo
 
 
 def interleave_blocks(parts: list[Tensor], dim: int, blocks: int) -> Tensor:

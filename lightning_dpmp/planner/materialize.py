@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_dpmp.parallel.sharding import ParallelLinear
 
-__all__ = ["empty_parameters", "is_meta", "materialize", "params_to_meta"]
+__all__ = ["empty_parameters", "is_meta", "materialize"]
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -76,20 +76,6 @@ def empty_parameters() -> Iterator[None]:
             yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def params_to_meta(module: nn.Module) -> dict[int, nn.Parameter]:
-    """Replace every real parameter of ``module`` by a meta one of the same shape (ties kept, ``requires_grad``
-    kept), freeing its memory; buffers stay. Returns ``{id(old parameter): meta parameter}``."""
-    memo: dict[int, nn.Parameter] = {}
-    for mod in module.modules():
-        for key, p in list(mod._parameters.items()):
-            if p is None or p.is_meta:
-                continue
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-            mod._parameters[key] = memo[id(p)]
-    return memo
 
 
 def _model_init(module: nn.Module) -> dict[str, Callable[[nn.Module], Any]]:

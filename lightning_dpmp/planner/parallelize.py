@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
 from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts
-from lightning_dpmp.parallel.sharding import ParallelLinear, gather_tensor, shard_blocks, shard_dims
-from lightning_dpmp.planner.materialize import params_to_meta
+from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, gather_tensor, shard_blocks, shard_dims
 from lightning_dpmp.planner.plan import Plan
 from lightning_dpmp.planner.styles import BuildContext
 
@@ -153,12 +152,12 @@ def restore(model: nn.Module, originals: dict[str, Union[nn.Module, ExpertsShard
     _restore_attrs(model)
 
 
-def consolidate(model: nn.Module, keep: bool = True) -> dict[int, tuple[nn.Parameter, Optional[int], int]]:
+def consolidate(model: nn.Module, gather: Optional[DenseGather] = None
+                ) -> dict[int, tuple[nn.Parameter, Optional[int], int]]:
     """Replace every parallel layer by its dense module holding the gathered weights (collective over MP).
 
-    With ``keep=False`` this rank takes part in the gathers but keeps only the dense *shapes*: each layer's
-    gathered parameters go to the meta device as soon as they are made, so it never holds more than one dense layer
-    (the end of a run where rank 0 alone keeps the model).
+    ``gather`` (default: all-gathered, every rank dense) can gather onto the MP group's first rank only: the others
+    get the dense modules' shells on the meta device (the end of a run where rank 0 alone keeps the model).
 
     Returns ``{id(shard parameter): (dense parameter, split dim or None, fused blocks)}`` so that optimizers can follow
     (:func:`lightning_dpmp.checkpoint.consolidated.consolidate_optimizer`).
@@ -171,9 +170,7 @@ def consolidate(model: nn.Module, keep: bool = True) -> dict[int, tuple[nn.Param
             continue  # a parallel layer inside another (an attention's out_proj) is gathered by its owner
         weight = getattr(mod, "weight", None)  # an attention layer has none (in_proj_weight is never tied)
         tied = moved.get(id(weight)) if weight is not None else None
-        dense = mod.to_dense()
-        if not keep:
-            params_to_meta(dense)
+        dense = mod.to_dense(gather)
         for sub, part in mod.named_modules():
             if not isinstance(part, ParallelLinear):
                 continue
@@ -187,7 +184,7 @@ def consolidate(model: nn.Module, keep: bool = True) -> dict[int, tuple[nn.Param
         for alias in names:  # the same module object registered under several names (T5's shared embedding)
             set_submodule(model, alias, dense)
         done.extend(names)
-    moved.update(consolidate_experts(model, keep))
+    moved.update(consolidate_experts(model, gather))
     _repoint_aliases(model, {k: v[0] for k, v in moved.items()})
     _restore_attrs(model)
     return moved

@@ -65,7 +65,7 @@ class AfterLoad(L.Callback):
 
 def trainer_for(dp: int, mp: int, zero: int, steps: int, callbacks: list) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=120),
+        accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=300),
         precision="64-true", max_steps=steps, gradient_clip_val=CLIP, gradient_clip_algorithm="norm",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
@@ -90,7 +90,7 @@ class CountValidation(L.Callback):
 def generate(dp: int, mp: int, path: str) -> dict:
     """``trainer.validate`` whose step generates: the tokens, the plan and the MP collectives of the batch."""
     counter = CountValidation()
-    trainer = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=120),
+    trainer = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=300),
                         precision="64-true", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=1, callbacks=[counter])
     model = P.GenerateLM(lightning_dpmp.from_pretrained(P.model_class("llama"), path))

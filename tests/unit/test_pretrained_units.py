@@ -14,8 +14,8 @@ from torch import nn
 from lightning_dpmp.checkpoint.hf_export import TensorEntry, parse_size, state_entries, write_config, write_streamed
 from lightning_dpmp.checkpoint.weights import WeightFiles, defer_weights, load_deferred, match_keys
 from lightning_dpmp.integration.pretrained import from_pretrained, load_weights
-from lightning_dpmp.parallel.sharding import shard_tensor
-from lightning_dpmp.planner.materialize import empty_parameters, materialize, params_to_meta
+from lightning_dpmp.parallel.sharding import params_to_meta, shard_tensor
+from lightning_dpmp.planner.materialize import empty_parameters, materialize
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors.torch import save_file  # noqa: E402
