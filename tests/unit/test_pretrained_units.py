@@ -189,3 +189,26 @@ def test_a_method_named_init_weights_outside_transformers_is_not_called():
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert torch.equal(m.ln_f.weight, torch.ones(8))  # LayerNorm.reset_parameters
     assert m.blocks[0].mlp.fc1.weight.abs().max() <= 1 / 8**0.5  # nn.Linear's own bound, not the example's normal
+
+
+def test_teardown_of_a_meta_module_moves_only_real_tensors():
+    """Lightning's teardown calls ``lightning_module.cpu()`` and moves the optimizer state: on a module left on
+    meta (a rank that does not keep the model, a setup that failed) that raises "Cannot copy out of meta tensor"
+    over the first error; under ``meta_safe_teardown`` the real tensors move and the meta ones stay."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    from lightning_dpmp.integration.split import meta_safe_teardown
+
+    module = WithBuffer()
+    params_to_meta(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        module.cpu()
+    strategy = SimpleNamespace(lightning_module=module, optimizers=[optimizer])
+    with meta_safe_teardown(strategy):
+        _optimizers_to_device(strategy.optimizers, torch.device("cpu"))
+        strategy.lightning_module.cpu()
+    assert strategy.optimizers == [optimizer] and "cpu" not in module.__dict__
+    assert module.lin.weight.is_meta and module.inv_freq.device.type == "cpu"
