@@ -25,13 +25,13 @@ import copy
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.sharding import (
     DenseGather,
+    dense_meta,
     gather_to_first,
     shard_blocks,
     shard_dims,
@@ -172,11 +172,7 @@ def consolidate_optimizer(
 
 def _dense_state(v: Tensor, dim: int, group: Any, blocks: int, gather: DenseGather) -> Tensor:
     full = gather(v.detach(), dim, group, blocks)
-    if full is not None and gather.keep:
-        return full
-    shape = list(v.shape)
-    shape[dim] *= group_size(group)
-    return torch.empty(shape, dtype=v.dtype, device="meta")
+    return full if full is not None and gather.keep else dense_meta(v, dim, group)
 
 
 def optimizer_to_meta(optimizer: Optimizer, params: Mapping[int, nn.Parameter]) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import all_reduce_sum, group_rank, group_size, reduce_from_group
-from lightning_dpmp.parallel.sharding import SHARDS_ATTR, DenseGather, shard_tensor
+from lightning_dpmp.parallel.sharding import SHARDS_ATTR, DenseGather, dense_meta, shard_tensor
 
 __all__ = ["ExpertsShards", "consolidate_experts", "copy_many_to_group", "shard_experts"]
 
@@ -167,11 +167,8 @@ def consolidate_experts(model: nn.Module, gather: Optional[DenseGather] = None
             local = getattr(module, name)
             with torch.no_grad():
                 full = gather(local.detach(), dim, group, blocks)
-            if full is None or not gather.keep:
-                shape = list(local.shape)
-                shape[dim] *= group_size(group)
-                full = torch.empty(shape, dtype=local.dtype, device="meta")
-            dense = nn.Parameter(full.clone() if not full.is_meta else full, requires_grad=local.requires_grad)
+            full = dense_meta(local, dim, group) if full is None or not gather.keep else full.clone()
+            dense = nn.Parameter(full, requires_grad=local.requires_grad)
             setattr(module, name, dense)
             moved[id(local)] = (dense, dim, blocks)
         _unhook(module)

@@ -28,6 +28,7 @@ __all__ = [
     "SHARDS_ATTR",
     "DenseGather",
     "ParallelLinear",
+    "dense_meta",
     "dense_template",
     "divide",
     "gather_tensor",
@@ -282,6 +283,13 @@ class DenseGather:
             full = gather_to_first(local, group, dim, blocks)
             return full if self.keep else None
         return gather_tensor(local, dim, group, blocks)
+
+
+def dense_meta(local: Tensor, dim: int, group: Any) -> Tensor:
+    """An empty meta tensor with the dense shape of ``local``, a shard along ``dim`` over ``group``."""
+    shape = list(local.shape)
+    shape[dim] *= group_size(group)
+    return torch.empty(shape, dtype=local.dtype, device="meta")
 
 
 def params_to_meta(module: nn.Module) -> dict[int, nn.Parameter]:
