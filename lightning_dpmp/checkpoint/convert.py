@@ -37,7 +37,13 @@ from torch import Tensor
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.files import atomic_save, load_file
-from lightning_dpmp.checkpoint.hf_export import TensorEntry, state_entries, write_config, write_streamed
+from lightning_dpmp.checkpoint.hf_export import (
+    TensorEntry,
+    floating_dtype,
+    state_entries,
+    write_config,
+    write_streamed,
+)
 from lightning_dpmp.checkpoint.sharded import is_sharded_checkpoint, load_sharded_full
 from lightning_dpmp.planner.materialize import empty_parameters
 
@@ -109,7 +115,7 @@ def convert_hf(checkpoint: str, out_dir: str, config_dir: str, prefix: Optional[
     generation = None
     if os.path.exists(os.path.join(config_dir, "generation_config.json")):
         generation = transformers.GenerationConfig.from_pretrained(config_dir)
-    write_config(out_dir, config, entries[0].dtype if entries else None, [generation])
+    write_config(out_dir, config, floating_dtype(e.dtype for e in entries), [generation])
     return {**summary, "prefix": prefix}
 
 

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_dpmp.checkpoint.files import fsync_dir, replace_path
 from lightning_dpmp.checkpoint.weights import SAFETENSORS_INDEX
@@ -121,43 +122,50 @@ def write_streamed(
 ) -> dict[str, int]:
     """Write ``entries`` as safetensors files under ``out_dir``, calling ``fetch`` once per entry, in order.
 
-    ``fetch`` returns the dense tensor (on the writing process) or ``None`` (elsewhere: it may still take part in a
-    collective). Only ``write=True`` touches the disk; its files go into a temporary folder beside ``out_dir`` and
-    :func:`write_config` or the caller moves them in. One file is ``model.safetensors``; more get
-    ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+    ``fetch`` returns the dense tensor on the writing process (``write=True``); elsewhere it is called for the
+    collectives it may take part in and returns ``None``. The files go into a temporary folder beside ``out_dir``
+    (removed again if anything fails) and :func:`write_config` moves it in. One file is ``model.safetensors``; more
+    get ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
     """
     groups = _files_for(entries, parse_size(max_shard_size))
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    if write:
-        discard_staging(out_dir)  # whatever an interrupted export left
-    tmp = staging_dir(out_dir) if write else ""
+    if not write:
+        for e in entries:  # this rank takes part in the collectives fetch may issue, and writes nothing
+            fetch(e)
+        return {"files": 0, "tensors": len(entries), "bytes": 0}
+    discard_staging(out_dir)  # whatever an interrupted export left
+    try:
+        total = _write_files(staging_dir(out_dir), names, groups, fetch)
+    except BaseException:
+        discard_staging(out_dir)
+        raise
+    return {"files": len(groups), "tensors": len(entries), "bytes": total}
+
+
+def _write_files(tmp: str, names: list[str], groups: list[list[TensorEntry]],
+                 fetch: Callable[[TensorEntry], Optional[Tensor]]) -> int:
     total = 0
     for name, group in zip(names, groups):
-        f = open(os.path.join(tmp, name), "wb") if write else None
-        try:
-            if f is not None:
-                f.write(_header(group))
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(_header(group))
             for e in group:
                 t = fetch(e)
-                if f is None or t is None:
-                    continue
+                if t is None:
+                    raise ValueError(f"{e.name}: the writing process got no tensor.")
                 if tuple(t.shape) != e.shape or t.dtype != e.dtype:
                     raise ValueError(f"{e.name}: got {tuple(t.shape)} {t.dtype}, expected {e.shape} {e.dtype}.")
                 # A copy first: numpy sharing a parameter's storage would pin it (ZeRO-3 frees storages by resizing).
                 f.write(t.detach().to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().data)
                 total += e.nbytes
-        finally:
-            if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
-    if write and len(groups) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+            f.flush()
+            os.fsync(f.fileno())
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for g in groups for e in g)},
                  "weight_map": {e.name: n for n, g in zip(names, groups) for e in g}}
         with open(os.path.join(tmp, SAFETENSORS_INDEX), "w") as fh:
             json.dump(index, fh, indent=2)
-    return {"files": len(groups), "tensors": len(entries), "bytes": total}
+    return total
 
 
 def staging_dir(out_dir: str) -> str:
@@ -171,8 +179,6 @@ def staging_dir(out_dir: str) -> str:
 def write_config(out_dir: str, config: Any, dtype: Optional[torch.dtype], extra: Iterable[Any] = ()) -> None:
     """Save ``config`` (its ``dtype`` set to the weights' dtype) and ``extra`` objects with a ``save_pretrained``
     (a generation config) into the staged folder, then move it to ``out_dir`` (replacing what is there)."""
-    import copy
-
     tmp = staging_dir(out_dir)
     if config is not None:
         config = copy.deepcopy(config)
@@ -192,7 +198,8 @@ def discard_staging(out_dir: str) -> None:
     shutil.rmtree(staging_dir(out_dir), ignore_errors=True)
 
 
-def floating_dtype(module: nn.Module) -> Optional[torch.dtype]:
-    """The dtype of ``module``'s first floating-point parameter (what its config should say), or ``None``."""
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+def floating_dtype(dtypes: Iterable[torch.dtype]) -> Optional[torch.dtype]:
+    """The first floating-point dtype of ``dtypes`` (a model's parameters, or the tensors written: what its config
+    should say), or ``None``."""
+    return next((d for d in dtypes if d.is_floating_point), None)
 

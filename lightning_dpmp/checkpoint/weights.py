@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_dpmp.checkpoint.consolidated import dense_shapes
 from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
@@ -240,13 +241,11 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
         if spec.strict and missing:
             raise KeyError(f"{files.path} has no tensor for {missing[0]!r} ({len(missing)} missing in all) of"
                            f" {type(module).__name__}; pass strict=False to keep their initial values.")
+        dense = dense_shapes(module, mp_group)
         for key, name in names.items():
-            dense = list(state[key].shape)
-            if key in dims:
-                dense[dims[key]] *= parts
-            if tuple(dense) != files.shape(name):
+            if dense[key] != files.shape(name):
                 raise ValueError(f"{files.path}: {name!r} has shape {files.shape(name)} but the model's {key!r} is"
-                                 f" {tuple(dense)}.")
+                                 f" {dense[key]}.")
         done: set[int] = set()
         with torch.no_grad():
             for key, name in names.items():

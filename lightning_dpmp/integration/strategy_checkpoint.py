@@ -50,7 +50,6 @@ from lightning_dpmp.checkpoint.files import (
 )
 from lightning_dpmp.checkpoint.hf_export import (
     TensorEntry,
-    discard_staging,
     floating_dtype,
     state_entries,
     write_config,
@@ -185,36 +184,26 @@ class StrategyCheckpointer:
         """
         st = self.strategy
         grid = st.grid_or_none
-        distributed = grid is not None and dist.is_initialized()
         engine = self._engine()
         gathered = engine.gathered() if engine is not None else contextlib.nullcontext()
         with gathered:  # zero=3: the MP-local parameters exist only inside
             state = module.state_dict(keep_vars=True)  # tied weights are one object: written once
-            dims, blocks = shard_dims(module), shard_blocks(module)
-            mp_group = grid.mp_group if distributed else None
-            shapes = dense_shapes(module, mp_group) if distributed else {k: tuple(v.shape) for k, v in state.items()}
-            entries = state_entries(state, shapes)
-            first_row = not distributed or grid.dp_rank == 0
+            dims, blocks = shard_dims(module), shard_blocks(module)  # empty unless split, hence a grid
+            mp_group = grid.mp_group if grid is not None else None
+            entries = state_entries(state, dense_shapes(module, mp_group))
 
             def fetch(e: TensorEntry) -> Optional[Tensor]:
-                if e.name in dims and distributed:
+                if e.name in dims:
                     return gather_to_first(state[e.name], mp_group, dims[e.name], blocks.get(e.name, 1))
                 return state[e.name].detach() if st.is_global_zero else None
 
             summary = {"files": 0, "tensors": len(entries), "bytes": 0}
-            if first_row:
-                try:
-                    summary = write_streamed(out_dir, entries, fetch, max_shard_size, write=st.is_global_zero)
-                except BaseException:
-                    if st.is_global_zero:
-                        discard_staging(out_dir)
-                    raise
+            if grid is None or grid.dp_rank == 0:  # the MP group rank 0 gathers from
+                summary = write_streamed(out_dir, entries, fetch, max_shard_size, write=st.is_global_zero)
         config, generation = getattr(module, "config", None), getattr(module, "generation_config", None)
-        finish = lambda: write_config(out_dir, config, floating_dtype(module), [generation])  # noqa: E731
-        if distributed:
-            write_on_rank_zero(finish, max(st.timeout, timedelta(hours=1)))
-        else:
-            finish()
+        dtype = floating_dtype(p.dtype for p in module.parameters())
+        finish = lambda: write_config(out_dir, config, dtype, [generation])  # noqa: E731
+        write_on_rank_zero(finish, max(st.timeout, timedelta(hours=1)))  # the others wait for the folder
         return summary
 
     def remove(self, filepath: Any) -> None:

@@ -384,7 +384,8 @@ def _record_calls(names: dict[nn.Module, str], recorder: _Recorder, trace: Trace
         if recorder.hidden == 0:
             outs = tuple(recorder.node(t) for t in tree_leaves(output) if isinstance(t, Tensor))
             trace.calls.append(ModuleCall(names[module], tensors, outs, start, len(trace.events)))
-            if not recorder.scope and any(isinstance(e, LinearCall) for e in trace.events[start:]):
+            if recorder.meta_defaults and not recorder.scope and any(
+                    isinstance(e, LinearCall) for e in trace.events[start:]):
                 recorder.pass_done = True  # an outermost call (the scope is popped first) that ran Linear layers
 
     handles = []
