@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 # torch.utils._python_dispatch.TorchDispatchMode: the only home of the dispatch-mode base class in torch 2.13
 # (``torch.overrides`` has TorchFunctionMode, not the dispatch one). Relies on: __torch_dispatch__ being called
@@ -50,6 +51,7 @@ __all__ = [
     "dynamo_without_ddp_split",
     "distributed_is_initialized",
     "hf_model_from_config",
+    "keep_adapters_off_meta",
     "init_optimizers_and_lr_schedulers",
     "layer_sync",
     "loop_data_source",
@@ -344,3 +346,53 @@ def hf_model_from_config(model_class: Any, config: Any, **kwargs: Any) -> Any:
     if hasattr(model_class, "from_config"):
         return model_class.from_config(config, **kwargs)
     return model_class._from_config(config, **kwargs)
+
+
+class _RealStaysReal(TorchFunctionMode):
+    """``Tensor.to(meta)`` of a real tensor keeps its device (a dtype change still applies)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is Tensor.to and args and isinstance(args[0], Tensor) and not args[0].is_meta:
+            real = args[0].device
+            args = tuple(real if _is_meta_device(a) else a for a in args)
+            if _is_meta_device(kwargs.get("device")):
+                kwargs["device"] = real
+        return func(*args, **kwargs)
+
+
+def _is_meta_device(x: Any) -> bool:
+    return isinstance(x, (str, torch.device)) and torch.device(x).type == "meta"
+
+
+def keep_adapters_off_meta() -> bool:
+    """Make peft keep a new adapter's real initial weights when its base layer is on the meta device.
+
+    ``get_peft_model`` on a model whose weights are pending (:func:`lightning_dpmp.from_pretrained`, parameters on
+    meta until the split) creates each adapter on the CPU, initialises it (LoRA: ``A`` Kaiming-uniform, ``B``
+    zeros) and then moves it to its base layer's device, meta, which would drop those values: the split would
+    have nothing to start from but a re-initialisation that single-process training never makes. Wrapped here:
+    ``peft.tuners.tuners_utils.BaseTuner.inject_adapter`` (peft 0.21; public on the class, though not documented
+    for direct use), the one call under which peft creates and places every adapter: while a model with meta
+    parameters gets its adapters, ``Tensor.to`` of a real tensor onto meta keeps it where it is. The adapters then
+    train from exactly the values one process gives them. Returns whether peft is installed (idempotent).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTuner
+
+    original = BaseTuner.inject_adapter
+    if getattr(original, "_dpmp_keeps_real", False):
+        return True
+
+    def inject_adapter(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not any(p.is_meta for p in model.parameters()):
+            return original(self, model, *args, **kwargs)
+        with _RealStaysReal():
+            return original(self, model, *args, **kwargs)
+
+    inject_adapter._dpmp_keeps_real = True  # type: ignore[attr-defined]
+    BaseTuner.inject_adapter = inject_adapter  # type: ignore[method-assign]
+    return True

@@ -144,7 +144,10 @@ def match_keys(module: nn.Module, names: list[str], prefix: Optional[str] = None
 
     Tried in order: the key itself; another name of the same tensor (a tied weight saved once); and, for the whole
     model at once, the checkpoint's names with a leading ``prefix`` added or removed (transformers' base-model
-    prefix, e.g. a ``LlamaModel`` read from a ``LlamaForCausalLM`` folder). Keys found nowhere are left out.
+    prefix, e.g. a ``LlamaModel`` read from a ``LlamaForCausalLM`` folder). Last, a module wrapped after loading
+    (an adapter layer registered under the old name, holding the original one as a child): the key with one inner
+    level left out, ``q_proj.base_layer.weight`` -> ``q_proj.weight``, when exactly one such name exists and no
+    other key took it. Keys found nowhere are left out.
     """
     state = module.state_dict(keep_vars=True)
     available = set(names)
@@ -164,6 +167,16 @@ def match_keys(module: nn.Module, names: list[str], prefix: Optional[str] = None
     for k, t in state.items():
         if k not in found and isinstance(t, Tensor) and id(t) in by_tensor:
             found[k] = by_tensor[id(t)]  # an alias of a tensor stored under another name
+    taken = set(found.values())
+    for k in state:
+        if k in found:
+            continue
+        parts = k.split(".")
+        inner = {rename(".".join(parts[:i] + parts[i + 1:]), add, strip) for i in range(1, len(parts) - 1)}
+        hits = [n for n in inner if n in available and n not in taken]
+        if len(hits) == 1:
+            found[k] = hits[0]
+            taken.add(hits[0])
     return found
 
 
@@ -237,7 +250,8 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
         state = module.state_dict(keep_vars=True)
         names = match_keys(module, files.keys(), spec.prefix)
         dims, blocks = shard_dims(module), shard_blocks(module)
-        missing = [k for k in state if k not in names]
+        # real tensors the checkpoint lacks were initialised by the code that added them (adapters): not missing
+        missing = [k for k, t in state.items() if k not in names and (not isinstance(t, Tensor) or t.is_meta)]
         if spec.strict and missing:
             raise KeyError(f"{files.path} has no tensor for {missing[0]!r} ({len(missing)} missing in all) of"
                            f" {type(module).__name__}; pass strict=False to keep their initial values.")

@@ -49,7 +49,7 @@ from lightning_dpmp.compat import (
     set_rng_states,
     tree_leaves,
 )
-from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
+from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
@@ -310,9 +310,9 @@ def _check(
         return float("inf"), f"{type(exc).__name__}{locator.where(module)}: {exc}"
     finally:
         locator.remove()
-    if plan.sequence is not None:  # as the strategy does before each optimizer step
-        names = set(plan.sequence.partial_params)
-        sync_sequence_partial_grads([p for n, p in module.named_parameters() if n in names], group)
+    if plan.partial_params:  # as the strategy does before each optimizer step
+        names = set(plan.partial_params)
+        sync_partial_grads([p for n, p in module.named_parameters() if n in names], group)
     dims = shard_dims(module)
     blocks = shard_blocks(module)
     n, r = group_size(group), group_rank(group)

@@ -9,14 +9,14 @@
   skip its step and lower its scale, and the replicas would part. The scaler's ``unscale_`` is shadowed on the
   instance so that ``found_inf`` is all-reduced (MAX) over the world after each unscale, as Megatron agrees it
   over the model-parallel group: every rank skips or steps together and keeps one scale.
-* Sequence parallelism: the gradients of parameters that saw 1/mp of the tokens are summed over MP once per
-  optimizer step, after all accumulated micro-batches and before clipping. ``DPMPStrategy.optimizer_step`` (public
-  Strategy API) wraps the closure with :func:`then_sum_sequence_partial`: the precision plugin runs the closure
+* Partial gradients (parameters that saw 1/mp of the tokens under sequence parallelism, whole layers inside a
+  column layer's region such as a LoRA ``A``) are summed over MP once per optimizer step, after all accumulated
+  micro-batches and before clipping. ``DPMPStrategy.optimizer_step`` (public Strategy API) wraps the closure with :func:`then_sum_partial`: the precision plugin runs the closure
   (backward) inside ``optimizer.step`` and clips right after it.
 
 Example:
     >>> install(trainer.precision_plugin, split_params, grid.mp_group)                  # doctest: +SKIP
-    >>> closure = then_sum_sequence_partial(closure, sequence_partial, grid.mp_group)   # doctest: +SKIP
+    >>> closure = then_sum_partial(closure, partial_grads, grid.mp_group)   # doctest: +SKIP
     >>> remove(trainer.precision_plugin)                                                 # doctest: +SKIP
 """
 
@@ -31,9 +31,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_sequence_partial_grads
+from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
 
-__all__ = ["agree_found_inf", "install", "remove", "then_sum_sequence_partial"]
+__all__ = ["agree_found_inf", "install", "remove", "then_sum_partial"]
 
 
 def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = None) -> None:
@@ -75,14 +75,14 @@ def agree_found_inf(scaler: Any, group: Optional[Any]) -> None:
     scaler.unscale_ = unscale_
 
 
-def then_sum_sequence_partial(
+def then_sum_partial(
     closure: Callable[[], Any], params: Sequence[nn.Parameter], group: Any
 ) -> Callable[[], Any]:
     """``closure`` (the step's forward and backward), then the MP sum of ``params``' partial gradients."""
 
     def run() -> Any:
         result = closure()
-        sync_sequence_partial_grads(list(params), group)
+        sync_partial_grads(list(params), group)
         return result
 
     return run

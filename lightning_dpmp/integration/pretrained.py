@@ -69,6 +69,7 @@ def from_pretrained(model_class: Any, path: str, *, lazy: Optional[bool] = None,
     if os.path.exists(os.path.join(path, "generation_config.json")) and getattr(model, "can_generate", lambda: 0)():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers returns it (Lightning keeps submodules in the mode it finds them)
+    compat.keep_adapters_off_meta()  # adapters added next (peft) keep their initial values
     return defer_weights(model, path, strict=True, prefix=getattr(model, "base_model_prefix", None) or None)
 
 
@@ -85,6 +86,7 @@ def load_weights(module: nn.Module, path: str, strict: bool = True, prefix: Opti
         ...     model = lightning_dpmp.load_weights(MyModel(), "plain-model.ckpt")
     """
     if any(p.is_meta for p in module.parameters()):
+        compat.keep_adapters_off_meta()  # adapters added next (peft) keep their initial values
         return defer_weights(module, path, strict, prefix)
     files = WeightFiles(path)
     names = match_keys(module, files.keys(), prefix)

@@ -44,7 +44,7 @@ class Split:
 
     applied_plan: PlanResult
     rng: Optional[RNGTracker]  # per-MP-rank dropout streams of the split regions; None with mp=1
-    sequence_partial: list[nn.Parameter]  # gradients to sum over MP once per step (sequence parallelism)
+    partial_grads: list[nn.Parameter]  # gradients to sum over MP once per step (partial layers, sequence parallelism)
     split_params: set[int]  # ids of the parameters that are MP shards (for the global-norm clip)
 
 
@@ -115,8 +115,7 @@ def split_model(
     if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
         materialize(lm, device, seed, grid.mp_rank)
         load_deferred(lm, grid.mp_group)  # pretrained weights: each rank reads only the slices it holds
-    sp = applied.plan.sequence
-    names = set(sp.partial_params) if sp is not None else set()
+    names = set(applied.plan.partial_params)
     dims = shard_dims(lm)
     split_params = {id(p) for n, p in lm.named_parameters() if n in dims}
     if strategy.is_global_zero:
@@ -136,7 +135,7 @@ def split_model(
     return Split(
         applied_plan=applied,
         rng=rng,
-        sequence_partial=[p for n, p in lm.named_parameters() if n in names],
+        partial_grads=[p for n, p in lm.named_parameters() if n in names],
         split_params=split_params,
     )
 

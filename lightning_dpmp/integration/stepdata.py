@@ -28,7 +28,7 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.integration.autoplan import isolated
 from lightning_dpmp.planner.trace import NoDropout
 
-__all__ = ["buffers_on_meta", "first_batch", "step_runner", "trainer_state"]
+__all__ = ["real_tensors_on_meta", "first_batch", "step_runner", "trainer_state"]
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step", "train_step_context"),
@@ -83,7 +83,7 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
             for m, mode in modes:  # `isolated` restores every module's mode afterwards
                 m.training = mode
         state = trainer_state(strategy, lm) if training else contextlib.nullcontext()
-        buffers = buffers_on_meta(lm) if meta else contextlib.nullcontext()
+        buffers = real_tensors_on_meta(lm) if meta else contextlib.nullcontext()
         with state, buffers, getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
             return getattr(lm, hook)(b, 0)
 
@@ -117,17 +117,27 @@ def trainer_state(strategy: Any, module: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def buffers_on_meta(module: nn.Module) -> Iterator[None]:
-    """While tracing a meta model: its real buffers (computed at build, e.g. rotary ``inv_freq``) as meta copies, so
-    no op mixes devices; the real ones are back afterwards, untouched by the traced step."""
-    saved = [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None and not b.is_meta]
-    for m, k, b in saved:
-        m._buffers[k] = b.to("meta")
+def real_tensors_on_meta(module: nn.Module) -> Iterator[None]:
+    """While tracing a meta model: its real buffers (computed at build, e.g. rotary ``inv_freq``) and real
+    parameters (adapters added to a lazily loaded model) as meta copies, so no op mixes devices; the real ones are
+    back afterwards, untouched by the traced step. Tied parameters get one copy."""
+    copies: dict[int, Tensor] = {}
+
+    def meta(t: Tensor) -> Tensor:
+        if id(t) not in copies:
+            m = t.to("meta")
+            copies[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+        return copies[id(t)]
+
+    slots: list[dict[str, Any]] = [s for m in module.modules() for s in (m._parameters, m._buffers)]
+    saved = [(slot, k, t) for slot in slots for k, t in slot.items() if t is not None and not t.is_meta]
+    for slot, k, t in saved:
+        slot[k] = meta(t)
     try:
         yield
     finally:
-        for m, k, b in saved:
-            m._buffers[k] = b
+        for slot, k, t in saved:
+            slot[k] = t
 
 
 def to_meta(batch: Any) -> Any:

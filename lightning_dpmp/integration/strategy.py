@@ -181,7 +181,7 @@ class DPMPStrategy(GridStrategy):
         self._applied_plan: Optional[PlanResult] = None
         self._split_params: set[int] = set()
         self._rng: Optional[RNGTracker] = None
-        self._sequence_partial: list[torch.nn.Parameter] = []
+        self._partial_grads: list[torch.nn.Parameter] = []
         self._failed = False
         self._undo_sync_skip: Optional[Callable[[], None]] = None  # set by model_to_device outside fitting
         self._zero_engine: Optional[ZeroEngine] = None  # zero=2/3 while fitting
@@ -284,7 +284,7 @@ class DPMPStrategy(GridStrategy):
         self._applied_plan, self._rng = split.applied_plan, split.rng
         if self.layout_report:
             self._applied_plan.text += "\n" + self.layout_report
-        self._sequence_partial, self._split_params = split.sequence_partial, split.split_params
+        self._partial_grads, self._split_params = split.partial_grads, split.split_params
         route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
         overlap = self._async_grad_allreduce
         set_async_grad_allreduce(self.model, self.root_device.type == "cuda" if overlap is None else overlap)
@@ -315,10 +315,10 @@ class DPMPStrategy(GridStrategy):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
             self._zero_engine.after_step()
             return out
-        if self._sequence_partial:
+        if self._partial_grads:
             mine = {id(p) for p in self.precision_plugin.main_params(optimizer)}
-            partial = [p for p in self._sequence_partial if id(p) in mine]
-            closure = hooks.then_sum_sequence_partial(closure, partial, self.grid.mp_group)
+            partial = [p for p in self._partial_grads if id(p) in mine]
+            closure = hooks.then_sum_partial(closure, partial, self.grid.mp_group)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @contextmanager
@@ -367,7 +367,7 @@ class DPMPStrategy(GridStrategy):
         assert self.lightning_module is not None
         self.optimizers, self._zero_engine = shard_optimizers(
             self.lightning_module, self.optimizers, self.lr_scheduler_configs, self._zero, self.grid,
-            self._split_params, self._sequence_partial, self._applied_plan)
+            self._split_params, self._partial_grads, self._applied_plan)
 
     @contextmanager
     @override

@@ -23,7 +23,7 @@ from torch import nn
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration.autoplan import PlanResult
-from lightning_dpmp.parallel.clipping import sync_sequence_partial_grads
+from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import storage_bytes
 
@@ -45,13 +45,13 @@ def repoint_schedulers(old: Sequence[Any], new: Sequence[Any], scheduler_configs
 
 
 def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, dp_group: Any,
-                 split_params: set[int], sequence_partial: Sequence[nn.Parameter], conditional: bool = False,
+                 split_params: set[int], partial_grads: Sequence[nn.Parameter], conditional: bool = False,
                  branches: tuple[str, ...] = ()) -> ZeroEngine:
     """Shard ``module`` and its optimizers over ``dp_group`` (zero=``level``); schedulers re-pointed, and the ids of
     the MP-split shards added to ``split_params`` so that the global-norm clip sums their squares over MP.
     ``conditional``, ``branches``: a step may leave parameters out (see :class:`ZeroEngine`)."""
     plain = [compat.unwrap_optimizer(o) for o in optimizers]
-    engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in sequence_partial},
+    engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in partial_grads},
                         conditional=conditional, branches=branches)
     repoint_schedulers(plain, engine.optimizers, scheduler_configs)
     split_params.update(id(p) for p in engine.shard_params("split"))
@@ -59,7 +59,7 @@ def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: li
 
 
 def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, grid: Any,
-                     split_params: set[int], sequence_partial: Sequence[nn.Parameter],
+                     split_params: set[int], partial_grads: Sequence[nn.Parameter],
                      applied: Optional[PlanResult] = None) -> tuple[list[Any], Optional[ZeroEngine]]:
     """The optimizers for ZeRO level ``level`` over ``grid``'s DP group, and the engine: rebuilt over the DP shards
     (:func:`build_engine`, in its conditional mode where the ``applied`` plan's trace saw a step leave parameters out);
@@ -67,7 +67,7 @@ def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs
     if not level or grid.dp == 1:
         return optimizers, None
     conditional, branches = (bool(applied.conditional), applied.branches) if applied is not None else (False, ())
-    engine = build_engine(module, optimizers, scheduler_configs, level, grid.dp_group, split_params, sequence_partial,
+    engine = build_engine(module, optimizers, scheduler_configs, level, grid.dp_group, split_params, partial_grads,
                           conditional, branches)
     return engine.optimizers, engine
 
@@ -92,7 +92,7 @@ def then_finish_zero(closure: Callable[[], Any], engine: ZeroEngine, mp_group: A
 
     def run() -> Any:
         result = closure()
-        sync_sequence_partial_grads(list[Any](engine.shard_params("partial")), mp_group)
+        sync_partial_grads(list[Any](engine.shard_params("partial")), mp_group)
         return result
 
     return run

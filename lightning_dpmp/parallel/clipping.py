@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_dpmp.parallel.comm import all_reduce_sum
 
-__all__ = ["clip_grad_norm_", "grad_norm", "sync_sequence_partial_grads"]
+__all__ = ["clip_grad_norm_", "grad_norm", "sync_partial_grads"]
 
 
 def grad_norm(params: Iterable[Tensor], split: set[int], group: Any, dp_group: Any = None) -> Tensor:
@@ -60,8 +60,9 @@ def clip_grad_norm_(
     return total
 
 
-def sync_sequence_partial_grads(params: list[Tensor], group: Any) -> None:
-    """Sum over MP the gradients of parameters that saw 1/mp of the sequence: one flat all-reduce."""
+def sync_partial_grads(params: list[Tensor], group: Any) -> None:
+    """Sum over MP the gradients each rank holds a partial sum of (parameters that saw 1/mp of the sequence, whole
+    layers inside a column layer's region): one flat all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return

@@ -38,7 +38,7 @@ from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
 from lightning_dpmp.parallel.overlap import linear_with_async_input_grad
 from lightning_dpmp.parallel.sharding import ParallelLinear, divide, gather_tensor
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "set_async_grad_allreduce"]
+__all__ = ["ColumnParallelLinear", "EnteredLinear", "RowParallelLinear", "set_async_grad_allreduce"]
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -197,6 +197,53 @@ class RowParallelLinear(ParallelLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
+
+
+class EnteredLinear(ParallelLinear):
+    """A whole ``nn.Linear`` that reads its input inside a column layer's region: through the entry copy that layer
+    shares (identity forward, one backward all-reduce for every layer reading it).
+
+    The first factor ``A`` of a low-rank product ``B(A(x))`` added to a column layer's output (a LoRA adapter on a
+    column-parallel base): ``B`` is split by output features like the base and takes ``A``'s output as already
+    inside the region (:data:`~lightning_dpmp.parallel.entry.GATHERED`), so its input gradient, and with it this
+    layer's input gradient and its weight gradient, are partial sums over the MP group. The input gradient joins
+    the base's in the shared entry's one all-reduce; the weight gradient is summed over MP once per step with the
+    other partial gradients (:func:`~lightning_dpmp.parallel.clipping.sync_partial_grads`). No collective of its
+    own, no all-gather.
+
+    Example:
+        >>> entry = SharedInputCopy(grid.mp_group)
+        >>> base = ColumnParallelLinear.from_dense(nn.Linear(32, 32), grid.mp_group, shared_input=entry)
+        >>> lora_a = EnteredLinear.from_dense(nn.Linear(32, 4, bias=False), grid.mp_group, shared_input=entry)
+    """
+
+    _shard_dims = {"weight": None, "bias": None}
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Any = None,
+        shared_input: Optional[SharedInputCopy] = None,
+        out_dim: int = 0,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(in_features, out_features, group)
+        if shared_input is None:
+            raise ValueError("EnteredLinear reads its input through a column layer's shared entry: give shared_input")
+        self.shared_input = shared_input
+        self.out_dim = out_dim
+        shape = (out_features, in_features) if out_dim == 0 else (in_features, out_features)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._matmul(self.shared_input(x), self.bias)
 
 
 def set_async_grad_allreduce(module: torch.nn.Module, enabled: bool) -> int:

@@ -131,7 +131,7 @@ def model_cost(module: nn.Module, plan: Plan, trace: Trace, elem_bytes: int = 4)
         if lp.kind == "embedding":
             continue  # a lookup, no matmul
         work = rows.get(name, tokens) / tokens * lp.in_features * lp.out_features
-        if lp.style == "replicate" or plan.mp == 1:
+        if not lp.parallel_style.splits or plan.mp == 1:
             rep_mm += work
         else:
             split_mm += work

@@ -29,6 +29,8 @@ class LayerPlan:
         in_features, out_features: dense sizes (for an embedding: ``num_embeddings``, ``embedding_dim``).
         input_is_parallel: for ``"row"``: the input arrives split (else it is split locally).
         entry: layers with the same non-negative ``entry`` share one input copy (one backward all-reduce).
+        entered: for ``"column"``: the input is already inside its region (the output of a ``"partial"`` layer, the
+            first factor of a low-rank product): no entry copy, the input gradient stays a partial sum.
         input_requires_grad: whether the traced input needed a gradient (a data input does not).
         blocks: fused projections (q|k|v): each of ``blocks`` row blocks is split separately.
         kind: ``"linear"``, ``"embedding"``, ``"experts"`` (in/out: hidden and intermediate width of one expert) or
@@ -50,6 +52,7 @@ class LayerPlan:
     out_features: int
     input_is_parallel: bool = True
     entry: int = -1
+    entered: bool = False
     input_requires_grad: bool = True
     blocks: int = 1
     kind: str = "linear"
@@ -91,6 +94,14 @@ class Plan:
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
     experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts.ExpertsLayout
+    partial: list[str] = field(default_factory=list)  # parameters of "partial" layers (see partial_params)
+
+    @property
+    def partial_params(self) -> list[str]:
+        """Parameters whose gradient each MP rank holds a partial sum of, summed over MP once per step: those of
+        ``"partial"`` layers and, under sequence parallelism, those that saw 1/mp of the tokens."""
+        seq = self.sequence.partial_params if self.sequence is not None else []
+        return sorted(set(self.partial) | set(seq))
 
     def layer_comm(self) -> list[tuple[str, str, str]]:
         """Every analytic MP collective of one forward + backward as ``(layer, phase, op)``, one call per layer.
@@ -167,7 +178,7 @@ class Plan:
             if lp is not None and lp.style == "experts" and self.mp > 1:
                 saved += self.experts[name].saved(mod, self.mp)
                 continue
-            if lp is None or lp.style == "replicate" or self.mp == 1:
+            if lp is None or not lp.parallel_style.splits or self.mp == 1:
                 continue
             if lp.kind == "attention":  # out_proj has its own "row" entry
                 split = [mod.in_proj_weight, mod.in_proj_bias]
@@ -200,6 +211,9 @@ class Plan:
             f" MP collectives per step: forward {fmt(c['forward'])}, backward {fmt(c['backward'])}"
         )
         lines.extend(self._block_lines())
+        if self.partial:
+            lines.append(f"  partial gradients: {len(self.partial)} parameters of whole layers inside a column layer's"
+                         " region are summed over MP once per step")
         if self.sequence is not None:
             lines.append(
                 f"  sequence parallel: {len(self.sequence.partial_params)} parameters see 1/{self.mp} of the tokens"

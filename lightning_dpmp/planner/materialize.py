@@ -109,8 +109,9 @@ def _as_linear(layer: ParallelLinear) -> nn.Linear:
 
 
 def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int) -> int:
-    """Allocate every meta parameter/buffer of ``module`` on ``device``, move real buffers there, and initialise
-    what was allocated; returns the number of elements allocated."""
+    """Allocate every meta parameter/buffer of ``module`` on ``device``, move real ones there (buffers computed at
+    build, adapters added to a lazily loaded model), and initialise what was allocated; returns the number of
+    elements allocated."""
     made = 0
     devices = [device.index or 0] if device.type == "cuda" else []
     made_params: dict[int, nn.Parameter] = {}  # one new parameter per meta parameter: ties stay tied
@@ -118,6 +119,8 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
     for name, mod in module.named_modules():
         fresh = False
         for key, p in list(mod._parameters.items()):
+            if p is not None and not p.is_meta and p.device != device:
+                p.data = p.data.to(device)  # the same Parameter: ties and references stay
             if p is None or not p.is_meta:
                 continue
             if id(p) not in made_params:

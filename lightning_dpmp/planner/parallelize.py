@@ -67,7 +67,7 @@ def parallelize(
     owners = {n for n, lp in plan.layers.items() if lp.parallel_style.builds_children}
     for lp in order:
         style = lp.parallel_style
-        if not style.splits or lp.name.rpartition(".")[0] in owners:
+        if not style.swaps_module or lp.name.rpartition(".")[0] in owners:
             continue  # out_proj of a head-parallel attention: split by the attention layer itself
         dense = model.get_submodule(lp.name)
         if style.in_place:  # split in place: the module keeps its class and code (parallel/experts.py)

@@ -15,6 +15,10 @@ Styles (the values a user plan may name):
   (:mod:`lightning_dpmp.planner.experts`); its routers stay replicated.
 * ``"replicate"``: not split: the split dimension is not divisible by ``mp``, the weight is tied to a layer that
   stays whole, or the layer is never called through ``forward()`` (its weight is read directly).
+* ``"partial"``: whole, reading a column layer's input inside its region: the first factor ``A`` of a low-rank
+  product ``B(A(x))`` added to that column layer's output (a LoRA adapter), whose ``B`` is then ``"column"`` too
+  and takes ``A``'s output as entered. Its gradients are partial sums over MP, summed once per step; the pair
+  costs no collective (see :func:`_low_rank_products`). Not a style a user plan names.
 * ``"heads"``: an ``nn.MultiheadAttention`` computed head-parallel: its ``in_proj`` split per q/k/v block like a
   fused column layer, its ``out_proj`` (listed as ``"row"``) split by input features; self-contained.
 
@@ -129,6 +133,8 @@ def make_plan(
     for n, f in linears.items():
         tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
         plan.layers[n] = _decide_linear(n, f, mp, trace, roles, forced, fixed.get(n), tied)
+    if trace is not None:
+        _low_rank_products(plan, trace, linears, forced)
     _decide_embeddings(plan, model, trace, linears, embeddings, emb_split, roles, owners)
     if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
         plan_experts(plan, model, trace, mp, forced)
@@ -274,6 +280,59 @@ def _decide_linear(
         attention=style in ("column", "row") and n in found.attention,
         mode=own[0].mode if style == "vocab" and own else (True, True),
     )
+
+
+def _low_rank_products(plan: Plan, trace: Trace, linears: Mapping[str, LinearForm], forced: Mapping[str, str]) -> None:
+    """Low-rank products follow the layer whose layout surrounds them, with no collective of their own.
+
+    A low-rank product is two Linears called once each, back to back: ``B`` reads ``A``'s output and nothing else
+    does, and ``A``'s output is narrower than both outer widths (LoRA's ``lora_B(lora_A(x))``, a factorised
+    projection). Found by that data flow, never by names:
+
+    * ``B`` is a column layer (its output joins a column layer ``C``'s region) and ``A`` reads the very tensor ``C``
+      reads: ``A`` becomes ``"partial"`` (whole, reading ``C``'s entry) and ``B`` takes ``A``'s output as entered.
+      ``A``'s input gradient joins ``C``'s one backward all-reduce and its weight gradient is summed over MP once
+      per step. (If ``A`` reads another tensor, a dropout of ``C``'s input, ``A`` stays whole and ``B`` keeps its own
+      entry: one all-reduce of ``A``'s narrow output gradient.)
+    * ``A`` is a row layer (it reads a split tensor, beside the base row layer): ``B`` reads its replicated narrow
+      output and stays whole, instead of splitting a tiny weight and all-gathering a full-width output.
+    """
+    calls: dict[str, list[LinearCall]] = {}
+    for c in trace.linear_calls():
+        calls.setdefault(c.name, []).append(c)
+    reads: dict[int, int] = {}
+    for ev in trace.events:
+        nodes = [ev.input] if isinstance(ev, LinearCall) else [] if ev.name == "size" else list(ev.inputs)
+        for node in nodes:
+            if node is not None:
+                reads[node] = reads.get(node, 0) + 1
+    producer = {c[0].output: n for n, c in calls.items() if len(c) == 1}
+    column_inputs = {c[0].input: n for n, c in calls.items()
+                     if len(c) == 1 and n in plan.layers and plan.layers[n].style == "column"}
+    for b, (call_b,) in ((n, c) for n, c in calls.items() if len(c) == 1):
+        a = producer.get(call_b.input)
+        if a is None or a not in plan.layers or b not in plan.layers or a in forced or b in forced:
+            continue
+        fa, fb = linears[a], linears[b]
+        if reads.get(call_b.input, 0) != 1 or call_b.input in trace.escapes:
+            continue
+        if not fa.out_features < min(fa.in_features, fb.out_features):
+            continue
+        la, lb = plan.layers[a], plan.layers[b]
+        if lb.style == "column" and la.style in ("column_gather", "replicate"):
+            base = column_inputs.get(calls[a][0].input)
+            if base is not None and base != b:
+                plan.layers[a] = replace(la, style="partial", note=(
+                    f"low-rank product into {b}: whole, reads {base}'s entry; gradient summed over MP once per step"))
+                plan.layers[b] = replace(lb, entered=True, note=lb.note + f"; input from {a}, already entered")
+                plan.partial.extend(f"{a}.{p}" for p in (fa.weight, fa.bias) if p is not None)
+            elif la.style == "column_gather":
+                plan.layers[a] = replace(la, style="replicate", note=(
+                    f"low-rank product into {b}: whole; {b}'s entry sums its {fa.out_features}-wide input gradient"))
+        elif la.style == "row" and lb.style in ("column_gather", "replicate"):
+            plan.layers[b] = replace(lb, style="replicate", note=(
+                f"low-rank product after {a} (row): reads its {fa.out_features}-wide replicated output; whole, no"
+                " collective"))
 
 
 def _decide_embeddings(

@@ -19,6 +19,7 @@ Layouts, as torch's ``ParallelStyle`` comments state them (``mp`` ranks, activat
 ``("attention", "heads")``    an ``nn.MultiheadAttention`` computed on ``num_heads / mp`` heads per rank
 ``("experts", "experts")``    stacked expert weights split along the intermediate dim, in place
 ``(any kind, "replicate")``   whole on every rank
+``("linear", "partial")``     whole, reading a column layer's entry: its gradients are partial sums over MP
 ============================  ================================================================================
 
 Example:
@@ -40,7 +41,7 @@ from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
 from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
 from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
 from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
-from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_dpmp.parallel.layers import ColumnParallelLinear, EnteredLinear, RowParallelLinear
 
 __all__ = ["STYLES", "BuildContext", "CommContext", "Comm", "LayerSpec", "Style", "style_of"]
 
@@ -65,6 +66,8 @@ class LayerSpec(Protocol):
     def input_is_parallel(self) -> bool: ...
     @property
     def entry(self) -> int: ...
+    @property
+    def entered(self) -> bool: ...
     @property
     def input_requires_grad(self) -> bool: ...
     @property
@@ -147,6 +150,7 @@ class Style:
     name: ClassVar[str]
     kind: ClassVar[str]
     splits: ClassVar[bool] = True  # the layer holds 1/mp of its weight
+    swaps_module: ClassVar[bool] = True  # parallelize builds a layer for it (a whole one may need one too)
     is_column_entry: ClassVar[bool] = False  # reads a replicated input through an entry copy (all-reduce backward)
     in_place: ClassVar[bool] = False  # split without swapping the module (experts keep their class and code)
     swaps_weight: ClassVar[bool] = True  # a new layer with one ``weight`` (ties and module aliases follow it)
@@ -171,7 +175,7 @@ class Style:
 class Replicate(Style):
     """Whole on every rank: no weight split, no collective, nothing swapped."""
 
-    name, kind, splits = "replicate", "linear", False
+    name, kind, splits, swaps_module = "replicate", "linear", False, False
 
 
 class ReplicateEmbedding(Replicate):
@@ -201,7 +205,8 @@ class _Entry(Style):
 
     def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         out: list[Comm] = []
-        if lp.entry < 0 or lp.entry not in ctx.seen_entries:
+        # an entered layer's input is already inside the region (the first factor of a low-rank product put it there)
+        if not lp.entered and (lp.entry < 0 or lp.entry not in ctx.seen_entries):
             ctx.seen_entries.add(lp.entry)
             seq_split = ctx.sequence is not None and lp.name in ctx.sequence.gather_entries
             if seq_split:
@@ -221,12 +226,28 @@ class Column(_Entry):
     own_dropout: ClassVar[bool] = True  # a column -> row region: its own dropout stream (different masks per rank)
 
     def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
-        seq_dim = ctx.sequence_in(lp.name)
+        seq_dim = GATHERED if lp.entered else ctx.sequence_in(lp.name)
         return ColumnParallelLinear.from_dense(
             dense, ctx.group, gather_output=self.gather_output, shared_input=ctx.entry(lp, seq_dim), blocks=lp.blocks,
             vocab_logits=self.vocab_logits, rng=ctx.rng if self.own_dropout else None, sequence_dim=seq_dim,
             out_dim=lp.out_dim, vocab_mode=lp.mode, name=lp.name,
         )
+
+
+class Partial(_Entry):
+    """Whole on every rank, but inside a column layer's region: it reads the entry that layer shares (its input
+    gradient joins that entry's all-reduce) and feeds a column layer that takes its output as entered
+    (``entered``), so its gradients are partial sums, summed over MP once per step (``Plan.partial_params``). The
+    first factor of a low-rank product on a column-parallel base (a LoRA ``A``): no collective of its own."""
+
+    name, kind, splits = "partial", "linear", False
+
+    def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
+        return lp.full_shape()
+
+    def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
+        return EnteredLinear.from_dense(dense, ctx.group, out_dim=lp.out_dim,
+                                        shared_input=ctx.entry(lp, ctx.sequence_in(lp.name)))
 
 
 class ColumnGather(Column):
@@ -294,7 +315,7 @@ class VocabEmbedding(Style):
 class ColumnEmbedding(ReplicateEmbedding):
     """Columns split: each rank looks up its heads of a per-head table (a relative position bias); no collective."""
 
-    name, splits = "column", True
+    name, splits, swaps_module = "column", True, True
 
     def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
         return (lp.in_features, lp.out_features // mp)
@@ -350,7 +371,7 @@ class ReplicateExperts(Replicate):
 
 _REGISTRY: dict[tuple[str, str], Style] = {
     (s.kind, s.name): s
-    for s in (Column(), ColumnGather(), Vocab(), Row(), Replicate(), VocabEmbedding(), ColumnEmbedding(),
+    for s in (Column(), ColumnGather(), Vocab(), Row(), Replicate(), Partial(), VocabEmbedding(), ColumnEmbedding(),
               ReplicateEmbedding(), Heads(), ReplicateAttention(), Experts(), ReplicateExperts())
 }
 

@@ -33,6 +33,7 @@ from tests.support import pretrained as P  # noqa: E402
 
 GLOBAL_BATCH, STEPS, CLIP, SEED = 8, 20, 0.5, 0
 AGAIN_STEPS = (6, 4)  # a first fit, then a second on the same module
+COUNTED_STEP = 3  # the MP collectives of this training step are counted
 
 
 class AfterLoad(L.Callback):
@@ -40,25 +41,49 @@ class AfterLoad(L.Callback):
     fit, an export while the model is still split."""
 
     def __init__(self, path: str, export: str) -> None:
-        self.path, self.export, self.load_diff, self.read = path, export, None, {}
+        self.path, self.export, self.load_diff, self.read, self.mode = path, export, None, {}, None
 
     def on_fit_start(self, trainer, pl_module):
         if self.load_diff is not None:
             return
         net, files = pl_module.net, WeightFiles(self.path)
+        net = getattr(net, "base_model", net)  # peft: PeftModel -> LoraModel
+        net = getattr(net, "model", net)  # the transformers model the checkpoint holds
         names = match_keys(net, files.keys(), getattr(net, "base_model_prefix", None))
         dims, blocks = shard_dims(net), shard_blocks(net)
         grid = trainer.strategy.grid
         worst = 0.0
         with trainer.strategy.parameters_whole():  # zero=3: the MP-local parameters exist only inside
             for key, t in net.state_dict().items():
+                if key not in names:  # an adapter: not in the checkpoint
+                    continue
                 full = files.read(names[key]).to(t.dtype)
                 want = shard_tensor(full, dims[key], grid.mp, grid.mp_rank, blocks.get(key, 1)) if key in dims else full
                 worst = max(worst, (t - want).abs().max().item())
         self.load_diff = worst
-        self.read = {"split_tensors": sum(1 for k in net.state_dict() if k in dims)}
+        self.read.update(split_tensors=sum(1 for k in net.state_dict() if k in dims))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == COUNTED_STEP:
+            self.mode = CommCounter({"mp": trainer.strategy.grid.mp_group})
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.read["step_counts"] = {f"{g}/{op}": n for (g, op), n in self.mode.counts.items()}
+            self.mode = None
 
     def on_train_end(self, trainer, pl_module):
+        grid, dims = trainer.strategy.grid, shard_dims(pl_module)
+        same = True  # every parameter that is not split is the same bit for bit on every MP rank
+        with trainer.strategy.parameters_whole():
+            for name, p in pl_module.named_parameters():
+                if grid.mp > 1 and name not in dims:
+                    parts = [torch.empty_like(p) for _ in range(grid.mp)]
+                    dist.all_gather(parts, p.detach().contiguous(), group=grid.mp_group)
+                    same &= all(torch.equal(parts[0], q) for q in parts)
+        self.read["mp_replicated_bitwise_equal"] = same
         if self.export:
             trainer.strategy.save_pretrained(pl_module.net, self.export, max_shard_size="30KB")
 
@@ -104,8 +129,8 @@ def run(dp: int, mp: int, out: str, case: str) -> dict:
     L.seed_everything(SEED, workers=True)
     if case.endswith("@generate"):
         return generate(dp, mp, os.path.join(out, "..", "pretrained", P.base(case)))
-    path = os.path.join(out, "..", "pretrained", case.replace("+again", "").replace("+z3", ""))
-    export = os.path.join(out, f"{case}_export")
+    path = os.path.join(out, "..", "pretrained", P.checkpoint_case(case))
+    export = os.path.join(out, f"{case}_export") if "+lora" not in case else ""  # adapters: no Hugging Face export
     probe = AfterLoad(path, export)
     again = "+again" in case
     trainer = trainer_for(dp, mp, 3 if "+z3" in case else 0, AGAIN_STEPS[0] if again else STEPS, [probe])
@@ -122,7 +147,8 @@ def run(dp: int, mp: int, out: str, case: str) -> dict:
     trainer.save_checkpoint(os.path.join(out, f"{case}.ckpt"))
     plan = trainer.strategy.applied_plan
     return {"lazy": lazy, "load_diff": probe.load_diff, **probe.read, **kept,
-            "styles": {n: lp.style for n, lp in plan.plan.layers.items()}, "verified": plan.verified}
+            "styles": {n: lp.style for n, lp in plan.plan.layers.items()}, "verified": plan.verified,
+            "comm": plan.plan.comm_per_step(), "per_block": plan.plan.per_block(), "plan_text": plan.text}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ its slices, against single-process training from transformers' own ``from_pretra
   q|k|v (GPT-2), T5's one embedding under three names, and at zero=3;
 - an export written with ``strategy.save_pretrained`` while the model is split, and ``python -m
   lightning_dpmp.convert CKPT OUT --hf --config BASE``, load back (transformers) to the trained weights exactly;
+- LoRA adapters (peft) added to the lazily loaded model follow their base layers with no collective of their own:
+  on a column-parallel base ``A`` stays whole inside the base's region and ``B`` is split like the base (2 + 2
+  all-reduces per block, no all-gather); on a row-parallel base ``A`` is split by input and ``B`` stays whole;
 - ``trainer.validate`` with a step that generates keeps the split layout (2 all-reduces per block per token) and
   gives transformers' tokens;
 - after ``fit`` only global rank 0 holds the model (``consolidate_on_teardown="rank0"``), and a second ``fit`` on
@@ -33,8 +36,8 @@ from tests.support.reference import one_process_trainer
 pytest.importorskip("transformers")
 
 CASES = {
-    (2, 2): ["llama", "llama_tied+sharded", "gpt2", "t5", "llama+again", "llama+z3"],
-    (1, 2): ["llama", "gpt2", "t5", "llama@generate"],
+    (2, 2): ["llama", "llama_tied+sharded", "gpt2", "t5", "llama+again", "llama+z3", "llama+lora"],
+    (1, 2): ["llama", "gpt2", "t5", "llama@generate", "llama+lora", "llama+lora_all"],
     (1, 4): ["llama_tied+sharded", "gpt2"],
 }
 
@@ -55,7 +58,7 @@ def folders(tmp_path_factory):
 def _reference(folder, case: str) -> dict:
     """Single process, transformers' own from_pretrained, the same steps and global batch."""
     L.seed_everything(W.SEED, workers=True)
-    path = str(folder / "pretrained" / case.replace("+again", "").replace("+z3", ""))
+    path = str(folder / "pretrained" / P.checkpoint_case(case))
     model = P.lightning_module(case, P.model_class(case).from_pretrained(path))
     for steps in W.AGAIN_STEPS if "+again" in case else (W.STEPS,):
         trainer = one_process_trainer(max_steps=steps, gradient_clip_val=W.CLIP, gradient_clip_algorithm="norm")
@@ -114,7 +117,7 @@ def test_fine_tuning_matches_single_process(run, references):
 def test_export_during_fit_loads_back_exactly(run):
     dp, mp, out, _ = run
     for case in _cases(run):
-        if "+again" in case:
+        if "+again" in case or "+lora" in case:
             continue
         trained = torch.load(out / f"{case}.ckpt", weights_only=True)["state_dict"]
         back = P.model_class(case).from_pretrained(str(out / f"{case}_export"))
@@ -136,8 +139,8 @@ def test_convert_hf_from_the_consolidated_checkpoint(run, folders, tmp_path):
     from lightning_dpmp.convert import main
 
     dp, mp, out, _ = run
-    for case in _cases(run):
-        base = str(folders / "pretrained" / case.replace("+again", "").replace("+z3", ""))
+    for case in (c for c in _cases(run) if "+lora" not in c):
+        base = str(folders / "pretrained" / P.checkpoint_case(case))
         target = tmp_path / f"{case}_hf"
         assert main([str(out / f"{case}.ckpt"), str(target), "--hf", "--config", base, "--max-shard-size", "20KB"]) == 0
         trained = torch.load(out / f"{case}.ckpt", weights_only=True)["state_dict"]
@@ -168,3 +171,34 @@ def test_generation_keeps_the_split_layout(run, folders):
     blocks, forwards = 2, P.NEW_TOKENS  # one forward per new token (the prefill makes the first)
     assert got["counts"] == {"mp/all_reduce": forwards * (2 * blocks + 1), "mp/all_gather": forwards}, got["counts"]
     assert "planned from the first complete pass through net" in got["plan_text"]
+
+
+@pytest.mark.slow
+def test_lora_adapters_follow_their_base_layers(run):
+    """peft's LoRA on q and v (column-parallel bases): ``A`` is whole and reads the base's entry (its gradient summed
+    over MP once per step), ``B`` is split by output features, and a block costs what the frozen base alone costs,
+    2 all-reduces forward and 2 backward, with no all-gather; on every Linear (``+lora_all``), the row-parallel
+    bases' ``A`` is split by input (one all-reduce of its rank-4 output) and their ``B`` stays whole. The measured
+    collectives of a training step are the plan's, plus the clipping norm and the one partial-gradient sum."""
+    dp, mp, _, ranks = run
+    for case in (c for c in _cases(run) if "+lora" in c):
+        got = ranks[0][case]
+        styles, blocks = got["styles"], got["per_block"]
+        pre = "net.base_model.model.model.layers"
+        for b in (0, 1):
+            for proj in P.LORA_TARGETS["+lora_all" if "+lora_all" in case else "+lora"]:
+                sub = "self_attn" if proj[0] in "qkvo" else "mlp"
+                a, bb = (styles[f"{pre}.{b}.{sub}.{proj}.lora_{x}.default"] for x in "AB")
+                want = ("row", "replicate") if proj in ("o_proj", "down_proj") else ("partial", "column")
+                assert (a, bb) == want, (case, b, proj, a, bb)
+        block = blocks[f"{pre}.1"]
+        extra = 2 if "+lora_all" in case else 0  # the two row-parallel A's all-reduce their rank-4 outputs
+        assert block["forward"] == {"all_reduce": 2 + extra, "all_gather": 0}, (case, block)
+        assert block["backward"] == {"all_reduce": 2, "all_gather": 0}, (case, block)
+        comm = got["comm"]
+        assert comm["forward"]["all_gather"] == comm["backward"]["all_gather"] == 0, comm
+        planned = comm["forward"]["all_reduce"] + comm["backward"]["all_reduce"]
+        for r, rank in enumerate(ranks):
+            assert rank[case]["step_counts"] == {"mp/all_reduce": planned + 2}, (case, r, rank[case]["step_counts"])
+            assert rank[case]["mp_replicated_bitwise_equal"], (case, r)
+        assert "partial gradients: " in got["plan_text"], got["plan_text"]

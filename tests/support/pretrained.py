@@ -66,6 +66,23 @@ class GenerateLM(L.LightningModule):
         self.generated.append(out[:, 8:].tolist())
 
 
+# LoRA adapters (peft) on a lazily loaded model: ``+lora`` on the attention's q and v (peft's default for Llama,
+# column-parallel bases), ``+lora_all`` on every Linear of the blocks (row-parallel bases too).
+LORA_TARGETS = {"+lora_all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "+lora": ["q_proj", "v_proj"]}
+
+
+def with_adapters(case: str, net: nn.Module) -> nn.Module:
+    """``net`` with the case's LoRA adapters (seeded, so that every process draws the same ``A``), or as it is."""
+    targets = next((t for k, t in LORA_TARGETS.items() if k in case), None)
+    if targets is None:
+        return net
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(net, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+
+
 def base(case: str) -> str:
     """The model of a case name (``llama_tied+sharded`` -> ``llama_tied``, ``llama@generate`` -> ``llama``)."""
     return case.split("+")[0].split("@")[0]
@@ -88,7 +105,12 @@ def model_class(case: str) -> Any:
 
 
 def lightning_module(case: str, net: nn.Module) -> Any:
-    return PRETRAINED[base(case)][2](net)
+    return PRETRAINED[base(case)][2](with_adapters(case, net))
+
+
+def checkpoint_case(case: str) -> str:
+    """The saved model a case fine-tunes (``llama+z3`` and ``llama+lora`` read ``llama``)."""
+    return case.replace("+again", "").replace("+z3", "").replace("+lora_all", "").replace("+lora", "")
 
 
 def dataset() -> Any:
