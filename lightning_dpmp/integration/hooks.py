@@ -11,8 +11,9 @@
   over the model-parallel group: every rank skips or steps together and keeps one scale.
 * Partial gradients (parameters that saw 1/mp of the tokens under sequence parallelism, whole layers inside a
   column layer's region such as a LoRA ``A``) are summed over MP once per optimizer step, after all accumulated
-  micro-batches and before clipping. ``DPMPStrategy.optimizer_step`` (public Strategy API) wraps the closure with :func:`then_sum_partial`: the precision plugin runs the closure
-  (backward) inside ``optimizer.step`` and clips right after it.
+  micro-batches and before clipping. ``DPMPStrategy.optimizer_step`` (public Strategy API) wraps
+  the closure with :func:`then_sum_partial`: the precision plugin runs the closure (backward) inside
+  ``optimizer.step`` and clips right after it.
 
 Example:
     >>> install(trainer.precision_plugin, split_params, grid.mp_group)                  # doctest: +SKIP
