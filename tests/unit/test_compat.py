@@ -291,3 +291,20 @@ def test_dynamo_without_ddp_split_patches_optimize_ddp() -> None:
         mode = torch._dynamo.utils.get_optimize_ddp_mode()
         assert mode != "ddp_optimizer", f"optimize_ddp=False no longer turns DDPOptimizer off: {mode}"
     assert torch._dynamo.config.optimize_ddp == before
+
+
+def test_keep_adapters_off_meta_wraps_peft_inject_adapter() -> None:
+    """peft 0.21: ``BaseTuner.inject_adapter`` creates and places every adapter; wrapped once (idempotent), and
+    only a model with meta parameters gets the scope in which a real tensor's ``.to(meta)`` keeps its device."""
+    pytest.importorskip("peft")
+    from peft.tuners.tuners_utils import BaseTuner
+
+    assert compat.keep_adapters_off_meta() and compat.keep_adapters_off_meta()
+    wrapped = BaseTuner.inject_adapter
+    assert getattr(wrapped, "_dpmp_keeps_real", False)
+    compat.keep_adapters_off_meta()
+    assert BaseTuner.inject_adapter is wrapped
+    with compat._RealStaysReal():
+        t = torch.ones(2).to("meta", torch.float64)
+        lin = nn.Linear(2, 2).to(torch.device("meta"))
+    assert t.device.type == "cpu" and t.dtype == torch.float64 and lin.weight.device.type == "cpu"

@@ -330,3 +330,51 @@ def test_a_shared_token_table_is_planned_per_weight():
     styles, _ = plan_of(model, ids, user_plan={"enc.embed_tokens": "replicate"},
                         step=lambda: F.cross_entropy(model(ids).view(-1, 64), ids.view(-1)))
     assert (styles["shared"], styles["enc.embed_tokens"], styles["head"]) == ("replicate",) * 3
+
+
+class Adapted(nn.Module):
+    """A hand-written low-rank adapter beside each layer of a gated MLP (no peft, names unrelated to LoRA's):
+    ``fc(x) + scale * p(q(x))`` with a rank-2 inner width."""
+
+    def __init__(self, d: int = 8, h: int = 16, r: int = 2) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, h), nn.Linear(d, h), nn.Linear(h, d)
+        self.q1, self.p1 = nn.Linear(d, r, bias=False), nn.Linear(r, h, bias=False)  # on a column-parallel base
+        self.q2, self.p2 = nn.Linear(h, r, bias=False), nn.Linear(r, d, bias=False)  # on a row-parallel base
+
+    def forward(self, x):
+        g = self.gate(x) + 0.5 * self.p1(self.q1(x))
+        hid = F.silu(g) * self.up(x)
+        return self.down(hid) + 0.5 * self.p2(self.q2(hid))
+
+
+def test_low_rank_products_follow_their_base_layer():
+    """Found by the flow, not by names: the adapter on the column base has its first factor whole inside the
+    base's region (its gradient summed over MP) and its second split without an entry; the one on the row base has
+    its first factor split by input and its second whole. The MLP then costs one all-reduce each way plus the row
+    adapter's own, and no all-gather."""
+    styles, plan = plan_of(Adapted(), torch.randn(4, 8, requires_grad=True))  # as inside a network: x needs dX
+    assert styles == {"gate": "column", "up": "column", "down": "row", "q1": "partial", "p1": "column",
+                      "q2": "row", "p2": "replicate"}, styles
+    assert plan.layers["p1"].entered and not plan.layers["gate"].entered
+    assert plan.layers["q1"].entry == plan.layers["gate"].entry >= 0  # one entry: one backward all-reduce
+    assert plan.partial_params == ["q1.weight"]
+    assert plan.comm_per_step() == {"forward": {"all_reduce": 2, "all_gather": 0},
+                                    "backward": {"all_reduce": 1, "all_gather": 0}}
+    assert "partial gradients: 1 parameters" in plan.describe(Adapted())
+
+
+def test_a_low_rank_product_after_a_dropout_keeps_its_own_entry():
+    """The first factor reads a dropout of the base's input, not the base's input: it stays whole outside the region
+    and the second factor keeps its own entry (one all-reduce of the rank-2 gradient), still no all-gather."""
+
+    class Dropped(Adapted):
+        def forward(self, x):
+            g = self.gate(x) + 0.5 * self.p1(self.q1(F.dropout(x, 0.1, self.training)))
+            return self.down(F.silu(g) * self.up(x))
+
+    model = Dropped()
+    styles, plan = plan_of(model, torch.randn(4, 8, requires_grad=True))
+    assert (styles["q1"], styles["p1"]) == ("replicate", "column") and not plan.layers["p1"].entered
+    assert plan.partial_params == []
+    assert plan.comm_per_step()["backward"] == {"all_reduce": 2, "all_gather": 0}

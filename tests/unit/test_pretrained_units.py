@@ -212,3 +212,45 @@ def test_teardown_of_a_meta_module_moves_only_real_tensors():
         strategy.lightning_module.cpu()
     assert strategy.optimizers == [optimizer] and "cpu" not in module.__dict__
     assert module.lin.weight.is_meta and module.inv_freq.device.type == "cpu"
+
+
+def test_match_keys_finds_a_module_wrapped_after_loading():
+    """An adapter layer registered under the old name holds the original as a child: ``q.base.weight`` reads
+    ``q.weight``; the adapter's own tensors (two levels below) are not in the checkpoint and stay unmatched."""
+
+    class Wrapper(nn.Module):
+        def __init__(self, base: nn.Module) -> None:
+            super().__init__()
+            self.base = base
+            self.extra = nn.ModuleDict({"a": nn.Linear(4, 2)})
+
+    m = nn.Sequential()
+    m.add_module("q", Wrapper(nn.Linear(4, 4)))
+    found = match_keys(m, ["q.weight", "q.bias"])
+    assert found == {"q.base.weight": "q.weight", "q.base.bias": "q.bias"}, found
+
+
+def test_lora_on_a_lazily_loaded_model_keeps_peft_initial_values(tmp_path):
+    """``get_peft_model`` on a model whose weights are pending: the adapters stay real with peft's own initial
+    values (the same as on an eagerly loaded model, B zeros), the base weights stay pending, and the deferred load
+    reads the wrapped base weights from the checkpoint without calling the adapters missing."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    cfg = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    torch.manual_seed(1)
+    lazy = get_peft_model(from_pretrained(LlamaForCausalLM, str(tmp_path), lazy=True), cfg)
+    torch.manual_seed(1)
+    eager = get_peft_model(LlamaForCausalLM.from_pretrained(str(tmp_path)), cfg)
+    ours, ref = dict(lazy.named_parameters()), dict(eager.named_parameters())
+    adapters = [n for n in ours if "lora_" in n]
+    assert len(adapters) == 4 and all(not ours[n].is_meta and torch.equal(ours[n], ref[n]) for n in adapters)
+    assert all(ours[n].is_meta for n in ours if n not in adapters)
+    materialize(lazy, torch.device("cpu"), seed=0, mp_rank=0)
+    load_deferred(lazy, None)
+    for n, p in ours.items():
+        assert torch.equal(dict(lazy.named_parameters())[n], ref[n]), n
