@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from lightning_dpmp.checkpoint.consolidated import dense_shapes
 from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import MATERIALIZED_ATTR, shard_blocks, shard_dims, shard_tensor
 
 __all__ = [
     "DEFERRED_ATTR",
@@ -250,8 +250,10 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
         state = module.state_dict(keep_vars=True)
         names = match_keys(module, files.keys(), spec.prefix)
         dims, blocks = shard_dims(module), shard_blocks(module)
-        # real tensors the checkpoint lacks were initialised by the code that added them (adapters): not missing
-        missing = [k for k, t in state.items() if k not in names and (not isinstance(t, Tensor) or t.is_meta)]
+        # tensors that were real before the split (adapters added after from_pretrained, initialised by the code
+        # that added them) are not missing; those materialize allocated from meta are
+        missing = [k for k, t in state.items() if k not in names and (not isinstance(t, Tensor) or t.is_meta
+                                                                     or getattr(t, MATERIALIZED_ATTR, False))]
         if spec.strict and missing:
             raise KeyError(f"{files.path} has no tensor for {missing[0]!r} ({len(missing)} missing in all) of"
                            f" {type(module).__name__}; pass strict=False to keep their initial values.")

@@ -197,6 +197,10 @@ def gather_tensor(local: Tensor, dim: int, group: Any, blocks: int = 1) -> Tenso
 # ``{parameter name: (dim, blocks)}`` under this attribute.
 SHARDS_ATTR = "_dpmp_param_shards"
 
+# Set (True) on a tensor allocated from the meta device by lightning_dpmp.planner.materialize.materialize: its values
+# are an initialisation, not the code's own (a pretrained load must fill it; a real adapter's values need not).
+MATERIALIZED_ATTR = "_dpmp_materialized"
+
 
 def shard_dims(module: nn.Module) -> dict[str, int]:
     """Fully qualified names of the split parameters of ``module`` and the dimension each is split along.

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_dpmp.parallel.sharding import ParallelLinear
+from lightning_dpmp.parallel.sharding import MATERIALIZED_ATTR, ParallelLinear
 
 __all__ = ["empty_parameters", "is_meta", "materialize"]
 
@@ -125,6 +125,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
                 continue
             if id(p) not in made_params:
                 made_params[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                setattr(made_params[id(p)], MATERIALIZED_ATTR, True)
                 made += p.numel()
                 fresh = True
             mod._parameters[key] = made_params[id(p)]
@@ -133,6 +134,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
                 continue
             if b.is_meta:
                 mod._buffers[key] = torch.empty_like(b, device=device)
+                setattr(mod._buffers[key], MATERIALIZED_ATTR, True)
                 made += b.numel()
                 fresh = True
             elif b.device != device:
