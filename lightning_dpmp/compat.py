@@ -50,6 +50,7 @@ __all__ = [
     "disable_torch_function_subclass",
     "dynamo_without_ddp_split",
     "distributed_is_initialized",
+    "hf_dtype_plan",
     "hf_model_from_config",
     "keep_adapters_off_meta",
     "init_optimizers_and_lr_schedulers",
@@ -396,3 +397,13 @@ def keep_adapters_off_meta() -> bool:
     inject_adapter._dpmp_keeps_real = True  # type: ignore[attr-defined]
     BaseTuner.inject_adapter = inject_adapter  # type: ignore[method-assign]
     return True
+
+
+def hf_dtype_plan(model: Any, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``{glob: dtype}`` of the parameters transformers keeps in another dtype than ``dtype`` when it loads
+    ``model`` (``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under float16 and
+    bfloat16): ``PreTrainedModel._get_dtype_plan`` (private; transformers 5.24), called on the built model as
+    ``from_pretrained`` calls it. Its globs are matched by regular-expression search of the parameter name with
+    ``*`` as ``.*`` (transformers' ``build_glob_alternation``). ``{}`` for a model without the method."""
+    plan = getattr(model, "_get_dtype_plan", None)
+    return dict(plan(dtype)) if callable(plan) else {}

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -66,11 +67,26 @@ def from_pretrained(model_class: Any, path: str, *, lazy: Optional[bool] = None,
             " lazy=False to load the whole model with transformers instead.")
     with empty_parameters():
         model = compat.hf_model_from_config(model_class, config, dtype=dtype, **build)
+    _keep_in_dtype_plan(model, dtype)
     if os.path.exists(os.path.join(path, "generation_config.json")) and getattr(model, "can_generate", lambda: 0)():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers returns it (Lightning keeps submodules in the mode it finds them)
     compat.keep_adapters_off_meta()  # adapters added next (peft) keep their initial values
     return defer_weights(model, path, strict=True, prefix=getattr(model, "base_model_prefix", None) or None)
+
+
+def _keep_in_dtype_plan(model: nn.Module, dtype: Any) -> None:
+    """The parameters transformers' loading keeps in float32 under a float16/bfloat16 ``dtype`` (T5's ``wo``), cast
+    on meta as ``from_pretrained`` casts them (the same glob search); the same parameter objects, so ties hold."""
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # a config may say "float16"
+    plan = compat.hf_dtype_plan(model, dtype) if isinstance(dtype, torch.dtype) else {}
+    if not plan:
+        return
+    globs = [(re.compile(g.replace("*", ".*")), d) for g, d in plan.items()]
+    for name, p in model.named_parameters():
+        hit = next((d for pattern, d in globs if pattern.search(name)), None)
+        if hit is not None and p.dtype != hit:
+            p.data = p.data.to(hit)
 
 
 def load_weights(module: nn.Module, path: str, strict: bool = True, prefix: Optional[str] = None) -> nn.Module:

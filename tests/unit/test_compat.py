@@ -308,3 +308,15 @@ def test_keep_adapters_off_meta_wraps_peft_inject_adapter() -> None:
         t = torch.ones(2).to("meta", torch.float64)
         lin = nn.Linear(2, 2).to(torch.device("meta"))
     assert t.device.type == "cpu" and t.dtype == torch.float64 and lin.weight.device.type == "cpu"
+
+
+def test_hf_dtype_plan_is_transformers_keep_in_fp32() -> None:
+    """transformers 5.24: ``PreTrainedModel._get_dtype_plan(dtype)`` maps T5's ``_keep_in_fp32_modules`` to float32
+    under float16 only."""
+    pytest.importorskip("transformers")
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=8, d_model=8, d_kv=2, num_heads=4, d_ff=8, num_layers=1))
+    assert compat.hf_dtype_plan(model, torch.float16) == {"wo": torch.float32}
+    assert compat.hf_dtype_plan(model, torch.float32) == {}
+    assert compat.hf_dtype_plan(nn.Linear(2, 2), torch.float16) == {}

@@ -254,3 +254,24 @@ def test_lora_on_a_lazily_loaded_model_keeps_peft_initial_values(tmp_path):
     load_deferred(lazy, None)
     for n, p in lazy.named_parameters():
         assert torch.equal(p, ref[n]), n
+
+
+def test_lazy_float16_keeps_transformers_fp32_modules(tmp_path):
+    """T5 loaded in float16 keeps its ``wo`` projections in float32 (``_keep_in_fp32_modules``), lazily as
+    transformers does eagerly; after the deferred load the values equal transformers' own."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=4, num_heads=4, d_ff=32, num_layers=1,
+                                        decoder_start_token_id=0, pad_token_id=0)).save_pretrained(tmp_path)
+    eager = T5ForConditionalGeneration.from_pretrained(str(tmp_path), dtype=torch.float16)
+    lazy = from_pretrained(T5ForConditionalGeneration, str(tmp_path), lazy=True, dtype=torch.float16)
+    want = {n: p.dtype for n, p in eager.named_parameters()}
+    assert {n: p.dtype for n, p in lazy.named_parameters()} == want
+    assert {n for n, d in want.items() if d == torch.float32} == {
+        "encoder.block.0.layer.1.DenseReluDense.wo.weight", "decoder.block.0.layer.2.DenseReluDense.wo.weight"}
+    materialize(lazy, torch.device("cpu"), seed=0, mp_rank=0)
+    load_deferred(lazy, None)
+    ref = dict(eager.named_parameters())
+    for n, p in lazy.named_parameters():
+        assert torch.equal(p, ref[n]), n
