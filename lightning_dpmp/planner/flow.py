@@ -68,6 +68,9 @@ class Flow:
     scoped: dict[str, set[tuple[str, int, bool]]] = field(default_factory=dict)  # per source: (module, size, derived?)
     simple: dict[str, bool] = field(default_factory=dict)
     attention: dict[str, bool] = field(default_factory=dict)  # per paired layer: its region involves attention
+    # whole parameters read only by ops on split tensors -> the first layers of the regions reading them: their
+    # gradients are partial sums over MP where every one of those regions stays split
+    partial: dict[str, set[str]] = field(default_factory=dict)
 
 
 class _Analysis(ValueRules, LayoutRules):
@@ -86,6 +89,7 @@ class _Analysis(ValueRules, LayoutRules):
         self.regions: list[Region] = []
         self.state: dict[int, Shard] = {}
         self.blocks: dict[str, int] = {}
+        self.whole_reads: set[str] = set()  # parameters some op reads with no split tensor (full gradients)
 
     # ---- regions
     def find(self, r: int) -> int:
@@ -109,6 +113,7 @@ class _Analysis(ValueRules, LayoutRules):
             a.queried |= b.queried
             a.scoped |= b.scoped
             a.attention |= b.attention
+            a.params |= b.params
         return keep
 
     def new_region(self, source: str) -> int:
@@ -166,6 +171,7 @@ class _Analysis(ValueRules, LayoutRules):
             return
         ins = [(i, self.state[n]) for i, n in enumerate(ev.inputs) if n is not None and n in self.state]
         if not ins:
+            self.whole_reads |= {self.trace.params[n] for n in ev.inputs if n in self.trace.params}
             self._carry_uniform(ev)
             for n in ev.outputs:  # an in-place op may overwrite a split tensor with replicated data
                 self.state.pop(n, None)
@@ -179,6 +185,9 @@ class _Analysis(ValueRules, LayoutRules):
                 self.state.pop(n, None)
             return
         r = self.union(regions)
+        # A whole parameter meeting split tensors (a q/k norm's weight over head_dim, shared by all heads) gets from
+        # each rank the gradient of its own heads only: a partial sum, summed over MP once per step if paired.
+        self.regions[r].params |= {self.trace.params[n] for n in ev.inputs if n in self.trace.params}
         if ev.name not in UNARY and ev.name not in BINARY:
             self.regions[r].simple = False
         if ev.name in ATTENTION or (ev.name in MATMULS | {"einsum"} and len(ins) > 1):
@@ -295,6 +304,8 @@ def analyse(
             flow.why.update((s, f"one role per layer: {held}") for s in reg.sources)
             continue
         taken.update((m, first) for m in members)
+        for name in reg.params - an.whole_reads:
+            flow.partial.setdefault(name, set()).add(first)
         if not reg.sinks:
             flow.roles[first] = "vocab"
             continue

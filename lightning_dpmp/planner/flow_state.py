@@ -40,6 +40,7 @@ class Region:
     attention: bool = False  # softmax, scaled_dot_product_attention or a matmul of two split activations
     queried: set[int] = field(default_factory=set)  # split-dim sizes the code read from split tensors
     scoped: set[tuple[str, int, bool]] = field(default_factory=set)  # (module, literal, derived?) sizing a constant
+    params: set[str] = field(default_factory=set)  # replicated parameters read together with split tensors
 
     def derived(self, value: int) -> bool:
         """Whether a reshape literal can come from a size the code read off a split tensor (``x.shape``): then

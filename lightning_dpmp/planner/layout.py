@@ -212,8 +212,9 @@ class Plan:
         )
         lines.extend(self._block_lines())
         if self.partial:
-            lines.append(f"  partial gradients: {len(self.partial)} parameters of whole layers inside a column layer's"
-                         " region are summed over MP once per step")
+            lines.append(f"  partial gradients: {len(self.partial)} whole parameters read inside split regions (a"
+                         " low-rank product's first factor, a norm shared by all heads) are summed over MP once per"
+                         " step")
         if self.sequence is not None:
             lines.append(
                 f"  sequence parallel: {len(self.sequence.partial_params)} parameters see 1/{self.mp} of the tokens"

@@ -133,6 +133,12 @@ def make_plan(
     for n, f in linears.items():
         tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
         plan.layers[n] = _decide_linear(n, f, mp, trace, roles, forced, fixed.get(n), tied)
+    for pname, firsts in sorted(roles.partial.items()):  # read only inside regions that all stayed split
+        owner = plan.layers.get(pname.rpartition(".")[0])
+        if owner is not None and owner.parallel_style.splits:
+            continue  # a split layer's own weight read directly: its layer accounts for it
+        if all(f in plan.layers and plan.layers[f].style in ("column", "vocab") for f in firsts):
+            plan.partial.append(pname)
     if trace is not None:
         _low_rank_products(plan, trace, linears, forced)
     _decide_embeddings(plan, model, trace, linears, embeddings, emb_split, roles, owners)
@@ -156,6 +162,7 @@ class _Roles:
     attention: set[str] = field(default_factory=set)  # column/row layers of attention-like regions
     why: dict[str, str] = field(default_factory=dict)
     calls: dict[str, list[LinearCall]] = field(default_factory=dict)
+    partial: dict[str, set[str]] = field(default_factory=dict)  # whole parameter -> first layers of its regions
 
 
 def _unsplittable_linear_like(linears: Mapping[str, LinearForm], forced: dict[str, str]) -> dict[str, str]:
@@ -239,7 +246,7 @@ def _flow_roles(
         for n in {src} | flow.partners.get(src, set()):
             flow.roles.pop(n, None)
         why[src] = reason
-    out.roles, out.partners, out.blocks = flow.roles, flow.partners, flow.blocks
+    out.roles, out.partners, out.blocks, out.partial = flow.roles, flow.partners, flow.blocks, flow.partial
     out.attention = {n for n, attn in flow.attention.items() if attn}
     out.why = {**flow.why, **why}
     return out

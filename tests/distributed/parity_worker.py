@@ -102,6 +102,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
         "plan_text": strategy.applied_plan.text,
         "counts": probe.counts,
         "analytic": plan.comm_per_step(),
+        "partial": plan.partial_params,
         "per_block": plan.per_block(),
         "styles": {n: lp.style for n, lp in plan.layers.items()},
         "notes": {n: lp.note for n, lp in plan.layers.items()},

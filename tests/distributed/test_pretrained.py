@@ -202,4 +202,4 @@ def test_lora_adapters_follow_their_base_layers(run):
             mp_counts = {k: n for k, n in rank[case]["step_counts"].items() if k.startswith("mp/")}
             assert mp_counts == {"mp/all_reduce": planned + 2}, (case, r, rank[case]["step_counts"])
             assert rank[case]["mp_replicated_bitwise_equal"], (case, r)
-        assert "partial gradients: " in got["plan_text"], got["plan_text"]
+        assert "partial gradients: " in got["plan_text"], got["plan_text"]  # the printout says so

@@ -109,6 +109,18 @@ class LabelsLM(CausalLM):
         return loss
 
 
+def _qwen3() -> tuple[L.LightningModule, object]:
+    """transformers' Qwen3: an RMSNorm over ``head_dim`` on q and on k (``q_norm``/``k_norm``), one weight shared by
+    all heads: on head-parallel attention each MP rank holds the gradient of its own heads only (summed over MP)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=4, max_position_embeddings=SEQ, tie_word_embeddings=False,
+    )
+    return CausalLM(Qwen3ForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
 def _bert() -> tuple[L.LightningModule, object]:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -307,6 +319,7 @@ def _frozen_llama() -> tuple[L.LightningModule, object]:
 
 REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
+    "hf_qwen3": RealModel(_qwen3, 2),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),

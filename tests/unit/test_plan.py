@@ -361,7 +361,7 @@ def test_low_rank_products_follow_their_base_layer():
     assert plan.partial_params == ["q1.weight"]
     assert plan.comm_per_step() == {"forward": {"all_reduce": 2, "all_gather": 0},
                                     "backward": {"all_reduce": 1, "all_gather": 0}}
-    assert "partial gradients: 1 parameters" in plan.describe(Adapted())
+    assert "partial gradients: 1 whole parameters" in plan.describe(Adapted())
 
 
 def test_a_low_rank_product_after_a_dropout_keeps_its_own_entry():
@@ -378,3 +378,28 @@ def test_a_low_rank_product_after_a_dropout_keeps_its_own_entry():
     assert (styles["q1"], styles["p1"]) == ("replicate", "column") and not plan.layers["p1"].entered
     assert plan.partial_params == []
     assert plan.comm_per_step()["backward"] == {"all_reduce": 2, "all_gather": 0}
+
+
+class HeadNorm(nn.Module):
+    """Attention-like heads with one scale over head_dim shared by every head (a q/k norm's weight), optionally
+    also applied to a replicated tensor (then its gradient is not a partial sum: it stays out)."""
+
+    def __init__(self, also_whole: bool = False) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(2))
+        self.also_whole = also_whole
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.q(x).view(b, t, -1, 2) * self.scale  # 4 heads of 2
+        out = self.o(torch.softmax(h, -1).reshape(b, t, -1))
+        return (out * self.scale.sum() if self.also_whole else out).sum()
+
+
+def test_a_whole_parameter_read_only_inside_a_split_region_is_partial():
+    styles, plan = plan_of(HeadNorm(), torch.randn(2, 3, 8))
+    assert (styles["q"], styles["o"]) == ("column", "row"), plan.describe(HeadNorm())
+    assert plan.partial_params == ["scale"]
+    _, plan = plan_of(HeadNorm(also_whole=True), torch.randn(2, 3, 8))
+    assert plan.partial_params == []  # also read on replicated data: its gradient is not a partial sum
