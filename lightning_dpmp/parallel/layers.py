@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence, scatter_to_group
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
@@ -102,11 +102,7 @@ class ColumnParallelLinear(ParallelLinear):
         self.vocab_mode = (bool(vocab_mode[0]), bool(vocab_mode[1]))
         self.name = name
         self.rng = rng
-        shape = (local_out, in_features) if out_dim == 0 else (in_features, local_out)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
+        self._create_parameters(local_out, in_features, local_out if bias else None, device, dtype)
 
     @property
     def overlaps_input_grad(self) -> bool:
@@ -177,11 +173,7 @@ class RowParallelLinear(ParallelLinear):
         local_in = divide(in_features, self.mp, "in_features")
         self.input_is_parallel = input_is_parallel
         self.rng = rng
-        shape = (out_features, local_in) if out_dim == 0 else (local_in, out_features)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
+        self._create_parameters(out_features, local_in, out_features if bias else None, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.rng is not None:
@@ -236,11 +228,7 @@ class EnteredLinear(ParallelLinear):
             raise ValueError("EnteredLinear reads its input through a column layer's shared entry: give shared_input")
         self.shared_input = shared_input
         self.out_dim = out_dim
-        shape = (out_features, in_features) if out_dim == 0 else (in_features, out_features)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
+        self._create_parameters(out_features, in_features, out_features if bias else None, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._matmul(self.shared_input(x), self.bias)

@@ -96,6 +96,16 @@ class ParallelLinear(nn.Module):
                 getattr(layer, name).requires_grad_(getattr(linear, name).requires_grad)
         return layer
 
+    def _create_parameters(self, out_local: int, in_local: int, bias_size: Optional[int],
+                           device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
+        """This rank's weight, ``(out_local, in_local)`` in the stored layout (``out_dim``), and bias of
+        ``bias_size`` (``None``: no bias); initialised unless on the meta device."""
+        shape = (out_local, in_local) if self.out_dim == 0 else (in_local, out_local)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype)) if bias_size else None
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
     def _init_from(self, dense: nn.Module) -> None:
         """Copy this rank's slices of ``dense``'s parameters, and their ``requires_grad`` (frozen stays frozen)."""
         with torch.no_grad():
