@@ -20,7 +20,7 @@ region entry shared by sibling layers (:class:`SharedInputCopy`) in :mod:`lightn
 embeddings in :mod:`lightning_dpmp.parallel.embeddings`.
 
 Example:
-    >>> dense = nn.Linear(16, 64)
+    >>> dense = torch.nn.Linear(16, 64)
     >>> fc1 = ColumnParallelLinear.from_dense(dense, grid.mp_group)
     >>> fc1.to_dense().weight.equal(dense.weight)
     True
@@ -205,8 +205,8 @@ class EnteredLinear(ParallelLinear):
 
     Example:
         >>> entry = SharedInputCopy(grid.mp_group)
-        >>> base = ColumnParallelLinear.from_dense(nn.Linear(32, 32), grid.mp_group, shared_input=entry)
-        >>> lora_a = EnteredLinear.from_dense(nn.Linear(32, 4, bias=False), grid.mp_group, shared_input=entry)
+        >>> base = ColumnParallelLinear.from_dense(torch.nn.Linear(32, 32), grid.mp_group, shared_input=entry)
+        >>> lora_a = EnteredLinear.from_dense(torch.nn.Linear(32, 4, bias=False), grid.mp_group, shared_input=entry)
     """
 
     _shard_dims = {"weight": None, "bias": None}
