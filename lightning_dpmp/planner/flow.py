@@ -291,6 +291,7 @@ def analyse(
         elif reg.losses and not reg.sinks and len(reg.sources) == 1 or reg.sinks and not reg.losses:
             candidates.append(reg)
     taken: dict[str, str] = {}  # layer -> the first layer of the region that gave it its role
+    split_regions: set[int] = set()  # id() of the regions that got roles
 
     def rank(name: str) -> int:  # call order; an embedding table joining a region counts last
         return order.get(name, len(order))
@@ -304,7 +305,8 @@ def analyse(
             flow.why.update((s, f"one role per layer: {held}") for s in reg.sources)
             continue
         taken.update((m, first) for m in members)
-        for name in reg.params - an.whole_reads:
+        split_regions.add(id(reg))
+        for name in reg.params:
             flow.partial.setdefault(name, set()).add(first)
         if not reg.sinks:
             flow.roles[first] = "vocab"
@@ -319,4 +321,10 @@ def analyse(
         for s in reg.sinks:
             flow.roles[s], flow.partners[s] = "row", set(reg.sources)
             flow.attention[s] = reg.attention
+    # a parameter also read on whole tensors, or inside a region that is not split, gets full gradients there
+    unsplit = set(an.whole_reads)
+    for root in {an.find(r) for r in range(len(an.parent))}:
+        if id(an.regions[root]) not in split_regions:
+            unsplit |= an.regions[root].params
+    flow.partial = {n: firsts for n, firsts in flow.partial.items() if n not in unsplit}
     return flow

@@ -403,3 +403,22 @@ def test_a_whole_parameter_read_only_inside_a_split_region_is_partial():
     assert plan.partial_params == ["scale"]
     _, plan = plan_of(HeadNorm(also_whole=True), torch.randn(2, 3, 8))
     assert plan.partial_params == []  # also read on replicated data: its gradient is not a partial sum
+
+
+def test_a_whole_parameter_also_read_in_a_region_left_whole_is_not_partial():
+    """The same shared scale in a second head block whose region breaks (a feature-wide norm reads it): that block
+    gathers, the scale's gradient there is a full one, so it is not summed over MP."""
+
+    class Two(HeadNorm):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q2 = nn.Linear(8, 8)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            broken = F.layer_norm((self.q2(x).view(b, t, -1, 2) * self.scale).reshape(b, t, 8), (8,))
+            return super().forward(x) + broken.sum()
+
+    styles, plan = plan_of(Two(), torch.randn(2, 3, 8))
+    assert (styles["q"], styles["o"], styles["q2"]) == ("column", "row", "column_gather"), styles
+    assert plan.partial_params == []
