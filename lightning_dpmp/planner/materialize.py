@@ -141,13 +141,14 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
                 mod._buffers[key] = b.to(device)
         if not fresh:
             continue
-        split = isinstance(mod, ParallelLinear)
+        # a parallel layer holding only whole parameters (EnteredLinear) initialises alike on every rank
+        split = isinstance(mod, ParallelLinear) and any(d is not None for d in mod._shard_dims.values())
         key = f"{seed}:{name}:{mp_rank if split else 'replicated'}".encode()
         init = model_init.get(name)
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(zlib.crc32(key))
             if init is not None:
-                init(_as_linear(mod) if split else mod)
+                init(_as_linear(mod) if isinstance(mod, ParallelLinear) else mod)
             elif hasattr(mod, "reset_parameters"):
                 mod.reset_parameters()
             else:

@@ -275,3 +275,20 @@ def test_lazy_float16_keeps_transformers_fp32_modules(tmp_path):
     ref = dict(eager.named_parameters())
     for n, p in lazy.named_parameters():
         assert torch.equal(p, ref[n]), n
+
+
+def test_materialize_initialises_a_whole_parallel_layer_alike_on_every_rank():
+    """An EnteredLinear (a LoRA ``A`` inside a column region) holds only whole parameters: on meta, every MP rank must
+    draw the same values (a split layer draws its own shard per rank)."""
+    from lightning_dpmp.parallel.entry import SharedInputCopy
+    from lightning_dpmp.parallel.layers import EnteredLinear
+
+    def built(rank: int) -> nn.Module:
+        with torch.device("meta"):
+            layer = EnteredLinear(8, 2, bias=False, shared_input=SharedInputCopy(None))
+        root = nn.Sequential()
+        root.add_module("a", layer)
+        materialize(root, torch.device("cpu"), seed=0, mp_rank=rank)
+        return layer
+
+    assert torch.equal(built(0).weight, built(1).weight)
