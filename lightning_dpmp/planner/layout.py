@@ -94,12 +94,13 @@ class Plan:
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
     experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts.ExpertsLayout
-    partial: list[str] = field(default_factory=list)  # parameters of "partial" layers (see partial_params)
+    partial: list[str] = field(default_factory=list)  # whole parameters read inside split regions (partial_params)
 
     @property
     def partial_params(self) -> list[str]:
         """Parameters whose gradient each MP rank holds a partial sum of, summed over MP once per step: those of
-        ``"partial"`` layers and, under sequence parallelism, those that saw 1/mp of the tokens."""
+        ``"partial"`` layers, whole parameters read only inside split regions (a q/k norm shared by all heads) and,
+        under sequence parallelism, those that saw 1/mp of the tokens."""
         seq = self.sequence.partial_params if self.sequence is not None else []
         return sorted(set(self.partial) | set(seq))
 
