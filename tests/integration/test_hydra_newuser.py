@@ -220,7 +220,10 @@ def test_popen_run_with_test_then_eval_under_another_layout(tmp_path):
     assert summary["test"]["test/loss"] > 0 and Path(summary["test"]["ckpt_path"]).exists()
     assert "DPMPStrategy plan for mp=2" in (run / "train.log").read_text()
     assert (run / "train_rank1.log").read_text().strip()
-    assert out.count(DEPRECATED) <= 1, out
+    # at most once per Trainer stage (fit, then test), never per step: a third-party deprecation (Lightning's
+    # LeafSpec check under torch 2.13) shows again in the test stage once accelerate (peft's dependency) has been
+    # imported, which resets Python's once-per-location warning registry
+    assert out.count(DEPRECATED) <= 2, out
 
     # Another layout: dp=1 x mp=1 (dense). A larger dp would pad the test set to a multiple of dp (Lightning's
     # DistributedSampler repeats samples), which moves the mean loss by ~1e-4 here.
