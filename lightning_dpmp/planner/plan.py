@@ -133,12 +133,6 @@ def make_plan(
     for n, f in linears.items():
         tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
         plan.layers[n] = _decide_linear(n, f, mp, trace, roles, forced, fixed.get(n), tied)
-    for pname, firsts in sorted(roles.partial.items()):  # read only inside regions that all stayed split
-        owner = plan.layers.get(pname.rpartition(".")[0])
-        if owner is not None and owner.parallel_style.splits:
-            continue  # a split layer's own weight read directly: its layer accounts for it
-        if all(f in plan.layers and plan.layers[f].style in ("column", "vocab") for f in firsts):
-            plan.partial.append(pname)
     if trace is not None:
         _low_rank_products(plan, trace, linears, forced)
     _decide_embeddings(plan, model, trace, linears, embeddings, emb_split, roles, owners)
@@ -146,6 +140,14 @@ def make_plan(
         plan_experts(plan, model, trace, mp, forced)
     attention = decide_attention(model, trace, mp, forced, level)
     _add_attention(plan, model, attention)
+    # whole parameters read only inside regions that all stayed split (after every decision: a split layer's or an
+    # experts module's own weight read directly is accounted for by that layer)
+    for pname, firsts in sorted(roles.partial.items()):
+        owner = plan.layers.get(pname.rpartition(".")[0])
+        if owner is not None and owner.parallel_style.splits:
+            continue
+        if all(f in plan.layers and plan.layers[f].style in ("column", "vocab") for f in firsts):
+            plan.partial.append(pname)
     if trace is not None:
         plan.notes += left_whole(model, set(plan.layers), {m[0] for m in trace.modules})
     _share_entries(plan, roles.calls, attention)
