@@ -134,7 +134,7 @@ def make_plan(
         tied = [o for o in owners[id(getattr(modules[n], f.weight))] if o != n]
         plan.layers[n] = _decide_linear(n, f, mp, trace, roles, forced, fixed.get(n), tied)
     if trace is not None:
-        _low_rank_products(plan, trace, linears, forced)
+        _low_rank_products(plan, trace, linears, forced, roles.calls)
     _decide_embeddings(plan, model, trace, linears, embeddings, emb_split, roles, owners)
     if level < 2:  # mixture-of-experts modules (stacked expert weights), and their routers kept replicated
         plan_experts(plan, model, trace, mp, forced)
@@ -291,7 +291,10 @@ def _decide_linear(
     )
 
 
-def _low_rank_products(plan: Plan, trace: Trace, linears: Mapping[str, LinearForm], forced: Mapping[str, str]) -> None:
+def _low_rank_products(
+    plan: Plan, trace: Trace, linears: Mapping[str, LinearForm], forced: Mapping[str, str],
+    calls: Mapping[str, list[LinearCall]],
+) -> None:
     """Low-rank products follow the layer whose layout surrounds them, with no collective of their own.
 
     A low-rank product is two Linears called once each, back to back: ``B`` reads ``A``'s output and nothing else
@@ -306,9 +309,6 @@ def _low_rank_products(plan: Plan, trace: Trace, linears: Mapping[str, LinearFor
     * ``A`` is a row layer (it reads a split tensor, beside the base row layer): ``B`` reads its replicated narrow
       output and stays whole, instead of splitting a tiny weight and all-gathering a full-width output.
     """
-    calls: dict[str, list[LinearCall]] = {}
-    for c in trace.linear_calls():
-        calls.setdefault(c.name, []).append(c)
     reads: dict[int, int] = {}
     for ev in trace.events:
         nodes = [ev.input] if isinstance(ev, LinearCall) else [] if ev.name == "size" else list(ev.inputs)
