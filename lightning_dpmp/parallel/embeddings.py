@@ -4,10 +4,14 @@
   range, one all-reduce (or a reduce-scatter over the sequence with sequence parallelism).
 * :class:`ColumnParallelEmbedding` holds columns ``E[:, r*D/mp:(r+1)*D/mp]`` (a per-head relative position bias):
   no communication.
+* :func:`vocab_parallel` splits any ``nn.Embedding`` by rows, subclasses included: a subclass whose ``forward``
+  does more than the lookup (Gemma's and BART's ``embed_scale``) keeps its class and code, and only the lookup it
+  reaches through ``super().forward`` becomes the vocab-parallel one.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -15,10 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Self
 
-from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence
-from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, divide
+from lightning_dpmp.parallel.comm import group_rank, group_size, reduce_from_group, reduce_scatter_to_sequence
+from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, dense_template, divide, shard_tensor
 
-__all__ = ["ColumnParallelEmbedding", "VocabParallelEmbedding"]
+__all__ = ["ColumnParallelEmbedding", "VocabParallelEmbedding", "vocab_parallel"]
 
 
 class VocabParallelEmbedding(ParallelLinear):
@@ -122,3 +126,79 @@ class ColumnParallelEmbedding(VocabParallelEmbedding):
 
     def forward(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
+
+
+class _VocabRows(nn.Embedding, ParallelLinear):  # type: ignore[misc]  # both declare weight: one Parameter
+    """What a split nn.Embedding subclass gains: ``nn.Embedding.forward`` (which the subclass reaches through
+    ``super().forward``) becomes the vocab-parallel lookup, and the split layer's interface (shards, ``to_dense``).
+
+    Never constructed: :func:`vocab_parallel` builds ``type("VocabParallel<Cls>", (Cls, _VocabRows), {})``, whose
+    method order puts the subclass's own code first and this lookup in place of ``nn.Embedding``'s.
+    """
+
+    _shard_dims = {"weight": 0}
+    bias = None
+    start: int
+    sequence_dim: Optional[int]
+    rng: Optional[Any]
+    forward = VocabParallelEmbedding.forward  # type: ignore[assignment]
+    reset_parameters = VocabParallelEmbedding.reset_parameters
+
+    def _fill_padding_idx_with_zero(self) -> None:  # nn.Embedding's reads a global row of the local shard
+        pad = None if self.padding_idx is None else self.padding_idx - self.start
+        if pad is not None and 0 <= pad < self.weight.shape[0]:
+            with torch.no_grad():
+                self.weight[pad].zero_()
+
+    def _dense_module(self, device: torch.device, gather: DenseGather) -> nn.Module:
+        dense = copy.deepcopy(self.__dict__["_template"])  # the subclass itself, with its attributes and buffers
+        dense.weight = nn.Parameter(torch.empty(self.num_embeddings, self.embedding_dim, device=device,
+                                                dtype=self.weight.dtype), requires_grad=self.weight.requires_grad)
+        return dense
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, mp={self.mp}"
+
+
+_ROW_CLASSES: dict[type, type[_VocabRows]] = {}  # one split class per subclass
+
+
+def vocab_parallel(emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None, rng: Optional[Any] = None
+                   ) -> nn.Module:
+    """``emb`` split by vocabulary rows over ``group`` (its weights sliced, training starts from them); ``rng``:
+    the dropout tracker a sequence-parallel lookup switches to per-rank masks.
+
+    A plain ``nn.Embedding`` becomes a :class:`VocabParallelEmbedding`. A subclass keeps its class, attributes,
+    buffers and ``forward``, in a derived class whose ``nn.Embedding.forward`` is the vocab-parallel lookup: code
+    around ``super().forward(ids)`` (a scale) runs on the summed rows. The planner splits a subclass only when the
+    traced step showed its lookup going through ``nn.Embedding.forward``. ``to_dense`` gives the subclass back.
+
+    Example:
+        >>> class Scaled(nn.Embedding):
+        ...     def forward(self, ids):
+        ...         return super().forward(ids) * 8.0
+        >>> vocab_parallel(Scaled(256, 64), grid.mp_group)   # doctest: +SKIP
+        VocabParallelScaled(num_embeddings=256, embedding_dim=64, mp=2)
+    """
+    if type(emb) is nn.Embedding:
+        plain = VocabParallelEmbedding.from_dense(emb, group, sequence_dim=sequence_dim)
+        plain.rng = rng
+        return plain
+    if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
+        raise ValueError("vocab_parallel supports plain lookups (no max_norm, sparse, scale_grad_by_freq).")
+    cls = type(emb)
+    if cls not in _ROW_CLASSES:
+        _ROW_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (cls, _VocabRows), {"__module__": __name__})
+    layer = _ROW_CLASSES[cls].__new__(_ROW_CLASSES[cls])
+    # the subclass's state as it is (attributes, buffers, hooks), in containers of its own
+    # the subclass's state as it is (attributes, buffers, hooks), in containers of its own
+    layer.__dict__.update({k: type(v)(v) if isinstance(v, dict) else v for k, v in emb.__dict__.items()})
+    layer.in_features, layer.out_features = emb.num_embeddings, emb.embedding_dim  # ParallelLinear's sizes
+    layer.group, layer.mp, layer.mp_rank = group, group_size(group), group_rank(group)
+    local = divide(emb.num_embeddings, layer.mp, "num_embeddings")
+    layer.start, layer.sequence_dim, layer.rng = layer.mp_rank * local, sequence_dim, rng
+    layer.__dict__["_template"] = dense_template(emb)
+    w = emb.weight
+    layer.weight = nn.Parameter(shard_tensor(w.detach(), 0, layer.mp, layer.mp_rank).clone(),
+                                requires_grad=w.requires_grad)
+    return layer

@@ -56,7 +56,7 @@ from lightning_dpmp.planner.layout import LayerPlan, Plan, block_of
 from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
 from lightning_dpmp.planner.structure import groups_by, module_aliases, resolve_literals, weight_owners
 from lightning_dpmp.planner.styles import STYLES
-from lightning_dpmp.planner.trace import LinearCall, Trace, is_linear
+from lightning_dpmp.planner.trace import LinearCall, Trace, has_own_forward, is_linear
 from lightning_dpmp.planner.user_plan import user_styles
 
 # LayerPlan, Plan: planner/layout.py
@@ -119,7 +119,7 @@ def make_plan(
     linears: dict[str, LinearForm] = {n: form_of_linear(m) for n, m in modules.items() if is_linear(m)}
     linears.update(trace.linear_forms if trace is not None else {})  # Conv1D & co, found by what they computed
     linears = {n: linears[n] for n in modules if n in linears}  # module order
-    embeddings = {n: m for n, m in modules.items() if type(m) is nn.Embedding}
+    embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding)}  # subclasses: see below
     forced = user_styles(model, user_plan, mp, linears)
     plan = Plan(mp=mp, traced=trace is not None)
     if mp == 1:
@@ -197,6 +197,7 @@ def _embedding_tables(
         tied_linears = [o for o in owners[id(e.weight)] if o in linears]
         styles = {forced[n] for n in names if n in forced}
         called = trace is None or any(trace.embeddings.get(n, 0) > 0 for n in names)
+        subclass = _why_subclass_whole(names, embeddings, trace)
         plain = all(embeddings[n].max_norm is None and not embeddings[n].sparse and not embeddings[n].scale_grad_by_freq
                     for n in names)
         if "replicate" in styles or level >= 2:
@@ -207,6 +208,8 @@ def _embedding_tables(
             reason = "its weight is also read outside the module (not through forward())"
         elif not plain:
             reason = "max_norm/sparse embeddings stay whole"
+        elif subclass:
+            reason = subclass
         elif e.num_embeddings % mp:
             reason = f"num_embeddings={e.num_embeddings} not divisible by mp={mp}"
         elif "vocab" not in styles and not tied_linears and e.num_embeddings < largest:
@@ -226,6 +229,22 @@ def _embedding_tables(
     return emb_split
 
 
+def _why_subclass_whole(names: list[str], embeddings: Mapping[str, nn.Embedding], trace: Optional[Trace]) -> str:
+    """Why a table of ``nn.Embedding`` subclasses with a ``forward`` of their own cannot be split by rows (``""``:
+    it can). The split class keeps the subclass's code and replaces ``nn.Embedding.forward`` with the vocab-parallel
+    lookup, so every lookup of its weight must have gone through ``nn.Embedding.forward`` (``super().forward``)."""
+    own = [n for n in names if has_own_forward(embeddings[n])]
+    if not own:
+        return ""
+    if trace is None:
+        return f"{type(embeddings[own[0]]).__name__} has a forward of its own, and no step was traced to read it"
+    for n in own:
+        if "direct" in trace.embedding_lookups.get(n, []):
+            return (f"{type(embeddings[n]).__name__}.forward calls F.embedding on its weight itself; only a lookup"
+                    " through nn.Embedding.forward (super().forward) can be split by vocabulary")
+    return ""
+
+
 def _flow_roles(
     plan: Plan, model: nn.Module, trace: Optional[Trace], mp: int, level: int, linears: dict[str, LinearForm],
     embeddings: Mapping[str, nn.Embedding], forced: dict[str, str], owners: dict[int, list[str]],
@@ -240,7 +259,9 @@ def _flow_roles(
     if level >= 2:
         out.why = {n: "no pairs (fallback after a failed verification)" for n in linears}
         return out
-    tables = {n: e for n, e in embeddings.items() if len(owners[id(e.weight)]) == 1 and n not in forced}
+    # column tables are rebuilt as ColumnParallelEmbedding: plain nn.Embedding only (a subclass's code would be lost)
+    tables = {n: e for n, e in embeddings.items()
+              if type(e) is nn.Embedding and len(owners[id(e.weight)]) == 1 and n not in forced}
     flow = analyse(trace, linears, mp, forced, complex_ok=level == 0, embeddings=tables)
     plan.adjust, broken = resolve_literals(model, flow, mp)
     why: dict[str, str] = {}

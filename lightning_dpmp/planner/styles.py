@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Optional, Protocol, TypeVar, Union
 from torch import nn
 
 from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
-from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, VocabParallelEmbedding
+from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, vocab_parallel
 from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
 from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, EnteredLinear, RowParallelLinear
@@ -305,11 +305,8 @@ class VocabEmbedding(Style):
         return out
 
     def build(self, dense: nn.Module, lp: "LayerSpec", ctx: BuildContext) -> nn.Module:
-        layer = VocabParallelEmbedding.from_dense(
-            _expect(dense, nn.Embedding), ctx.group, sequence_dim=ctx.sequence_out
-        )
-        layer.rng = ctx.rng if ctx.sequence is not None else None
-        return layer
+        return vocab_parallel(_expect(dense, nn.Embedding), ctx.group, sequence_dim=ctx.sequence_out,
+                              rng=ctx.rng if ctx.sequence is not None else None)
 
 
 class ColumnEmbedding(ReplicateEmbedding):

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
@@ -31,7 +32,7 @@ from lightning_dpmp.planner.ops import DROPOUTS, FACTORIES
 
 __all__ = [
     "AttentionCall", "LinearCall", "ModuleCall", "NoDropout", "OpCall", "Trace", "describe_index", "first_pass",
-    "is_linear", "loss_of", "op_name", "trace_step",
+    "has_own_forward", "is_linear", "loss_of", "op_name", "trace_step",
 ]
 
 
@@ -97,6 +98,10 @@ class Trace:
     escapes: set[int] = field(default_factory=set)
     embeddings: dict[str, int] = field(default_factory=dict)  # nn.Embedding name -> calls through forward()
     embedding_outputs: dict[int, str] = field(default_factory=dict)  # output node -> nn.Embedding name
+    # nn.Embedding subclasses with a forward of their own (a scaled lookup): how each call looked its weight up,
+    # "super" (through nn.Embedding.forward, which a vocab-parallel lookup can take the place of) or "direct"
+    # (F.embedding called by the subclass's own code); the ops around the lookup are recorded like the model's own
+    embedding_lookups: dict[str, list[str]] = field(default_factory=dict)
     params: dict[int, str] = field(default_factory=dict)  # node -> parameter name, for parameters read by ops
     modules: list[tuple[str, int, int]] = field(default_factory=list)  # other modules: (name, first input, output)
     calls: list[ModuleCall] = field(default_factory=list)  # other modules' calls, with every tensor argument
@@ -136,6 +141,7 @@ class _Recorder(TorchFunctionMode):
         self._keep: list[Tensor] = []  # keeps every traced tensor alive so that no id() is reused
         self.scope: list[str] = []  # names of the (non-Linear) modules being run, innermost last
         self.forward_depth = 0  # > 0 inside the model's own forward (not in the rest of the step: logging .item())
+        self.lookups: list[tuple[nn.Module, str]] = []  # nn.Embedding subclasses being run, innermost last
 
     def node(self, t: Tensor) -> int:
         key = id(t)
@@ -166,6 +172,8 @@ class _Recorder(TorchFunctionMode):
         if self.hidden:
             return out
         name = op_name(func)
+        if name == "embedding" and self.lookups and self._lookup(args, kwargs or {}, out):
+            return out
         if name in DATA_DEPENDENT:  # (a boolean mask is found with the subscript, below)
             self.data_dependent(name)
         if name == "size" and args and isinstance(args[0], Tensor):
@@ -194,12 +202,41 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
+    def _lookup(self, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Record ``F.embedding`` of the running embedding subclass's own weight as its lookup event."""
+        module, name = self.lookups[-1]
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if weight is not module.weight or not isinstance(out, Tensor):
+            return False
+        ids = args[0] if args else kwargs.get("input")
+        via = "direct"
+        own = type(module).forward.__code__
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not own:  # up to the subclass's forward: who called F.embedding
+            if frame.f_code is nn.Embedding.forward.__code__:
+                via = "super"
+                break
+            frame = frame.f_back  # type: ignore[assignment]
+        self.trace.embedding_lookups.setdefault(name, []).append(via)
+        self.trace.embeddings[name] = self.trace.embeddings.get(name, 0) + 1
+        node = self.node(out)
+        self.trace.embedding_outputs[node] = name
+        inputs = (self.node(ids) if isinstance(ids, Tensor) else None,)
+        self.trace.events.append(OpCall("embedding", inputs, (node,), (), (("module", name),)))
+        return True
+
+
 # Ops whose output shape (``nonzero``, ``masked_select``) or Python value (``bool(t)``, ``t.item()``) depends on the
 # data: code that follows them may leave parameters out of a step.
 DATA_DEPENDENT = frozenset({
     "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "__bool__", "item", "tolist", "__int__",
     "__index__", "__float__",
 })
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` (an ``nn.Embedding``) is of a subclass that overrides ``forward``."""
+    return type(module).forward is not nn.Embedding.forward
 
 
 def op_name(func: Any) -> str:
@@ -261,6 +298,8 @@ def trace_step(model: nn.Module, run: Callable[[], Any], keep_partial: bool = Fa
             trace.events.append(LinearCall(names[module], node, recorder.node(output), requires_grad, _mode(module)))
 
     embeddings: dict[nn.Module, str] = {m: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    # a subclass running code of its own around the lookup is not hidden: its ops are the model's (a scale)
+    scaled = {m: embeddings.pop(m) for m in list(embeddings) if has_own_forward(m)}
 
     emb_inputs: dict[nn.Module, list[Optional[int]]] = {}
 
@@ -279,7 +318,16 @@ def trace_step(model: nn.Module, run: Callable[[], Any], keep_partial: bool = Fa
             ids = emb_inputs[module].pop() if emb_inputs.get(module) else None
             trace.events.append(OpCall("embedding", (ids,), (out,), (), (("module", embeddings[module]),)))
 
-    others = {m: n for n, m in model.named_modules() if n and m not in names and m not in embeddings}
+    def scaled_pre(module: nn.Module, args: tuple) -> None:
+        recorder.lookups.append((module, scaled[module]))
+        if recorder.hidden == 0:
+            trace.embedding_lookups.setdefault(scaled[module], [])
+
+    def scaled_post(module: nn.Module, args: tuple, output: Any) -> None:
+        recorder.lookups.pop()
+
+    others = {m: n for n, m in model.named_modules()
+              if n and m not in names and m not in embeddings and m not in scaled}
     opened: dict[nn.Module, list[Optional[int]]] = {}
 
     def mod_pre(module: nn.Module, args: tuple) -> None:
@@ -301,7 +349,7 @@ def trace_step(model: nn.Module, run: Callable[[], Any], keep_partial: bool = Fa
         recorder.forward_depth -= 1
 
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
-    handles += _hook_linear_like(model, recorder, trace, set(names) | set(embeddings))
+    handles += _hook_linear_like(model, recorder, trace, set(names) | set(embeddings) | set(scaled))
     handles += _hook_attention(model, recorder, trace)
     for module in others:
         handles.append(module.register_forward_pre_hook(mod_pre))
@@ -313,6 +361,9 @@ def trace_step(model: nn.Module, run: Callable[[], Any], keep_partial: bool = Fa
     for module in embeddings:
         handles.append(module.register_forward_pre_hook(emb_pre))
         handles.append(module.register_forward_hook(emb_post))
+    for module in scaled:
+        handles.append(module.register_forward_pre_hook(scaled_pre))
+        handles.append(module.register_forward_hook(scaled_post, always_call=True))
     try:
         try:
             with recorder:

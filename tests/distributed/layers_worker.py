@@ -22,11 +22,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
 from lightning_dpmp.parallel.comm import gather_from_group  # noqa: E402
+from lightning_dpmp.parallel.embeddings import vocab_parallel  # noqa: E402
 from lightning_dpmp.parallel.entry import SharedInputCopy  # noqa: E402
 from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidated_state_dict  # noqa: E402
+
+
+class _Scaled(nn.Embedding):
+    """A token table scaling its lookup, as Gemma's ``GemmaTextScaledWordEmbedding`` does."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = 2.5
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -110,6 +122,22 @@ def check(group, mp: int, bias: bool) -> dict:
     holder = nn.Sequential(ColumnParallelLinear.from_dense(fused, group, blocks=3))
     dense_state = consolidated_state_dict(holder, group)
     out["fused_state_equal"] = all(torch.equal(dense_state[f"0.{k}"], v) for k, v in fused.state_dict().items())
+
+    # an nn.Embedding subclass whose forward scales the lookup (Gemma's, BART's): split by rows, it keeps its class
+    # and code; the padding row (on rank 1 at mp=2, in the middle of the table) gets no gradient
+    emb = _Scaled(4 * mp, 6, padding_idx=2 * mp + 1).double()
+    ids = torch.tensor([[0, 2 * mp + 1, 4 * mp - 1], [3, 2 * mp + 1, mp]])
+    (emb(ids) * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    split = vocab_parallel(emb, group)
+    with CommCounter({"mp": group}) as c:
+        ye = split(ids)
+        (ye * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    out["scaled_emb_forward_err"] = _err(ye, emb(ids))
+    out["scaled_emb_weight_grad_err"] = _err(gather_from_group(split.weight.grad, group, 0), emb.weight.grad)
+    out["scaled_emb_counts"] = {f"{g}/{op}": n for (g, op), n in c.counts.items()}
+    back = split.to_dense()
+    out["scaled_emb_class"] = [type(split).__name__, type(back).__name__, isinstance(split, _Scaled)]
+    out["scaled_emb_to_dense_equal"] = bool(torch.equal(back.weight, emb.weight) and back.scale == emb.scale)
 
     # vocab-parallel cross-entropy against F.cross_entropy: values and gradients, ignore_index, smoothing
     logits = torch.randn(6, 5, 8 * mp, dtype=torch.float64)

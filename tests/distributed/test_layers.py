@@ -30,11 +30,13 @@ def test_every_case_ran(results):
 def test_outputs_and_gradients_equal_dense(results):
     for rank, case, r in results:
         errs = {k: v for k, v in r.items() if k.endswith("_err")}
-        assert len(errs) >= (11 if case.endswith("bias1") else 10), errs
+        assert len(errs) >= (13 if case.endswith("bias1") else 12), errs
         bad = {k: v for k, v in errs.items() if v > TOL}
         assert not bad, f"rank {rank} {case}: {bad}"
         assert r["to_dense_equal"], f"rank {rank} {case}: to_dense() is not the original weight"
         assert r["fused_state_equal"], f"rank {rank} {case}: a fused layer's consolidated state is not the dense one"
+        assert r["scaled_emb_class"] == ["VocabParallel_Scaled", "_Scaled", True], (rank, case)
+        assert r["scaled_emb_to_dense_equal"], (rank, case)
 
 
 def test_collective_counts(results):
@@ -48,6 +50,8 @@ def test_collective_counts(results):
         assert r["scatter_row_counts"] == {"mp/all_reduce": 1, "mp/all_gather": 1}, (rank, case)
         # two column layers on one input + row: still one all-reduce each way
         assert r["fanout_counts"] == {"mp/all_reduce": 2}, (rank, case)
+        # a vocab-split lookup (a scaled subclass): one all-reduce forward, nothing backward
+        assert r["scaled_emb_counts"] == {"mp/all_reduce": 1}, (rank, case)
 
 
 def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(results):

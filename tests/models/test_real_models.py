@@ -83,6 +83,7 @@ def test_megatron_layout_and_collectives(run, reference, model):
         assert r["verified"] is True, (rank, model)
         assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}
         styles, notes = r["styles"], r["notes"]
+        assert {n: styles[n] for n in spec.vocab} == {n: "vocab" for n in spec.vocab}, (model, notes)
         blocks = r["per_block"]  # the plan's blocks: module paths up to their first numeric index
         assert len(blocks) == spec.n_blocks, sorted(blocks)
         for _name, b in blocks.items():

@@ -50,6 +50,7 @@ class RealModel:
     # default 2 + 2; an encoder-decoder block with cross-attention has 3.
     per_block: Callable[[str], tuple[int, int]] = lambda block: (2, 2)
     float64_tol: float = 1e-8  # weights vs single process after 20 float64 steps (see _mixtral for the exception)
+    vocab: tuple[str, ...] = ()  # layers that must come out split by vocabulary (a token table and its tied head)
 
 
 def llama(hidden: int = 32, intermediate: int = 64, norm_in_model_dtype: bool = False
@@ -119,6 +120,18 @@ def _qwen3() -> tuple[L.LightningModule, object]:
         num_key_value_heads=4, head_dim=4, max_position_embeddings=SEQ, tie_word_embeddings=False,
     )
     return CausalLM(Qwen3ForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
+def _gemma() -> tuple[L.LightningModule, object]:
+    """transformers' Gemma: its token table is an ``nn.Embedding`` subclass whose forward scales the lookup by
+    ``sqrt(hidden)`` (``GemmaTextScaledWordEmbedding``), tied to the LM head; both split by vocabulary."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=4, max_position_embeddings=SEQ,
+    )
+    return CausalLM(GemmaForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
 def _bert() -> tuple[L.LightningModule, object]:
@@ -320,6 +333,7 @@ def _frozen_llama() -> tuple[L.LightningModule, object]:
 REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
     "hf_qwen3": RealModel(_qwen3, 2),
+    "hf_gemma": RealModel(_gemma, 2, vocab=("net.model.embed_tokens", "net.lm_head")),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),

@@ -422,3 +422,37 @@ def test_a_whole_parameter_also_read_in_a_region_left_whole_is_not_partial():
     styles, plan = plan_of(Two(), torch.randn(2, 3, 8))
     assert (styles["q"], styles["o"], styles["q2"]) == ("column", "row", "column_gather"), styles
     assert plan.partial_params == []
+
+
+class _ScaledLookup(nn.Embedding):
+    """Gemma's and BART's token table: the lookup, then a scale."""
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embedding_dim**0.5
+
+
+class _OwnLookup(nn.Embedding):
+    """A subclass calling F.embedding itself: a vocab-parallel nn.Embedding.forward would never run."""
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight, self.padding_idx) * 2.0
+
+
+class _PlainSubclass(nn.Embedding):
+    """A subclass for its name only (no forward of its own)."""
+
+
+@pytest.mark.parametrize(
+    "table, style", [(_ScaledLookup, "vocab"), (_PlainSubclass, "vocab"), (_OwnLookup, "replicate")]
+)
+def test_an_embedding_subclass_splits_by_rows_when_its_lookup_is_nn_embedding_forward(table, style):
+    emb, head = table(64, 16), nn.Linear(16, 64, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    ids = torch.randint(0, 64, (2, 8))
+    styles, plan = plan_of(model, ids, step=lambda: F.cross_entropy(head(emb(ids)).view(-1, 64), ids.view(-1)))
+    assert styles == {"emb": style, "head": style}
+    if table is _OwnLookup:
+        assert "_OwnLookup.forward calls F.embedding on its weight itself" in plan.layers["emb"].note
+    else:  # one lookup, one all-reduce; the scale is recorded as the model's own op
+        assert plan.layers["emb"].calls == 1
