@@ -100,7 +100,11 @@ class LayoutRules(AnalysisState):
             return f"reshaped by '{ev.name}' merging the split dim into an outer one"
         outs = [j for j in outs if b[j] != 1] or outs
         raw, new = sh.raw, outs[0]
-        if len(outs) >= 3 and raw is not None and b[outs[1]] % self.mp == 0 and self.need_blocks(sh, b[outs[0]]):
+        # (B, T, G, per_group, d) is read either as fused blocks (G = 3 for q|k|v, split on the heads inside each)
+        # or as groups laid out one after another (Falcon's kv groups of [q.., k, v]): what the code cuts next says
+        grouped = len(outs) >= 3 and self._cut(ev.outputs[0], outs[1]) and not self._cut(ev.outputs[0], outs[0])
+        if (len(outs) >= 3 and raw is not None and b[outs[1]] % self.mp == 0 and not grouped
+                and self.need_blocks(sh, b[outs[0]])):  # (need_blocks records the blocks: asked last)
             new, raw = outs[1], None  # fused (B, T, 3, H, d): the split is on H inside each of the 3 blocks
         elif not self.need_blocks(sh, 1):
             return f"reshaped by '{ev.name}' in a way that does not match its fused blocks"
@@ -115,6 +119,28 @@ class LayoutRules(AnalysisState):
             if size is not None and size != -1 and not region.derived(int(size)):
                 region.literals.add(int(size))
         return [(new, raw)]
+
+    def _cut(self, node: int, dim: int) -> bool:
+        """Whether an op reading ``node`` indexes, slices, unbinds, splits or chunks it along ``dim``."""
+        consumers = self.__dict__.get("_consumers")
+        if consumers is None:
+            consumers = {}
+            for e in self.trace.events:
+                if isinstance(e, OpCall) and e.inputs and e.inputs[0] is not None:
+                    consumers.setdefault(e.inputs[0], []).append(e)
+            self.__dict__["_consumers"] = consumers
+        shape = self._shape(node)
+        for e in consumers.get(node, []):
+            if e.name == "__getitem__":
+                where = _index_target(e.index, dim, shape)
+                if isinstance(where, str) and "along the split dim" in where:
+                    return True
+            elif e.name in ("unbind", "split", "chunk", "tensor_split", "split_with_sizes"):
+                ints = [v for v in e.values[1:] if v is not None]
+                at = ints[-1] if ints and (e.name == "unbind" or len(ints) >= 2) else 0
+                if at % len(shape) == dim:
+                    return True
+        return False
 
     def _transpose(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         ndim = len(shape)

@@ -7,7 +7,9 @@ forward, as recorded, is exactly: reshapes of its input, **one** matmul-like op 
 
 * ``F.linear(x, W, b)`` reads ``W`` as ``(out, in)``: ``out_dim = 0`` (``nn.Linear``'s layout);
 * ``torch.addmm(b, x, W)``, ``x @ W``, ``torch.mm(x, W)`` read ``W`` as ``(in, out)``: ``out_dim = 1``
-  (transformers' GPT-2 ``Conv1D``).
+  (transformers' GPT-2 ``Conv1D``);
+* the same ops on the weight's transpose (``x @ W.T``, ``W.t()``, ``W.transpose(0, 1)``) read it as ``(out, in)``:
+  ``out_dim = 0`` (transformers' ``FalconLinear``).
 
 Nothing is keyed on class or parameter names: a module whose forward does anything else (a transpose of the
 weight, a scale, a second matmul) is not linear-like and stays whatever the rest of the planner makes of its ops.
@@ -20,7 +22,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import AbstractSet, Optional, Sequence
 
 from torch import nn
 
@@ -88,12 +90,16 @@ def detect(
         names: the parameters' attribute names (carried into the form).
     """
     from_x: set[int] = {x}
+    weight_t: set[int] = set()  # nodes holding the weight's transpose
     mm_out: Optional[set[int]] = None
     out_dim, bias_used = None, False
     for op in ops:
         if op.name == "size":  # a shape query (x.size()[:-1] in Conv1D) reads no data
             continue
         ins = [n for n in op.inputs if n is not None]
+        if ins == [weight] and len(op.outputs) == 1 and mm_out is None and _swaps_2d(op):
+            weight_t.add(op.outputs[0])
+            continue
         if op.name in SHAPE_OPS and len(ins) == 1 and len(op.outputs) == 1:
             src = ins[0]
             if src in from_x and mm_out is None:
@@ -104,7 +110,7 @@ def detect(
                 return None
             continue
         if op.name in MATMULS and mm_out is None:
-            form = _orientation(op, from_x, weight, bias)
+            form = _orientation(op, from_x, weight, bias, weight_t)
             if form is None:
                 return None
             out_dim, bias_used = form
@@ -132,8 +138,18 @@ def _only_tensors(op) -> bool:
     return all(v is None or v == 1 for v in op.values)
 
 
-def _orientation(op, from_x: set[int], weight: int, bias: Optional[int]) -> Optional[tuple[int, bool]]:
-    """(out_dim, bias folded in) for one matmul-like op reading the input and the weight, else ``None``."""
+def _swaps_2d(op) -> bool:
+    """Whether ``op`` transposes a 2-D tensor: ``W.T``, ``W.t()``, ``W.mT``, ``W.transpose(0, 1)``."""
+    if op.name in ("T", "t", "mT"):
+        return True
+    dims = {v % 2 for v in op.values if v is not None}
+    return op.name in ("transpose", "swapaxes", "swapdims") and dims == {0, 1}
+
+
+def _orientation(op, from_x: set[int], weight: int, bias: Optional[int], weight_t: AbstractSet[int] = frozenset()
+                 ) -> Optional[tuple[int, bool]]:
+    """(out_dim, bias folded in) for one matmul-like op reading the input and the weight (or its transpose,
+    ``weight_t``), else ``None``."""
     args = list(op.inputs)
     if any(v not in (None, 1) for v in op.values):
         return None  # addmm(..., beta=2, alpha=3) or matmul with extra ints: not a plain Linear
@@ -144,12 +160,15 @@ def _orientation(op, from_x: set[int], weight: int, bias: Optional[int]) -> Opti
                 return None
             return 0, b is not None
         return None
-    if op.name == "addmm":  # addmm(b, x, W): W is (in, out)
-        if len(args) >= 3 and args[0] == bias and bias is not None and args[1] in from_x and args[2] == weight:
-            return 1, True
+    if op.name == "addmm":  # addmm(b, x, W): W is (in, out); addmm(b, x, W.T): (out, in)
+        if len(args) >= 3 and args[0] == bias and bias is not None and args[1] in from_x:
+            return (1, True) if args[2] == weight else (0, True) if args[2] in weight_t else None
         return None
-    if len(args) >= 2 and args[0] in from_x and args[1] == weight and len([a for a in args if a is not None]) == 2:
-        return 1, False  # x @ W, matmul(x, W), mm(x, W)
+    if len(args) >= 2 and args[0] in from_x and len([a for a in args if a is not None]) == 2:
+        if args[1] == weight:
+            return 1, False  # x @ W, matmul(x, W), mm(x, W)
+        if args[1] in weight_t:
+            return 0, False  # x @ W.T
     return None
 
 

@@ -8,6 +8,7 @@ the number of repeated blocks, and what each block must cost. Add a model by add
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -132,6 +133,50 @@ def _gemma() -> tuple[L.LightningModule, object]:
         num_key_value_heads=4, head_dim=4, max_position_embeddings=SEQ,
     )
     return CausalLM(GemmaForCausalLM(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+
+
+class GroupedAttention(nn.Module):
+    """Grouped-query attention fused per kv group, as Falcon's new decoder architecture lays it out: one projection
+    whose output is ``groups`` runs of ``[q_1 .. q_n, k, v]``, viewed as ``(B, T, groups, n + 2, head_dim)`` and
+    sliced along the per-group dim. Split by groups, each rank holds whole groups: no blocks to interleave."""
+
+    def __init__(self, d: int = 32, heads: int = 8, groups: int = 4) -> None:
+        super().__init__()
+        self.per_group, self.head_dim = heads // groups + 2, d // heads
+        self.qkv = nn.Linear(d, groups * self.per_group * self.head_dim, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, -1, self.per_group, self.head_dim)
+        q, k, v = qkv[:, :, :, :-2], qkv[:, :, :, [-2]], qkv[:, :, :, [-1]]
+        k, v = torch.broadcast_to(k, q.shape), torch.broadcast_to(v, q.shape)
+        q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class GroupedLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"norm": nn.LayerNorm(d), "attn": GroupedAttention(d), "norm2": nn.LayerNorm(d),
+                           "mlp": nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))})
+            for _ in range(2)
+        )
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        for b in self.blocks:
+            h = h + b["attn"](b["norm"](h))
+            h = h + b["mlp"](b["norm2"](h))
+        return types.SimpleNamespace(logits=self.head(h))
+
+
+def _grouped_qkv() -> tuple[L.LightningModule, object]:
+    return CausalLM(GroupedLM()), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
 def _bert() -> tuple[L.LightningModule, object]:
@@ -334,6 +379,7 @@ REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
     "hf_qwen3": RealModel(_qwen3, 2),
     "hf_gemma": RealModel(_gemma, 2, vocab=("net.model.embed_tokens", "net.lm_head")),
+    "grouped_qkv": RealModel(lambda: _grouped_qkv(), 2),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),

@@ -46,8 +46,8 @@ class NotLinear(nn.Module):
     def forward(self, x):
         if self.how == "scaled":
             return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(x.shape) * 2
-        if self.how == "transposed":
-            return x @ self.weight.t() + self.bias
+        if self.how == "transposed_scaled":
+            return x @ (self.weight.t() * 2) + self.bias
         if self.how == "twice":
             return (x @ self.weight) @ self.weight + self.bias
         if self.how == "alpha":
@@ -98,7 +98,32 @@ def test_f_linear_layout_of_a_custom_module_is_out_in():
     assert plan.layers["fc1"].style == "column" and plan.layers["fc1"].local_shape(2) == (8, 8)
 
 
-@pytest.mark.parametrize("how", ["scaled", "transposed", "twice", "alpha"])
+class TransposedLinear(nn.Module):
+    """``x @ W.T + b`` (transformers' ``FalconLinear``) or ``addmm(b, x, W.t())``: W stored (out, in)."""
+
+    def __init__(self, d_in: int, d_out: int, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.weight, self.bias = nn.Parameter(torch.randn(d_out, d_in)), nn.Parameter(torch.randn(d_out))
+
+    def forward(self, x):
+        if self.how == "addmm":
+            return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight.t()).view(*x.shape[:-1], -1)
+        return x @ self.weight.transpose(0, 1) + self.bias
+
+
+@pytest.mark.parametrize("how", ["falcon", "matmul_transpose", "addmm"])
+def test_a_matmul_with_the_transposed_weight_is_linear_like_out_in(how):
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    make = (lambda i, o: FalconLinear(i, o)) if how == "falcon" else (lambda i, o: TransposedLinear(i, o, how))
+    trace, plan = _plan(Mlp(make(8, 16), make(16, 8)), torch.randn(2, 3, 8))
+    assert {n: (f.in_features, f.out_features, f.out_dim) for n, f in trace.linear_forms.items()} == {
+        "fc1": (8, 16, 0), "fc2": (16, 8, 0)}
+    assert {n: lp.style for n, lp in plan.layers.items()} == {"fc1": "column", "fc2": "row"}
+
+
+@pytest.mark.parametrize("how", ["scaled", "transposed_scaled", "twice", "alpha"])
 def test_modules_computing_something_else_are_not_linear_like(how):
     model = Mlp(nn.Linear(8, 8), NotLinear(8, how))
     trace, plan = _plan(model, torch.randn(4, 8))
