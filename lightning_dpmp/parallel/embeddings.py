@@ -191,7 +191,6 @@ def vocab_parallel(emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = 
         _ROW_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (cls, _VocabRows), {"__module__": __name__})
     layer = _ROW_CLASSES[cls].__new__(_ROW_CLASSES[cls])
     # the subclass's state as it is (attributes, buffers, hooks), in containers of its own
-    # the subclass's state as it is (attributes, buffers, hooks), in containers of its own
     layer.__dict__.update({k: type(v)(v) if isinstance(v, dict) else v for k, v in emb.__dict__.items()})
     layer.in_features, layer.out_features = emb.num_embeddings, emb.embedding_dim  # ParallelLinear's sizes
     layer.group, layer.mp, layer.mp_rank = group, group_size(group), group_rank(group)

@@ -11,8 +11,8 @@ forward, as recorded, is exactly: reshapes of its input, **one** matmul-like op 
 * the same ops on the weight's transpose (``x @ W.T``, ``W.t()``, ``W.transpose(0, 1)``) read it as ``(out, in)``:
   ``out_dim = 0`` (transformers' ``FalconLinear``).
 
-Nothing is keyed on class or parameter names: a module whose forward does anything else (a transpose of the
-weight, a scale, a second matmul) is not linear-like and stays whatever the rest of the planner makes of its ops.
+Nothing is keyed on class or parameter names: a module whose forward does anything else (a scale of the weight or
+of the product, a second matmul) is not linear-like and stays whatever the rest of the planner makes of its ops.
 
 Example:
     >>> LinearForm(in_features=32, out_features=96, out_dim=1).weight_shape

@@ -201,7 +201,6 @@ class _Recorder(TorchFunctionMode):
         self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index))
         return out
 
-
     def _lookup(self, args: tuple, kwargs: dict, out: Any) -> bool:
         """Record ``F.embedding`` of the running embedding subclass's own weight as its lookup event."""
         module, name = self.lookups[-1]
