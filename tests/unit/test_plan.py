@@ -456,3 +456,14 @@ def test_an_embedding_subclass_splits_by_rows_when_its_lookup_is_nn_embedding_fo
         assert "_OwnLookup.forward calls F.embedding on its weight itself" in plan.layers["emb"].note
     else:  # one lookup, one all-reduce; the scale is recorded as the model's own op
         assert plan.layers["emb"].calls == 1
+
+
+def test_a_projection_fused_per_kv_group_splits_by_groups():
+    from tests.support.real_models import GroupedAttention
+
+    attn = GroupedAttention(d=32, heads=8, groups=4)
+    styles, plan = plan_of(attn, torch.randn(2, 6, 32))
+    # viewed (B, T, groups, heads_per_group + 2, head_dim) and sliced along the per-group dim: whole groups per
+    # rank, one contiguous slice of the rows (a (B, T, 3, H, d) view is split inside each of its 3 blocks instead)
+    assert styles == {"qkv": "column", "out": "row"}
+    assert plan.layers["qkv"].blocks == 1
