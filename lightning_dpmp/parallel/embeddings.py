@@ -25,6 +25,21 @@ from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, dense_
 __all__ = ["ColumnParallelEmbedding", "VocabParallelEmbedding", "vocab_parallel"]
 
 
+def _require_plain(emb: nn.Embedding) -> None:
+    """Refuse the lookups a vocab split cannot do locally (``max_norm`` renormalises rows, ``sparse`` gradients)."""
+    if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
+        raise ValueError(
+            "VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq)."
+        )
+
+
+def _local_pad(padding_idx: Optional[int], start: int, rows: int) -> Optional[int]:
+    """The padding row's index in a shard of ``rows`` rows from ``start``; ``None`` when there is none or another
+    rank holds it."""
+    pad = None if padding_idx is None else padding_idx - start
+    return pad if pad is not None and 0 <= pad < rows else None
+
+
 class VocabParallelEmbedding(ParallelLinear):
     """``nn.Embedding`` split by vocabulary rows: rank ``r`` holds ids ``[r*V/mp, (r+1)*V/mp)``.
 
@@ -56,16 +71,13 @@ class VocabParallelEmbedding(ParallelLinear):
         """nn.Embedding's default: N(0, 1), with the padding row (if this rank holds it) zeroed."""
         with torch.no_grad():
             self.weight.normal_()
-            pad = None if self.padding_idx is None else self.padding_idx - self.start
-            if pad is not None and 0 <= pad < self.weight.shape[0]:
+            pad = _local_pad(self.padding_idx, self.start, self.weight.shape[0])
+            if pad is not None:
                 self.weight[pad].zero_()
 
     @classmethod
     def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> Self:  # type: ignore[override]
-        if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
-            raise ValueError(
-                "VocabParallelEmbedding supports plain embeddings (no max_norm, sparse, scale_grad_by_freq)."
-            )
+        _require_plain(emb)
         layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, padding_idx=emb.padding_idx,
                     sequence_dim=sequence_dim, device=emb.weight.device, dtype=emb.weight.dtype)
         layer._init_from(emb)
@@ -81,9 +93,7 @@ class VocabParallelEmbedding(ParallelLinear):
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        pad = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - self.start < self.weight.shape[0]:
-            pad = self.padding_idx - self.start  # nn.Embedding gives the padding row no gradient
+        pad = _local_pad(self.padding_idx, self.start, self.weight.shape[0])  # it gets no gradient in nn.Embedding
         rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=pad)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_dim is not None:  # sequence parallel: sum the shards and keep this rank's tokens
@@ -145,8 +155,8 @@ class _VocabRows(nn.Embedding, ParallelLinear):  # type: ignore[misc]  # both de
     reset_parameters = VocabParallelEmbedding.reset_parameters
 
     def _fill_padding_idx_with_zero(self) -> None:  # nn.Embedding's reads a global row of the local shard
-        pad = None if self.padding_idx is None else self.padding_idx - self.start
-        if pad is not None and 0 <= pad < self.weight.shape[0]:
+        pad = _local_pad(self.padding_idx, self.start, self.weight.shape[0])
+        if pad is not None:
             with torch.no_grad():
                 self.weight[pad].zero_()
 
@@ -184,8 +194,7 @@ def vocab_parallel(emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = 
         plain = VocabParallelEmbedding.from_dense(emb, group, sequence_dim=sequence_dim)
         plain.rng = rng
         return plain
-    if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
-        raise ValueError("vocab_parallel supports plain lookups (no max_norm, sparse, scale_grad_by_freq).")
+    _require_plain(emb)
     cls = type(emb)
     if cls not in _ROW_CLASSES:
         _ROW_CLASSES[cls] = type(f"VocabParallel{cls.__name__}", (cls, _VocabRows), {"__module__": __name__})

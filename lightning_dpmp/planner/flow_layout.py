@@ -8,6 +8,7 @@ the op table (``flow.OPS``); each rule returns per-output ``(dim, raw)`` or a st
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -120,26 +121,25 @@ class LayoutRules(AnalysisState):
                 region.literals.add(int(size))
         return [(new, raw)]
 
+    @functools.cached_property
+    def _consumers(self) -> dict[int, list[OpCall]]:
+        """The ops reading each node as their first argument, in call order."""
+        out: dict[int, list[OpCall]] = {}
+        for e in self.trace.events:
+            if isinstance(e, OpCall) and e.inputs and e.inputs[0] is not None:
+                out.setdefault(e.inputs[0], []).append(e)
+        return out
+
     def _cut(self, node: int, dim: int) -> bool:
         """Whether an op reading ``node`` indexes, slices, unbinds, splits or chunks it along ``dim``."""
-        consumers = self.__dict__.get("_consumers")
-        if consumers is None:
-            consumers = {}
-            for e in self.trace.events:
-                if isinstance(e, OpCall) and e.inputs and e.inputs[0] is not None:
-                    consumers.setdefault(e.inputs[0], []).append(e)
-            self.__dict__["_consumers"] = consumers
         shape = self._shape(node)
-        for e in consumers.get(node, []):
+        for e in self._consumers.get(node, []):
             if e.name == "__getitem__":
                 where = _index_target(e.index, dim, shape)
                 if isinstance(where, str) and "along the split dim" in where:
                     return True
-            elif e.name in ("unbind", "split", "chunk", "tensor_split", "split_with_sizes"):
-                ints = [v for v in e.values[1:] if v is not None]
-                at = ints[-1] if ints and (e.name == "unbind" or len(ints) >= 2) else 0
-                if at % len(shape) == dim:
-                    return True
+            elif e.name in _SPLITS and _split_dim(e, len(shape)) == dim:
+                return True
         return False
 
     def _transpose(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
@@ -156,12 +156,11 @@ class LayoutRules(AnalysisState):
 
     def _split(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
         ints = [v for v in ev.values[1:] if v is not None]
+        dim = _split_dim(ev, len(shape))
         if ev.name == "unbind":
-            dim = (ints[0] if ints else 0) % len(shape)
             if dim == sh.dim:
                 return "unbound by 'unbind' along the split dim"
             return [(sh.dim - (dim < sh.dim), None)] * len(ev.outputs)
-        dim = (ints[-1] if len(ints) >= 2 else 0) % len(shape)
         if dim != sh.dim:
             return [(sh.dim, sh.raw)] * len(ev.outputs)
         if ev.name == "split" and len(ints) == 2:  # split(size, dim): a fixed size becomes per-rank
@@ -177,6 +176,17 @@ class LayoutRules(AnalysisState):
         if len(ints) < 2 and len(shape) > 1:
             return f"flattened by '{ev.name}'"
         return [(sh.dim, None)]
+
+
+_SPLITS = ("unbind", "split", "chunk", "tensor_split", "split_with_sizes")  # ops cutting one tensor into pieces
+
+
+def _split_dim(ev: OpCall, ndim: int) -> int:
+    """The dim ``unbind(dim)``, ``split(sizes, dim)`` or ``chunk(n, dim)`` cuts along (0 when not given)."""
+    ints = [v for v in ev.values[1:] if v is not None]
+    if ev.name == "unbind":
+        return (ints[0] if ints else 0) % ndim
+    return (ints[-1] if len(ints) >= 2 else 0) % ndim
 
 
 def _index_target(index: tuple, dim: int, shape: tuple) -> Union[int, str]:

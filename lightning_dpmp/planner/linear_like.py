@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, Optional, Sequence
+from typing import Optional, Sequence
 
 from torch import nn
 
@@ -146,7 +146,7 @@ def _swaps_2d(op) -> bool:
     return op.name in ("transpose", "swapaxes", "swapdims") and dims == {0, 1}
 
 
-def _orientation(op, from_x: set[int], weight: int, bias: Optional[int], weight_t: AbstractSet[int] = frozenset()
+def _orientation(op, from_x: set[int], weight: int, bias: Optional[int], weight_t: set[int]
                  ) -> Optional[tuple[int, bool]]:
     """(out_dim, bias folded in) for one matmul-like op reading the input and the weight (or its transpose,
     ``weight_t``), else ``None``."""

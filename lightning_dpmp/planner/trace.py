@@ -319,8 +319,6 @@ def trace_step(model: nn.Module, run: Callable[[], Any], keep_partial: bool = Fa
 
     def scaled_pre(module: nn.Module, args: tuple) -> None:
         recorder.lookups.append((module, scaled[module]))
-        if recorder.hidden == 0:
-            trace.embedding_lookups.setdefault(scaled[module], [])
 
     def scaled_post(module: nn.Module, args: tuple, output: Any) -> None:
         recorder.lookups.pop()

@@ -379,7 +379,7 @@ REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
     "hf_qwen3": RealModel(_qwen3, 2),
     "hf_gemma": RealModel(_gemma, 2, vocab=("net.model.embed_tokens", "net.lm_head")),
-    "grouped_qkv": RealModel(lambda: _grouped_qkv(), 2),
+    "grouped_qkv": RealModel(_grouped_qkv, 2),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),
