@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.pool import CaseResult, close_pools, rank_pool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,3 +31,24 @@ def run_script(
 @pytest.fixture
 def script():
     return run_script
+
+
+def run_ranks(
+    world_size: int, args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = ROOT
+) -> CaseResult | subprocess.CompletedProcess:
+    """Run a worker script in every rank of the session's pool of ``world_size`` ranks (``tests/support/pool.py``).
+
+    The script must start a job of exactly ``world_size`` processes (``Trainer(devices=world_size)``): the pool's
+    ranks are "launched externally", as under torchrun. ``DPMP_TEST_POOL=0`` runs it as a fresh launch instead
+    (``run_script``), the way the suite ran before the pools. Fails the test (not hang) past ``timeout`` seconds.
+    """
+    if os.environ.get("DPMP_TEST_POOL", "1") == "0":
+        return run_script(args, timeout=timeout, env=env, cwd=cwd)
+    result = rank_pool(world_size).run(args, timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd)
+    if result.timed_out:
+        pytest.fail(f"{args} did not finish in {timeout} s:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_pools()

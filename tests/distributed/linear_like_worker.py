@@ -154,9 +154,13 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
 
 
 if __name__ == "__main__":
-    import socket
+    if "LOCAL_RANK" in os.environ:  # launched externally (a test rank pool, torchrun): this process is one rank
+        worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]),
+               sys.argv[1])
+    else:
+        import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(4, port, sys.argv[1]), nprocs=4)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(worker, args=(4, port, sys.argv[1]), nprocs=4)

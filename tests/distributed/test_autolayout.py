@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed import autolayout_worker as W
 from tests.support.models import ResMLP, build, reference_loader
 
@@ -21,7 +21,7 @@ CASES = ("latency", "bandwidth", "measured")
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("autolayout")
-    proc = run_script(["tests/distributed/autolayout_worker.py", str(out)], timeout=420)
+    proc = run_ranks(4, ["tests/distributed/autolayout_worker.py", str(out)], timeout=420)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     return out, ranks, proc.stdout + proc.stderr

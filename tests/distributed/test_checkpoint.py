@@ -21,7 +21,7 @@ import torch
 
 from lightning_dpmp.checkpoint.convert import convert
 from lightning_dpmp.checkpoint.sharded import is_sharded_checkpoint
-from tests.conftest import run_script
+from tests.conftest import run_ranks, run_script
 from tests.distributed import checkpoint_worker as W
 from tests.support.models import ResMLP, make_dataset, reference_loader
 
@@ -52,7 +52,7 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
-    proc = run_script([WORKER, "resume", str(out)], timeout=600)
+    proc = run_ranks(4, [WORKER, "resume", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
 
@@ -132,7 +132,7 @@ def test_model_checkpoint_top_k_and_last_with_both_formats(run):
 
 @pytest.mark.slow
 def test_mismatched_checkpoint_names_the_first_difference(run):
-    proc = run_script([WORKER, "mismatch", str(run)], timeout=300)
+    proc = run_ranks(2, [WORKER, "mismatch", str(run)], timeout=300)
     assert proc.returncode != 0
     assert (
         "Checkpoint does not match the model: 'blocks.0.fc1.weight' has shape (32, 16) in the checkpoint"

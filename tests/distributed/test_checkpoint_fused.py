@@ -18,7 +18,7 @@ import torch
 
 from lightning_dpmp.checkpoint.convert import convert
 from lightning_dpmp.checkpoint.sharded import META_FILE, is_sharded_checkpoint
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed import checkpoint_worker as W
 from tests.support.models import build, reference_loader
 
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     """All four models in one launch per layout (a launch costs seconds; the fits inside it do not)."""
     out = tmp_path_factory.mktemp("fused_ckpt")
     for dp, mp in [W.FUSED_SAVE_LAYOUT] + LAYOUTS:
-        proc = run_script([WORKER, "fused", str(out), str(dp), str(mp), ",".join(sorted(MODELS))], timeout=900)
+        proc = run_ranks(dp * mp, [WORKER, "fused", str(out), str(dp), str(mp), ",".join(sorted(MODELS))], timeout=900)
         assert proc.returncode == 0, proc.stderr[-6000:]
     return out
 

@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed.compile_worker import EXACT_CASES, EXACT_STEPS, GLOBAL_BATCH, SEED, case_name
 from tests.support.models import build, reference_loader
 from tests.support.real_models import COMPILE_LLAMAS, build_llama
@@ -30,8 +30,8 @@ LAYOUTS = {(1, 2): "gpt,hf_llama", (2, 2): "gpt", (1, 4): "gpt"}
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"compile_dp{dp}_mp{mp}")
-    proc = run_script(["tests/distributed/compile_worker.py", str(dp), str(mp), str(out), LAYOUTS[dp, mp]],
-                      timeout=900)
+    proc = run_ranks(dp * mp, ["tests/distributed/compile_worker.py", str(dp), str(mp), str(out), LAYOUTS[dp, mp]],
+                     timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return dp, mp, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)], out
 

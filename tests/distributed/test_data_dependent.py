@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed.moe_worker import SeedEachStep
 from tests.distributed.parity_worker import CLIP, GLOBAL_BATCH, SEED, STEPS
 from tests.support.models import build, reference_loader
@@ -40,7 +40,7 @@ def _reference(name: str) -> dict:
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("data_dependent")
-    proc = run_script([WORKER, "2", "2", str(out), ",".join(f"{n}:{z}" for n, z in RUNS)], timeout=900)
+    proc = run_ranks(4, [WORKER, "2", "2", str(out), ",".join(f"{n}:{z}" for n, z in RUNS)], timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)], proc.stdout + proc.stderr
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 
 
 @pytest.fixture(scope="module")
 def masks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dropout")
-    proc = run_script(["tests/distributed/dropout_worker.py", str(out)], timeout=300)
+    proc = run_ranks(2, ["tests/distributed/dropout_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"masks_rank{r}.pt", weights_only=True) for r in (0, 1)]
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed.fp16_worker import POISONED_STEP, STEPS
 
 WORKER = "tests/distributed/fp16_worker.py"
@@ -23,7 +23,7 @@ ZEROS = (0, 1, 3)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16")
-    proc = run_script([WORKER, "2", "2", str(out), ",".join(map(str, ZEROS))], timeout=900)
+    proc = run_ranks(4, [WORKER, "2", "2", str(out), ",".join(map(str, ZEROS))], timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "inf written" in proc.stdout + proc.stderr
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed import parity_worker as W
 from tests.support.models import build
 from tests.support.reference import max_weight_diff, reference_run
@@ -43,8 +43,8 @@ def initial():
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"frozen_dp{dp}_mp{mp}")
-    proc = run_script(["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(_models(dp))],
-                      timeout=600, env={"PRECISIONS": "64-true"})
+    proc = run_ranks(dp * mp, ["tests/distributed/parity_worker.py", str(dp), str(mp), str(out),
+                                  ",".join(_models(dp))], timeout=600, env={"PRECISIONS": "64-true"})
     assert proc.returncode == 0, proc.stderr[-5000:]
     return dp, mp, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
 

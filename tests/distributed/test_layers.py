@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 
 TOL = 1e-12  # float64: only summation order differs
 pytestmark = pytest.mark.slow  # one 4-process launch for the module
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # one 4-process launch for the module
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("layers") / "layers.json"
-    proc = run_script(["tests/distributed/layers_worker.py", str(out)], timeout=300)
+    proc = run_ranks(4, ["tests/distributed/layers_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [
         (rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # one 4-process launch for the module
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("linear_like") / "linear_like.json"
-    proc = run_script(["tests/distributed/linear_like_worker.py", str(out)], timeout=600)
+    proc = run_ranks(4, ["tests/distributed/linear_like_worker.py", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [
         (rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()

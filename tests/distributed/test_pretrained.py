@@ -27,7 +27,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed import pretrained_worker as W
 from tests.support import pretrained as P
 from tests.support.models import reference_loader
@@ -77,8 +77,8 @@ def run(request, folders):
     dp, mp = request.param
     out = folders / f"dp{dp}_mp{mp}"
     out.mkdir()
-    proc = run_script(["tests/distributed/pretrained_worker.py", str(dp), str(mp), str(out),
-                       ",".join(CASES[(dp, mp)])], timeout=900)
+    proc = run_ranks(dp * mp, ["tests/distributed/pretrained_worker.py", str(dp), str(mp), str(out),
+                                ",".join(CASES[(dp, mp)])], timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
     return dp, mp, out, ranks

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.support.reference import max_weight_diff, reference_run
 
 MODELS = ("gpt", "gpt_untied", "llama", "fused", "gpt+sp", "gpt_untied+sp")
@@ -36,7 +36,8 @@ def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"lm_dp{dp}_mp{mp}")
     models = MODELS + (("gpt+sp_nosync",) if (dp, mp) == (1, 2) else ())
-    proc = run_script(["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(models)], timeout=600)
+    proc = run_ranks(dp * mp, ["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(models)],
+                     timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
     return dp, mp, out, ranks

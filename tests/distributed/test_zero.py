@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.distributed import checkpoint_worker as CW
 from tests.support.models import build, make_dataset, reference_loader
 from tests.support.reference import reference_run
@@ -31,7 +31,7 @@ def reference(tmp_path_factory):
 
 def _launch(tmp_path_factory, dp: int, mp: int, *extra: str):
     out = tmp_path_factory.mktemp(f"zero_{dp}x{mp}")
-    proc = run_script([WORKER, str(dp), str(mp), str(out), *extra], timeout=900)
+    proc = run_ranks(dp * mp, [WORKER, str(dp), str(mp), str(out), *extra], timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks, run_script
 from tests.integration import data_path_worker as W
 from tests.support.models import ResMLP, make_dataset, reference_loader
 from tests.support.reference import max_json_diff, one_process_trainer
@@ -27,7 +27,7 @@ WORKER = "tests/integration/data_path_worker.py"
 @pytest.fixture(scope="module")
 def grid22(tmp_path_factory):
     out = tmp_path_factory.mktemp("data_path_2x2")
-    proc = run_script([WORKER, str(out)], timeout=600)
+    proc = run_ranks(4, [WORKER, str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 

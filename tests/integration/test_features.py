@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.integration import features_worker as FW
 from tests.support.models import ResMLP, build, make_dataset, reference_loader
 from tests.support.reference import max_json_diff, one_process_trainer
@@ -23,7 +23,7 @@ WORKER = "tests/integration/features_worker.py"
 
 def _launch(tmp_path_factory, dp: int, mp: int) -> tuple:
     out = tmp_path_factory.mktemp(f"features_{dp}x{mp}")
-    proc = run_script([WORKER, str(dp), str(mp), str(out)], timeout=900)
+    proc = run_ranks(dp * mp, [WORKER, str(dp), str(mp), str(out)], timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
 

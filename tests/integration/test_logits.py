@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.integration import logits_worker as LW
 from tests.support.models import build, make_lm_dataset, reference_loader
 
@@ -26,7 +26,7 @@ WORKER = "tests/integration/logits_worker.py"
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("logits")
-    proc = run_script([WORKER, str(out)], timeout=600)
+    proc = run_ranks(4, [WORKER, str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(LW.DP * LW.MP)]
 

@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.integration import trace_worker as TW
 from tests.support.models import make_dataset, reference_loader
 
@@ -28,7 +28,7 @@ F32_LOSS_BOUND = 1e-6
 def grid12(tmp_path_factory):
     out = tmp_path_factory.mktemp("trace_1x2")
     start = time.monotonic()
-    proc = run_script([WORKER, "1", "2", str(out)], timeout=600)
+    proc = run_ranks(2, [WORKER, "1", "2", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     print(f"trace_worker dp=1 mp=2: {time.monotonic() - start:.0f} s for the launch")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks
 from tests.support.real_models import REAL_MODELS
 from tests.support.reference import max_weight_diff, reference_run
 
@@ -46,8 +46,8 @@ def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"real_dp{dp}_mp{mp}")
     models = _models_for(mp)
-    proc = run_script(
-        ["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(models)], timeout=900,
+    proc = run_ranks(
+        dp * mp, ["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(models)], timeout=900,
         env={"PRECISIONS": "64-true"},
     )
     assert proc.returncode == 0, proc.stderr[-5000:]

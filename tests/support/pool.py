@@ -1,0 +1,245 @@
+"""Persistent rank pools: the multi-process tests run their worker scripts in ranks started once per session.
+
+Starting a 4-rank Lightning job costs 10-15 s on 2 cores before it checks anything: every rank imports torch,
+Lightning and transformers. A :class:`RankPool` starts ``world_size`` processes once, as an external launcher
+(torchrun, SLURM) would: each has ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set, so
+Lightning treats it as already launched and starts no children. A *case* is one worker script (or ``-m module``)
+with its argv; the pool runs it in every rank with ``runpy`` as ``__main__``, exactly as the popen launcher
+would have re-run it in a child, and hands back a :class:`CaseResult` shaped like ``subprocess.CompletedProcess``.
+
+Each case starts from fresh state:
+
+- a new ``MASTER_PORT`` (the previous case's TCP store may still be closing), its own environment overrides, and
+  the environment, ``sys.argv``, ``sys.path``, working directory, warning filters and registries, default dtype,
+  thread count and Dynamo caches restored afterwards;
+- any process group the case left is destroyed;
+- its stdout and stderr are captured at the file-descriptor level (C++ output and Lightning's log handlers
+  included), rank by rank, and concatenated in rank order.
+
+Failures stay with their case:
+
+- a rank that raises reports its traceback (in the captured stderr) and a non-zero code; the other ranks get a
+  short grace to finish, then the pool is killed and restarted, as Lightning's child observer would kill a job;
+- a case that passes its timeout is killed with its whole pool (every process group, so forked DataLoader
+  workers too); the next case starts a new pool;
+- a rank that dies (a segfault, ``os._exit``) fails the case with its exit code.
+
+Example (from a test)::
+
+    result = rank_pool(4).run(["tests/distributed/parity_worker.py", "2", "2", str(out)], timeout=420)
+    assert result.returncode == 0, result.stderr[-5000:]
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: After one rank fails, how long the others may take to finish before the pool is killed and restarted.
+FAILURE_GRACE_S = 10.0
+#: How long a new pool may take to import everything and report ready.
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class CaseResult:
+    """What ``subprocess.run(..., capture_output=True, text=True)`` would return, for a case run in a pool."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    rank_codes: list[Optional[int]] = field(default_factory=list)
+    timed_out: bool = False
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankPool:
+    """``world_size`` ranks started once, running many cases in sequence (see the module docstring)."""
+
+    def __init__(self, world_size: int, base_env: Optional[dict[str, str]] = None) -> None:
+        self.world_size = world_size
+        self.base_env = dict(base_env or {})
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.starts = 0  # how many times the pool was (re)started: the pool's own tests read it
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def start(self) -> None:
+        self.close()
+        key = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        host, port = listener.address
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            **self.base_env,
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "DPMP_POOL_ADDRESS": f"{host}:{port}",
+            "DPMP_POOL_KEY": key.hex(),
+        }
+        for var in ("MASTER_PORT", "RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED"):
+            env.pop(var, None)
+        for rank in range(self.world_size):
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.support.pool_worker"],
+                    cwd=ROOT,
+                    env={**env, "LOCAL_RANK": str(rank)},
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # its own process group: a kill reaches forked loader workers too
+                )
+            )
+        self.starts += 1
+        try:
+            conns: dict[int, Connection] = {}
+
+            def accept_all() -> None:
+                while len(conns) < self.world_size:
+                    conn = listener.accept()
+                    conns[conn.recv()] = conn
+
+            # accept() cannot time out: run it aside, so that a rank that dies while importing fails the start
+            acceptor = threading.Thread(target=accept_all, daemon=True)
+            acceptor.start()
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while acceptor.is_alive() and time.monotonic() < deadline:
+                acceptor.join(0.5)
+                dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"pool rank {dead[0]} exited with {self.procs[dead[0]].returncode} at start")
+            if acceptor.is_alive():
+                raise TimeoutError(f"pool ranks did not connect in {START_TIMEOUT_S:.0f} s")
+            self.conns = [conns[r] for r in range(self.world_size)]
+            for conn in self.conns:  # "ready": every import done
+                if not conn.poll(max(0.0, deadline - time.monotonic())) or conn.recv() != "ready":
+                    raise TimeoutError("pool ranks did not get ready")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def close(self) -> None:
+        """Ends every rank now (and anything it forked)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            proc.wait()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+    # -- cases ----------------------------------------------------------------------------------------------------
+    def run(
+        self, args: list[str], timeout: float = 300, env: Optional[dict[str, str]] = None, cwd: Path = ROOT
+    ) -> CaseResult:
+        """Runs ``python *args`` in every rank; returns the first failing rank's code (rank 0 first) and the
+        ranks' output in rank order. Past ``timeout`` seconds the pool is killed and ``timed_out`` is set."""
+        if not self.alive:
+            self.start()
+        with tempfile.TemporaryDirectory(prefix="dpmp_case_") as tmp:
+            outs = [(Path(tmp) / f"rank{r}.out", Path(tmp) / f"rank{r}.err") for r in range(self.world_size)]
+            case = {"args": list(args), "env": dict(env or {}), "cwd": str(cwd), "port": str(free_port())}
+            for conn, (out, err) in zip(self.conns, outs):
+                conn.send({**case, "stdout": str(out), "stderr": str(err)})
+            codes, timed_out = self._collect(timeout)
+            if timed_out or any(c != 0 for c in codes):
+                self.close()  # a failed case may leave ranks inside a collective: the next case gets a new pool
+            stdout = "".join(_read(out) for out, _ in outs)
+            stderr = "".join(_read(err) for _, err in outs)
+        failing = [c for c in codes if c != 0]  # None: a rank that never answered (killed with the pool)
+        code = 0
+        if failing:
+            code = codes[0] if codes[0] not in (0, None) else next((c for c in failing if c is not None), 1)
+        if timed_out:
+            stderr += f"\n[pool] case {args} did not finish in {timeout} s; the pool was killed\n"
+        return CaseResult(list(args), code, stdout, stderr, codes, timed_out)
+
+    def _collect(self, timeout: float) -> tuple[list[Optional[int]], bool]:
+        codes: list[Optional[int]] = [None] * self.world_size
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if any(c not in (0, None) for c in codes):
+                remaining = min(remaining, FAILURE_GRACE_S)
+            if remaining <= 0:
+                return codes, not any(c not in (0, None) for c in codes)
+            ready = wait(list(pending.values()), timeout=min(remaining, 1.0))
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        codes[rank] = conn.recv()
+                    except (EOFError, OSError):  # the rank died mid-case
+                        codes[rank] = self.procs[rank].wait()
+                    del pending[rank]
+                elif self.procs[rank].poll() is not None:
+                    codes[rank] = self.procs[rank].returncode
+                    del pending[rank]
+            if any(c not in (0, None) for c in codes):
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        return codes, False
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def rank_pool(world_size: int) -> RankPool:
+    """The session's pool of ``world_size`` ranks (started on first use, restarted after a failed case)."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = RankPool(world_size)
+    return _POOLS[world_size]
+
+
+def close_pools() -> None:
+    """Ends every pool of this session."""
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def connect_worker() -> tuple[Connection, int]:
+    """In a pool rank: the connection to the pool, after telling it this rank's number."""
+    host, port = os.environ["DPMP_POOL_ADDRESS"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DPMP_POOL_KEY"]))
+    rank = int(os.environ["LOCAL_RANK"])
+    conn.send(rank)
+    return conn, rank
