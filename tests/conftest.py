@@ -14,10 +14,26 @@ from tests.support.pool import CaseResult, close_pools, rank_pool
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: Whether the test being set up or run is marked ``slow``: only those may start processes (the fast tier,
+#: ``pytest -m "not slow"``, must stay fast), and ``run_script``/``run_ranks`` check it.
+_SLOW_ALLOWED = {"now": True}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _SLOW_ALLOWED["now"] = item.get_closest_marker("slow") is not None
+
+
+def _require_slow_marker(args: list[str]) -> None:
+    if not _SLOW_ALLOWED["now"]:
+        pytest.fail(f"this test starts processes ({args[:2]}): mark it @pytest.mark.slow", pytrace=False)
+
+
 def run_script(
     args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
     """Run ``python *args`` from the repo root; fail the test (not hang) past ``timeout`` seconds."""
+    _require_slow_marker(args)
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     try:
         return subprocess.run(
@@ -42,6 +58,7 @@ def run_ranks(
     ranks are "launched externally", as under torchrun. ``DPMP_TEST_POOL=0`` runs it as a fresh launch instead
     (``run_script``), the way the suite ran before the pools. Fails the test (not hang) past ``timeout`` seconds.
     """
+    _require_slow_marker(args)
     if os.environ.get("DPMP_TEST_POOL", "1") == "0":
         return run_script(args, timeout=timeout, env=env, cwd=cwd)
     result = rank_pool(world_size).run(args, timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd)

@@ -15,6 +15,7 @@ from tests.support.reference import max_weight_diff, reference_run
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices for NCCL ranks"),
 ]
 

@@ -18,6 +18,7 @@ FLAGS = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enabl
          "--trainer.strategy=lightning_dpmp.DPMPStrategy"]
 
 
+@pytest.mark.slow
 def test_class_path_and_init_args_build_the_strategy():
     """The issue's command line, dp=2 x mp=2 on 4 devices: built without starting any process."""
     proc = run_script([WORKER, *FLAGS, "--trainer.devices=4", "--trainer.strategy.dp=2", "--trainer.strategy.mp=2"],
@@ -26,6 +27,7 @@ def test_class_path_and_init_args_build_the_strategy():
     assert "STRATEGY DPMPStrategy dp=2 mp=2 ddp_kwargs={}" in proc.stdout  # DDP's defaults are not carried along
 
 
+@pytest.mark.slow
 def test_cli_still_refuses_a_real_process_group():
     proc = run_script([WORKER, *FLAGS, "--trainer.devices=2", "--trainer.strategy.mp=2",
                        "--trainer.strategy.process_group=my_group"], env={"DPMP_CLI_RUN": "0"}, timeout=120)

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +81,7 @@ class RankPool:
         self.base_env = dict(base_env or {})
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
+        self._log: Optional[IO[bytes]] = None
         self.starts = 0  # how many times the pool was (re)started: the pool's own tests read it
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ class RankPool:
             "DPMP_POOL_ADDRESS": f"{host}:{port}",
             "DPMP_POOL_KEY": key.hex(),
         }
+        self._log = tempfile.TemporaryFile(prefix=f"dpmp_pool{self.world_size}_")
         for var in ("MASTER_PORT", "RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED"):
             env.pop(var, None)
         for rank in range(self.world_size):
@@ -113,6 +115,8 @@ class RankPool:
                     cwd=ROOT,
                     env={**env, "LOCAL_RANK": str(rank)},
                     stdin=subprocess.DEVNULL,
+                    stdout=self._log,  # outside cases (a case's own output goes to its files)
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: a kill reaches forked loader workers too
                 )
             )
@@ -140,9 +144,11 @@ class RankPool:
             for conn in self.conns:  # "ready": every import done
                 if not conn.poll(max(0.0, deadline - time.monotonic())) or conn.recv() != "ready":
                     raise TimeoutError("pool ranks did not get ready")
-        except BaseException:
+        except BaseException as exc:
+            self._log.seek(0)
+            tail = self._log.read()[-3000:].decode(errors="replace")
             self.close()
-            raise
+            raise RuntimeError(f"the {self.world_size}-rank pool did not start: {exc}\n{tail}") from exc
         finally:
             listener.close()
 
@@ -158,7 +164,9 @@ class RankPool:
             proc.wait()
         for conn in self.conns:
             conn.close()
-        self.procs, self.conns = [], []
+        if self._log is not None:
+            self._log.close()
+        self.procs, self.conns, self._log = [], [], None
 
     # -- cases ----------------------------------------------------------------------------------------------------
     def run(

@@ -8,9 +8,21 @@ import torch
 from tests.distributed import parity_worker as W
 from tests.support.models import build, reference_loader
 
+#: (model name, precision) -> the reference checkpoint: each reference is trained once per test session.
+_REFERENCES: dict[tuple[str, str], dict] = {}
+
 
 def reference_run(name: str, precision: str, path) -> dict:
-    """Train ``name`` on one process exactly as the workers do on many; return its saved checkpoint."""
+    """Train ``name`` on one process exactly as the workers do on many; return its saved checkpoint (also written
+    to ``path``). Trained once per session and model/precision: later calls reuse it (the run is deterministic)."""
+    key = (name, precision)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_reference(name, precision, path)
+    torch.save(_REFERENCES[key], path)
+    return torch.load(path, weights_only=True)  # a copy: a caller that edits it cannot change the next one's
+
+
+def _train_reference(name: str, precision: str, path) -> dict:
     L.seed_everything(W.SEED, workers=True)
     model, dataset = build(name)
     trainer = L.Trainer(
