@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pool import CaseResult, close_pools, rank_pool
+from tests.support.pool import CaseResult, close_pools, pool_summary, rank_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,5 +67,9 @@ def run_ranks(
     return result
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(pool_summary())
+
+
+def pytest_unconfigure(config):
     close_pools()

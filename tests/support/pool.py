@@ -83,6 +83,7 @@ class RankPool:
         self.conns: list[Connection] = []
         self._log: Optional[IO[bytes]] = None
         self.starts = 0  # how many times the pool was (re)started: the pool's own tests read it
+        self.cases = 0  # how many cases it ran
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     @property
@@ -176,6 +177,7 @@ class RankPool:
         ranks' output in rank order. Past ``timeout`` seconds the pool is killed and ``timed_out`` is set."""
         if not self.alive:
             self.start()
+        self.cases += 1
         with tempfile.TemporaryDirectory(prefix="dpmp_case_") as tmp:
             outs = [(Path(tmp) / f"rank{r}.out", Path(tmp) / f"rank{r}.err") for r in range(self.world_size)]
             case = {"args": list(args), "env": dict(env or {}), "cwd": str(cwd), "port": str(free_port())}
@@ -227,14 +229,26 @@ def _read(path: Path) -> str:
         return ""
 
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[int, RankPool] = {}  # most recently used last
+#: Pools kept running at once: an idle rank holds ~0.5-1 GB (torch, Lightning, transformers, the last case's
+#: caches), so the least recently used pool is ended when a third size is needed (the 8-rank one is rare).
+MAX_LIVE_POOLS = 2
 
 
 def rank_pool(world_size: int) -> RankPool:
     """The session's pool of ``world_size`` ranks (started on first use, restarted after a failed case)."""
-    if world_size not in _POOLS:
-        _POOLS[world_size] = RankPool(world_size)
-    return _POOLS[world_size]
+    pool = _POOLS.pop(world_size, None) or RankPool(world_size)
+    _POOLS[world_size] = pool
+    live = [p for p in _POOLS.values() if p.procs and p is not pool]
+    for idle in live[: max(0, len(live) - (MAX_LIVE_POOLS - 1))]:
+        idle.close()
+    return pool
+
+
+def pool_summary() -> str:
+    """One line for the end of a test session: cases run and (re)starts per pool size."""
+    parts = [f"{n} ranks: {p.cases} cases, {p.starts} starts" for n, p in sorted(_POOLS.items()) if p.starts]
+    return "rank pools: " + ("; ".join(parts) if parts else "none used")
 
 
 def close_pools() -> None:
