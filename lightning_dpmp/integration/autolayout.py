@@ -47,6 +47,7 @@ from lightning_dpmp.planner.cost import (
 )
 from lightning_dpmp.planner.plan import make_plan
 from lightning_dpmp.planner.trace import Trace, trace_step
+from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = ["Choice", "candidate_layouts", "choose_layout", "measure_links", "rank_candidates"]
 
@@ -138,7 +139,7 @@ def _elem_bytes(precision: str) -> tuple[int, int]:
     return 2, 4 if "mixed" in precision else 2
 
 
-def _model_costs(module: torch.nn.Module, trace: Trace, layouts: list[Layout], overrides: Optional[dict],
+def _model_costs(module: torch.nn.Module, trace: Trace, layouts: list[Layout], overrides: PlanOverrides,
                  elem_bytes: int) -> dict[int, ModelCost]:
     """A :class:`ModelCost` per candidate ``mp``: the plan the planner would make there, or the reason it cannot."""
     out: dict[int, ModelCost] = {}
@@ -182,7 +183,7 @@ def _trace(strategy: Any, trainer: Any, meta: bool) -> Optional[Trace]:
     return trace if failed.item() == 0 else None
 
 
-def choose_layout(strategy: Any, trainer: Any, meta: bool, plan_overrides: Optional[dict],
+def choose_layout(strategy: Any, trainer: Any, meta: bool, plan_overrides: PlanOverrides,
                   mp_one_only: bool = False) -> Choice:
     """Trace, measure, predict and choose (collective over the world); the caller builds the groups."""
     world = strategy.num_processes * strategy.num_nodes

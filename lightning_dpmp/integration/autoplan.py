@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -57,6 +57,7 @@ from lightning_dpmp.planner.parallelize import parallelize, restore
 from lightning_dpmp.planner.plan import Plan, make_plan
 from lightning_dpmp.planner.sequence import plan_sequence_parallel
 from lightning_dpmp.planner.trace import Trace, first_pass, loss_of, trace_step
+from lightning_dpmp.planner.user_plan import UserPlan
 
 __all__ = [
     "LowestFloat",
@@ -508,7 +509,7 @@ def plan_module(
     module: nn.Module,
     grid: Grid,
     run: Optional[Callable[[], Any]],
-    user_plan: Optional[Mapping[str, str]],
+    user_plan: UserPlan,
     verify: bool,
     device: torch.device,
     notes: Optional[list[str]] = None,

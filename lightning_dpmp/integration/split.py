@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,6 +34,7 @@ from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import DenseGather, params_to_meta, shard_dims
 from lightning_dpmp.planner.materialize import is_meta, materialize
 from lightning_dpmp.planner.parallelize import consolidate
+from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = ["Split", "agree_on_meta", "broadcast_dense", "meta_safe_teardown", "split_model", "unsplit_model"]
 
@@ -92,7 +93,7 @@ def split_model(
     strategy: Any,
     trainer: Any,
     meta: bool,
-    plan_overrides: Optional[Mapping[str, str]],
+    plan_overrides: PlanOverrides,
     verify: bool,
     sequence_parallel: bool,
     zero: int = 0,
@@ -109,7 +110,7 @@ def split_model(
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(lm)) if strategy.mp > 1 else None
     applied = plan_module(
-        lm, grid, run, dict(plan_overrides) if plan_overrides else None, verify and not meta, device, notes, rng,
+        lm, grid, run, plan_overrides, verify and not meta, device, notes, rng,
         sequence_parallel, str(trainer.precision), trainer.state.fn == TrainerFn.FITTING,
     )
     if meta:  # only now, split, does each rank allocate: its shards and the replicated rest

@@ -59,6 +59,7 @@ from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.materialize import empty_parameters
+from lightning_dpmp.planner.user_plan import PlanOverrides
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,9 @@ class DPMPStrategy(GridStrategy):
     ) -> None:
         self.init_grid(dp, mp)  # dp/mp refused first, before any other argument
         plan_overrides, timeout_s = resolve_aliases(plan_overrides, plan, timeout_s, timeout)
-        validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
-                                 save_distributed_checkpoint, process_group_backend, start_method, timeout_s, zero)
+        overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
+                                             save_distributed_checkpoint, process_group_backend, start_method,
+                                             timeout_s, zero)
         validate.check_speed_flags(compile, async_grad_allreduce)
         self._compile, self._async_grad_allreduce = compile, async_grad_allreduce
         self._guard, self._zero = ConsistencyGuard(check_consistency_every_n_steps), zero
@@ -174,7 +176,7 @@ class DPMPStrategy(GridStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self._plan_overrides = dict(plan_overrides) if plan_overrides else None
+        self._plan_overrides = overrides  # parsed once, here
         self._sequence_parallel = bool(sequence_parallel)
         self._verify_plan, self._consolidate_on_teardown = verify_plan, consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
@@ -195,6 +197,11 @@ class DPMPStrategy(GridStrategy):
     @property
     def plan_overrides(self) -> Optional[dict[str, str]]:
         """The ``{glob: style}`` overrides given to the constructor (``None`` when the planner decides alone)."""
+        return self._plan_overrides.as_dict() or None
+
+    @property
+    def parsed_plan_overrides(self) -> PlanOverrides:
+        """The overrides as parsed at construction (empty when none were given): what every plan check takes."""
         return self._plan_overrides
 
     @property

@@ -39,7 +39,7 @@ from lightning_dpmp.checkpoint.integrity import check_checkpoint_file
 from lightning_dpmp.compat import compiled_by_user
 from lightning_dpmp.integration.failfast import loaders_of
 from lightning_dpmp.parallel.compiled import compiled_by_strategy
-from lightning_dpmp.planner.user_plan import check_plan_on_model, check_styles
+from lightning_dpmp.planner.user_plan import PlanOverrides, UserPlan, check_plan_on_model
 
 __all__ = [
     "DataSizeWarning",
@@ -85,9 +85,10 @@ def check_init_args(
     start_method: Any = "popen",
     timeout_s: Any = 600.0,
     zero: Any = 0,
-) -> None:
+) -> PlanOverrides:
     """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (``dp``, ``mp`` and
-    ``check_consistency_every_n_steps`` are checked where they are used)."""
+    ``check_consistency_every_n_steps`` are checked where they are used); returns ``plan_overrides`` parsed, the
+    one :class:`PlanOverrides` every later plan check and ``mp="auto"`` use."""
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
         raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
@@ -95,7 +96,7 @@ def check_init_args(
             f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters),"
             f" got {zero!r}."
         )
-    check_styles(plan_overrides)
+    overrides = PlanOverrides.parse(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))
     if consolidate_on_teardown == "rank0":
         values.pop("consolidate_on_teardown")
@@ -113,6 +114,7 @@ def check_init_args(
         close = difflib.get_close_matches(str(start_method), _START_METHODS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"`start_method` must be one of {', '.join(_START_METHODS)}, got {start_method!r}{hint}.")
+    return overrides
 
 
 def check_zero_without_ddp(zero: int, ddp_kwargs: Mapping[str, Any]) -> None:
@@ -218,7 +220,7 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
         if model is not None:
             check_not_compiled(model)
         if model is not None and not _builds_in_configure_model(model) and not strategy.layout_pending:  # else at setup
-            check_plan_on_model(model, strategy.plan_overrides, strategy.mp)
+            check_plan_on_model(model, strategy.parsed_plan_overrides, strategy.mp)
         if not strategy.layout_pending:  # else at setup, once mp is chosen
             check_averaging_callbacks(trainer.callbacks, strategy.mp, getattr(strategy, "_zero", 0),
                                       trainer.state.fn, strategy.checkpointer.distributed)
@@ -273,7 +275,7 @@ def check_not_compiled(model: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- setup and training
-def check_plan_at_setup(model: Any, user_plan: Optional[Mapping[str, str]], mp: int, global_rank: int) -> None:
+def check_plan_at_setup(model: Any, user_plan: UserPlan, mp: int, global_rank: int) -> None:
     """The plan checks of :func:`check_before_launch`, on the model as ``configure_model`` left it (every rank)."""
     with only_rank_zero_reports(global_rank):
         check_not_compiled(model)

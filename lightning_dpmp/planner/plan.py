@@ -57,7 +57,7 @@ from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_
 from lightning_dpmp.planner.structure import groups_by, module_aliases, resolve_literals, weight_owners
 from lightning_dpmp.planner.styles import STYLES
 from lightning_dpmp.planner.trace import LinearCall, Trace, has_own_forward, is_linear
-from lightning_dpmp.planner.user_plan import user_styles
+from lightning_dpmp.planner.user_plan import UserPlan, user_styles
 
 # LayerPlan, Plan: planner/layout.py
 __all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan", "vocab_split_pays"]
@@ -98,7 +98,7 @@ def make_plan(
     model: nn.Module,
     mp: int,
     trace: Optional[Trace] = None,
-    user_plan: Optional[Mapping[str, str]] = None,
+    user_plan: UserPlan = None,
     level: int = 0,
 ) -> Plan:
     """Plan every Linear (``nn.Linear`` or linear-like), ``nn.Embedding`` and ``nn.MultiheadAttention`` of ``model``.
@@ -108,7 +108,8 @@ def make_plan(
         mp: tensor-parallel width.
         trace: the recorded data flow of one step (:func:`lightning_dpmp.planner.trace.trace_step`); without it only the
             user plan can pair layers, and every other divisible Linear becomes ``"column_gather"``.
-        user_plan: ``{glob: style}`` overrides, e.g. ``{"blocks.*.fc1": "column", "head": "replicate"}``.
+        user_plan: ``{glob: style}`` overrides, e.g. ``{"blocks.*.fc1": "column", "head": "replicate"}``, or the
+            :class:`~lightning_dpmp.planner.user_plan.PlanOverrides` the strategy parsed them into.
         level: 0 = everything; 1 = no attention-like pairs; 2 = no pairs, no vocab splitting (fallbacks).
 
     Example:

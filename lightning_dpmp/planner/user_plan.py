@@ -1,11 +1,15 @@
 """Resolve a user plan (``{glob: style}`` on module names) to one style per layer, with clear errors.
 
-* :func:`check_styles`: the plan's types and style names, with a did-you-mean (no model needed: construction time).
+* :class:`PlanOverrides`: the user plan parsed once (types and style names checked, with a did-you-mean), at
+  :class:`~lightning_dpmp.DPMPStrategy` construction; every later check and ``mp="auto"``'s costing take this object.
+* :func:`check_styles`: the plan's types and style names (what :meth:`PlanOverrides.parse` checks).
 * :func:`check_plan_on_model`: the globs against the model's structure, before any process starts: a glob that
   matches nothing, or only modules that cannot be styled, and forced splits that ``mp`` does not divide.
 * :func:`user_styles`: the full resolution, at plan time, once the traced step has found linear-like layers.
 
 Example:
+    >>> PlanOverrides.parse({"blocks.*.fc1": "column", "blocks.*.fc2": "row"}).rules
+    (('blocks.*.fc1', 'column'), ('blocks.*.fc2', 'row'))
     >>> forms = {"0": LinearForm(4, 8), "1": LinearForm(8, 4)}           # the linear-like layers, by name
     >>> user_styles(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), {"1": "row"}, 2, forms)
     {'1': 'row'}
@@ -22,7 +26,8 @@ import difflib
 import fnmatch
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Union
 
 from torch import nn
 
@@ -30,7 +35,7 @@ from lightning_dpmp.planner.linear_like import LinearForm, candidate_params, for
 from lightning_dpmp.planner.styles import STYLES
 from lightning_dpmp.planner.trace import is_linear
 
-__all__ = ["check_plan_on_model", "check_styles", "user_styles"]
+__all__ = ["PlanOverrides", "UserPlan", "check_plan_on_model", "check_styles", "user_styles"]
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str:
@@ -60,18 +65,57 @@ def check_styles(user_plan: Any) -> None:
             )
 
 
-def check_plan_on_model(model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int) -> None:
+@dataclass(frozen=True)
+class PlanOverrides:
+    """A user plan, parsed once: ``(glob, style)`` rules on module names in the order given; the first rule whose
+    glob matches a layer's name gives its style. Empty when the user gave none (``bool(overrides)`` is False).
+
+    Example:
+        >>> overrides = PlanOverrides.parse({"head": "vocab"})
+        >>> bool(overrides), overrides.as_dict(), bool(PlanOverrides.parse(None))
+        (True, {'head': 'vocab'}, False)
+        >>> PlanOverrides.parse(overrides) is overrides                   # parsing is done once
+        True
+    """
+
+    rules: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, user_plan: "UserPlan") -> "PlanOverrides":
+        """``user_plan`` (a ``{glob: style}`` mapping, ``None``, or an already parsed plan) checked and frozen;
+        raises for a wrong type or an unknown style name (see :func:`check_styles`)."""
+        if isinstance(user_plan, PlanOverrides):
+            return user_plan
+        check_styles(user_plan)
+        return cls(tuple((str(p), str(s)) for p, s in (user_plan or {}).items()))
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def patterns(self) -> list[str]:
+        return [pattern for pattern, _ in self.rules]
+
+    def as_dict(self) -> dict[str, str]:
+        """The rules as a ``{glob: style}`` dict (insertion order: the order given)."""
+        return dict(self.rules)
+
+
+#: What the planning functions accept as a user plan: a mapping (parsed there) or an already parsed plan.
+UserPlan = Union[PlanOverrides, Mapping[str, str], None]
+
+
+def check_plan_on_model(model: nn.Module, user_plan: UserPlan, mp: int) -> None:
     """What the model's structure alone can refute in ``user_plan``, before anything is traced or launched.
 
     Raises for a glob that matches no module (with the closest module name), and for every error
     :func:`user_styles` finds when each leaf *shaped* like a linear-like layer is taken to be one of any width: such
     a leaf (GPT-2's ``Conv1D``) is only recognised by tracing, so no certain error is raised about it here.
     """
-    check_styles(user_plan)
-    if not user_plan:
+    overrides = PlanOverrides.parse(user_plan)
+    if not overrides:
         return
     names = [n for n, _ in model.named_modules() if n]
-    for pattern in user_plan:
+    for pattern in overrides.patterns():
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             # A glob is compared with globs: 'blocks.0.fc1' also offered as 'blocks.*.fc1'.
             globs = {".".join("*" if part.isdigit() else part for part in n.split(".")) for n in names}
@@ -88,22 +132,20 @@ def check_plan_on_model(model: nn.Module, user_plan: Optional[Mapping[str, str]]
             forms[n] = form_of_linear(m)
         elif candidate_params(m) is not None:  # possibly linear-like: a width every mp divides, so nothing fails
             forms[n] = LinearForm(mp, mp)
-    user_styles(model, user_plan, mp, forms)
+    user_styles(model, overrides, mp, forms)
 
 
-def user_styles(
-    model: nn.Module, user_plan: Optional[Mapping[str, str]], mp: int, forms: Mapping[str, LinearForm]
-) -> dict[str, str]:
+def user_styles(model: nn.Module, user_plan: UserPlan, mp: int, forms: Mapping[str, LinearForm]) -> dict[str, str]:
     """Resolve glob patterns to {layer name: style}; the first pattern that matches a name wins."""
     forced: dict[str, str] = {}
-    if not user_plan:
+    overrides = PlanOverrides.parse(user_plan)
+    if not overrides:
         return forced
     modules = dict(model.named_modules())
     inside_mha = {
         f"{n}.{c}" for n, m in modules.items() if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()
     }
-    check_styles(user_plan)
-    for pattern, style in user_plan.items():
+    for pattern, style in overrides.rules:
         matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not matched:
             warnings.warn(

@@ -12,6 +12,7 @@ from lightning_dpmp.integration.layout import Layout
 from lightning_dpmp.planner.cost import LayoutCost, Links, model_cost, predict_layout, rank_layouts, ring_s
 from lightning_dpmp.planner.plan import make_plan
 from lightning_dpmp.planner.trace import trace_step
+from lightning_dpmp.planner.user_plan import PlanOverrides
 from tests.support.models import build
 
 SLOW_MESSAGES = Links(intra_bw=1e12, intra_latency=1e-2, flops=1e12, mem_bw=1e12)
@@ -117,7 +118,7 @@ def test_no_trace_falls_back_to_todays_rule(monkeypatch):
         num_processes, num_nodes = 4, 1
 
     monkeypatch.setattr(autolayout, "_trace", lambda *a: None)
-    choice = autolayout.choose_layout(FakeStrategy(), object(), meta=False, plan_overrides=None)
+    choice = autolayout.choose_layout(FakeStrategy(), object(), meta=False, plan_overrides=PlanOverrides())
     assert choice.layout == Layout(1, 4) and not choice.measured
     assert "fell back to dp = nodes, mp = devices per node" in choice.text
     one = autolayout.choose_layout(type("One", (), {"num_processes": 1, "num_nodes": 1})(), None, False, None)

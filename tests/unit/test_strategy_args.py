@@ -14,10 +14,37 @@ from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 def test_plan_is_a_deprecated_alias_of_plan_overrides() -> None:
     with pytest.warns(DeprecationWarning, match="plan_overrides"):
         s = DPMPStrategy(dp=1, mp=2, plan={"net.fc1": "column"})
-    assert s._plan_overrides == {"net.fc1": "column"}
-    assert DPMPStrategy(dp=1, mp=2, plan_overrides={"a": "row"})._plan_overrides == {"a": "row"}
+    assert s.plan_overrides == {"net.fc1": "column"}
+    assert DPMPStrategy(dp=1, mp=2, plan_overrides={"a": "row"}).plan_overrides == {"a": "row"}
+    assert DPMPStrategy(dp=1, mp=2).plan_overrides is None
     with pytest.raises(ValueError, match="plan_overrides"):
         DPMPStrategy(plan={"a": "row"}, plan_overrides={"a": "row"})
+
+
+def test_plan_overrides_are_parsed_once_at_construction(monkeypatch) -> None:
+    """Every later check (before launch, at setup, planning, each ``mp="auto"`` candidate) takes the parsed object
+    and never parses again: with the parser broken after construction, they all still run."""
+    from torch import nn
+
+    from lightning_dpmp.planner import user_plan
+    from lightning_dpmp.planner.plan import make_plan
+
+    rules = {"0": "column", "2": "row"}
+    s = DPMPStrategy(dp=1, mp=2, plan_overrides=rules)
+    parsed = s.parsed_plan_overrides
+    assert isinstance(parsed, user_plan.PlanOverrides) and parsed.rules == (("0", "column"), ("2", "row"))
+
+    def parse_again(_plan):
+        raise AssertionError("plan_overrides parsed a second time")
+
+    monkeypatch.setattr(user_plan, "check_styles", parse_again)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    user_plan.check_plan_on_model(model, parsed, 2)
+    for mp in (2, 4):  # mp="auto" costs each candidate with the same object
+        plan = make_plan(model, mp, None, parsed)
+        assert (plan.layers["0"].style, plan.layers["2"].style) == ("column", "row")
+    with pytest.raises(AssertionError, match="parsed a second time"):  # a raw mapping is parsed (the check is live)
+        make_plan(model, 2, None, rules)
 
 
 def test_applied_plan_before_setup_and_the_deprecated_plan_property() -> None:
