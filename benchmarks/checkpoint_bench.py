@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -133,7 +134,7 @@ def main() -> None:
 
     def trainer(steps: int, callbacks: list, tag: str = "") -> L.Trainer:
         strategy = InstrumentedStrategy(
-            dp=args.dp, mp=args.mp, verify_plan=False, consolidate_on_teardown=False, timeout_s=1800
+            dp=args.dp, mp=args.mp, verify_plan=False, consolidate_on_teardown=False, timeout=timedelta(minutes=30)
         )
         strategy.results, strategy.tag = results, tag
         return L.Trainer(accelerator="cpu", devices=args.dp * args.mp, strategy=strategy, max_steps=steps, logger=False,

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def main() -> None:
         raise SystemExit("DPMPStrategy has no compile= argument yet (issue 16, part 1)")
     # Every rank on the same device: one GPU cannot hold two NCCL ranks, gloo carries CUDA tensors instead.
     strategy = DPMPStrategy(dp=dp, mp=mp, parallel_devices=[device] * world, process_group_backend=args.backend,
-                            timeout_s=300, **extra)
+                            timeout=timedelta(minutes=5), **extra)
     net = GPT(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.hidden)
     data = torch.randint(0, 256, (args.batch * dp * (args.steps + 2), args.seq + 1))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=args.batch)

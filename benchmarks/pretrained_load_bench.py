@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,7 +69,7 @@ def worker(mode: str, path: str, out: str) -> None:
 
     torch.set_num_threads(1)
     results: dict = {}
-    strategy = DPMPStrategy(dp=2, mp=2, verify_plan=False, timeout_s=1800,
+    strategy = DPMPStrategy(dp=2, mp=2, verify_plan=False, timeout=timedelta(minutes=30),
                             consolidate_on_teardown="rank0" if mode == "lazy_rank0" else True)
     load = PeakMemory().start()
     probe = Probe(load, results)

@@ -20,7 +20,19 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-__all__ = ["GPTNetConfig", "GPTModelConfig", "StrategyConfig", "TrainConfig", "launch_time", "register_configs"]
+__all__ = [
+    "GPTNetConfig", "GPTModelConfig", "StrategyConfig", "TimeoutConfig", "TrainConfig", "launch_time",
+    "register_configs",
+]
+
+
+@dataclass
+class TimeoutConfig:
+    """``datetime.timedelta`` for ``DPMPStrategy(timeout=...)``; ``strategy.timeout.seconds=120`` on the command
+    line."""
+
+    _target_: str = "datetime.timedelta"
+    seconds: float = 600.0
 
 
 @dataclass
@@ -35,7 +47,7 @@ class StrategyConfig:
     verify_plan: bool = True
     mp_batch: str = "broadcast"
     zero: int = 0
-    timeout_s: float = 600.0
+    timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
     ddp: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -12,7 +12,7 @@ collective is issued, because a bad configuration found inside a collective is a
 
 What happens when a rank fails at run time is measured in ``tests/integration/test_reliability.py``: gloo raises
 "Connection closed by peer" on the survivors as soon as the failed process is gone, Lightning's launcher (or
-torchrun's agent) kills the rest, and the process-group timeout (``DPMPStrategy(timeout_s=...)``) bounds the
+torchrun's agent) kills the rest, and the process-group timeout (``DPMPStrategy(timeout=...)``) bounds the
 remaining case, a peer that is alive but never joins the collective.
 
 Example:
@@ -140,7 +140,7 @@ def die_with_parent() -> bool:
     Call it only in a process whose parent is a launcher (never in the main process: a training started with
     ``nohup`` would die with its shell). Lightning's popen launcher kills its children only on Ctrl-C, so when
     rank 0 fails and exits, a rank that is not waiting on rank 0 (stuck in a dataloader or a long computation)
-    would otherwise live on. Elsewhere than Linux this is a no-op, and ``timeout_s`` bounds the wait instead.
+    would otherwise live on. Elsewhere than Linux this is a no-op, and ``timeout`` bounds the wait instead.
 
     Example:
         >>> die_with_parent() if False else None   # in a launched rank: True on Linux

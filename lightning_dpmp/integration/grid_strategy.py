@@ -157,7 +157,7 @@ class GridStrategy(DDPStrategy):
 
     @property
     def timeout(self) -> timedelta:
-        """The process-group timeout (``timeout_s``/``timeout``)."""
+        """The process-group timeout (``DPMPStrategy(timeout=...)``, 10 minutes by default)."""
         return compat.ddp_timeout(self)
 
     @property

@@ -1,5 +1,4 @@
-"""The (dp, mp) layout of a DPMPStrategy, resolved once when the Trainer has set devices and nodes; and the
-constructor's aliases (``plan``/``plan_overrides``, ``timeout``/``timeout_s``) resolved to one value each.
+"""The (dp, mp) layout of a DPMPStrategy, resolved once when the Trainer has set devices and nodes.
 
 The strategy's ``dp``/``mp`` properties read the :class:`Layout` resolved here, and the
 :class:`~lightning_dpmp.parallel.grid.Grid` is built from it, so the sizes have one source of truth.
@@ -11,15 +10,15 @@ Example:
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Optional, Union
+from typing import Literal, Union
 
-__all__ = ["Layout", "resolve_aliases", "resolve_layout"]
+__all__ = ["DEFAULT_TIMEOUT", "Layout", "resolve_layout"]
 
-DEFAULT_TIMEOUT_S = 600.0
+#: The process-group timeout when ``DPMPStrategy(timeout=None)``: shorter than torch's 30 minutes, so a collective
+#: that one rank never joins fails in minutes.
+DEFAULT_TIMEOUT = timedelta(seconds=600)
 
 Size = Union[int, Literal["auto"]]
 
@@ -54,26 +53,3 @@ def resolve_layout(dp: Size, mp: Size, devices: int, num_nodes: int) -> Layout:
             )
         return Layout(world // mp, mp)
     return Layout(int(dp), int(mp))
-
-
-def resolve_aliases(
-    plan_overrides: Optional[Mapping[str, str]],
-    plan: Optional[Mapping[str, str]],
-    timeout_s: Optional[float],
-    timeout: Optional[timedelta],
-) -> tuple[Optional[Mapping[str, str]], float]:
-    """The constructor's two spellings of the same thing, to one: ``plan`` (deprecated) is ``plan_overrides``;
-    ``timeout`` (a ``timedelta``, as ``DDPStrategy`` takes it) is ``timeout_s``. Giving both of a pair raises;
-    ``None`` means not given (LightningCLI passes every parameter)."""
-    if plan is not None:
-        if plan_overrides is not None:
-            raise ValueError("Give `plan_overrides` only: `plan` is its deprecated alias.")
-        warnings.warn("DPMPStrategy(plan=...) is deprecated; use plan_overrides=...", DeprecationWarning, stacklevel=3)
-        plan_overrides = plan
-    if timeout is not None and timeout_s is not None:
-        raise ValueError(f"Give either `timeout` ({timeout!r}) or `timeout_s` ({timeout_s!r}), not both.")
-    if timeout is not None:
-        if not isinstance(timeout, timedelta):
-            raise ValueError(f"`timeout` must be a datetime.timedelta, got {timeout!r}.")
-        return plan_overrides, timeout.total_seconds()
-    return plan_overrides, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s

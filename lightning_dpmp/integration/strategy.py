@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -41,7 +40,7 @@ from lightning_dpmp.integration.failfast import (
 )
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
-from lightning_dpmp.integration.layout import resolve_aliases
+from lightning_dpmp.integration.layout import DEFAULT_TIMEOUT
 from lightning_dpmp.integration.metrics import route_metrics
 from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown, split_model, unsplit_model
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
@@ -78,7 +77,7 @@ class DPMPStrategy(GridStrategy):
         plan_overrides: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
             ``"column_gather"``, ``"vocab"``, ``"replicate"``, ``"heads"``, ``"experts"`` (see
             :mod:`lightning_dpmp.planner.styles`); the first matching glob wins. The plan applied is
-            :attr:`applied_plan`. ``plan=`` is a deprecated alias.
+            :attr:`applied_plan`.
         sequence_parallel: keep norms/dropout/residual regions split along the sequence between the parallel
             layers (:mod:`lightning_dpmp.planner.sequence`); refused, with the reason, where the model does not
             allow it.
@@ -92,9 +91,8 @@ class DPMPStrategy(GridStrategy):
             ``False``: the module stays split.
         save_distributed_checkpoint: write checkpoints as a folder of shards, in parallel
             (:mod:`lightning_dpmp.checkpoint.sharded`), instead of one consolidated file; both load into any layout.
-        timeout_s: process-group timeout in seconds (a collective that waits longer fails instead of hanging);
-            600 when neither this nor ``timeout`` is given.
-        timeout: the same as a ``timedelta``, as ``DDPStrategy`` takes it; give one of the two.
+        timeout: process-group timeout, a ``timedelta`` as ``DDPStrategy`` takes it (a collective that waits longer
+            fails instead of hanging); ``None`` (default): 10 minutes, not torch's 30.
         zero: 1 shards the optimizer state over the DP group (ZeRO-1, :mod:`lightning_dpmp.integration.zero`): 1/dp
             of it per rank, same training trajectory. 1 and 2 share one schedule, which shards the gradients too
             (reduce-scattered over DP in buckets during the backward, parameters all-gathered after the step; no
@@ -136,7 +134,7 @@ class DPMPStrategy(GridStrategy):
         verify_plan: bool = True,
         consolidate_on_teardown: Union[bool, Literal["rank0"]] = "rank0",
         save_distributed_checkpoint: bool = False,
-        timeout_s: Optional[float] = None,
+        timeout: Optional[timedelta] = None,
         check_consistency_every_n_steps: int = 0,
         mp_batch: Literal["broadcast", "check"] = "broadcast",
         zero: int = 0,
@@ -149,15 +147,12 @@ class DPMPStrategy(GridStrategy):
         cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
-        timeout: Optional[timedelta] = None,
-        plan: Optional[Mapping[str, str]] = None,
         **ddp_kwargs: Any,
     ) -> None:
         self.init_grid(dp, mp)  # dp/mp refused first, before any other argument
-        plan_overrides, timeout_s = resolve_aliases(plan_overrides, plan, timeout_s, timeout)
         overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                              save_distributed_checkpoint, process_group_backend, start_method,
-                                             timeout_s, zero)
+                                             timeout, zero)
         validate.check_speed_flags(compile, async_grad_allreduce)
         self._compile, self._async_grad_allreduce = compile, async_grad_allreduce
         self._guard, self._zero = ConsistencyGuard(check_consistency_every_n_steps), zero
@@ -172,7 +167,7 @@ class DPMPStrategy(GridStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=float(timeout_s)),
+            timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
             start_method=start_method,
             **ddp_kwargs,
         )
@@ -207,12 +202,6 @@ class DPMPStrategy(GridStrategy):
     @property
     def applied_plan(self) -> Optional[PlanResult]:
         """The plan applied at the last setup (with its printout in ``.text``), or ``None`` before setup."""
-        return self._applied_plan
-
-    @property
-    def plan(self) -> Optional[PlanResult]:
-        """Deprecated alias of :attr:`applied_plan`."""
-        warnings.warn("DPMPStrategy.plan is deprecated; use applied_plan", DeprecationWarning, stacklevel=2)
         return self._applied_plan
 
     # ------------------------------------------------------------------ training-time checks

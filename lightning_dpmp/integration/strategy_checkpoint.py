@@ -147,7 +147,7 @@ class StrategyCheckpointer:
             write = lambda: st.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
         else:
             write = lambda: atomic_save(checkpoint, path)  # noqa: E731
-        # The others wait for rank 0 with a long timeout of their own, not at a barrier bound by `timeout_s`.
+        # The others wait for rank 0 with a long timeout of their own, not at a barrier bound by `timeout`.
         write_on_rank_zero(write, max(st.timeout, timedelta(hours=1)))
 
     def load(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from torch.nn.parallel import DistributedDataParallel
@@ -83,14 +84,18 @@ def check_init_args(
     save_distributed_checkpoint: Any = False,
     process_group_backend: Any = None,
     start_method: Any = "popen",
-    timeout_s: Any = 600.0,
+    timeout: Any = None,
     zero: Any = 0,
 ) -> PlanOverrides:
     """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (``dp``, ``mp`` and
     ``check_consistency_every_n_steps`` are checked where they are used); returns ``plan_overrides`` parsed, the
     one :class:`PlanOverrides` every later plan check and ``mp="auto"`` use."""
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise ValueError(f"`timeout_s` must be a positive number of seconds, got {timeout_s!r}.")
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+        hint = (f": pass timeout=timedelta(seconds={timeout!r})" if isinstance(timeout, (int, float))
+                and not isinstance(timeout, bool) and timeout > 0 else "")
+        raise ValueError(
+            f"`timeout` must be a positive datetime.timedelta (or None: 10 minutes), got {timeout!r}{hint}."
+        )
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
         raise ValueError(
             f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters),"
@@ -136,6 +141,10 @@ def check_speed_flags(compile: Any = False, async_grad_allreduce: Any = None) ->
                         f"{async_grad_allreduce!r} ({type(async_grad_allreduce).__name__}).")
 
 
+#: Arguments of earlier versions, refused with their replacement (they would otherwise reach DDP as unknown kwargs).
+_REMOVED = {"timeout_s": "`timeout=timedelta(seconds=...)`", "plan": "`plan_overrides=`"}
+
+
 def ddp_kwargs_from_user(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The ``**ddp_kwargs`` to keep: those that differ from ``DistributedDataParallel``'s own defaults.
 
@@ -143,6 +152,9 @@ def ddp_kwargs_from_user(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     included; a default changes nothing, so it is dropped. A real ``process_group`` or ``device_mesh`` is refused:
     the strategy builds the DP group itself.
     """
+    for key, use in _REMOVED.items():
+        if key in ddp_kwargs:
+            raise TypeError(f"DPMPStrategy has no argument `{key}`: use {use}.")
     for key in ("process_group", "device_mesh"):
         if ddp_kwargs.get(key) is not None:
             raise ValueError(f"DPMPStrategy builds the DP process group itself; do not pass `{key}`.")

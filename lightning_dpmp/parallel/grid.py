@@ -139,7 +139,7 @@ def build_grid(dp: int, mp: int, timeout: Optional[timedelta] = None) -> Grid:
     rank does not belong to, and a rank that skips one leaves the others waiting.
 
     ``timeout`` bounds every collective on the two groups. Pass the world's: ``new_group`` does not inherit it and
-    would default to torch's 30 minutes, so a stuck MP all-reduce would ignore ``DPMPStrategy(timeout_s=...)``.
+    would default to torch's 30 minutes, so a stuck MP all-reduce would ignore ``DPMPStrategy(timeout=...)``.
 
     Example:
         >>> grid = build_grid(dp=2, mp=2)  # doctest: +SKIP

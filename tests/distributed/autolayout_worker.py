@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -45,7 +46,7 @@ def run(case: str, out: str) -> dict:
     autolayout.measure_links = fake_measure if case in LINKS else REAL_MEASURE
     L.seed_everything(SEED, workers=True)
     model, dataset = build("resmlp")
-    strategy = DPMPStrategy(timeout_s=120)  # dp="auto", mp="auto"
+    strategy = DPMPStrategy(timeout=timedelta(minutes=2))  # dp="auto", mp="auto"
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, precision="64-true", max_steps=STEPS,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,

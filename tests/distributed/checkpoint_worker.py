@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -71,7 +72,8 @@ def make_trainer(dp: int, mp: int, steps: int, sharded: bool = False, callbacks=
     return L.Trainer(
         accelerator="cpu", devices=dp * mp, precision="64-true", max_steps=steps, gradient_clip_val=CLIP,
         gradient_clip_algorithm="norm", logger=False, enable_progress_bar=False, enable_model_summary=False,
-        strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=120, save_distributed_checkpoint=sharded, **kwargs),
+        strategy=DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2), save_distributed_checkpoint=sharded,
+                              **kwargs),
         callbacks=list(callbacks), enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
 

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -63,7 +64,8 @@ class CountOverlapped(L.Callback):
 def fit(dp: int, mp: int, name: str, precision: str, steps: int, accumulate: int = 1, **flags) -> dict:
     L.seed_everything(SEED, workers=True)
     model, dataset = build_llama(name) if name in COMPILE_LLAMAS else build(name)
-    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=300, verify_plan=False, consolidate_on_teardown=True, **flags)
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=5), verify_plan=False, consolidate_on_teardown=True,
+                            **flags)
     probe = CountOverlapped()
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * mp, strategy=strategy, precision=precision, max_steps=steps,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -49,7 +50,8 @@ class DropMLP(L.LightningModule):
 def one_step(seed: int) -> dict:
     L.seed_everything(seed)
     model = DropMLP()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DPMPStrategy(dp=1, mp=2, timeout_s=120), max_steps=1,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DPMPStrategy(dp=1, mp=2, timeout=timedelta(minutes=2)),
+                        max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(make_dataset(), batch_size=16))
     styles = {n: lp.style for n, lp in trainer.strategy.applied_plan.plan.layers.items()}

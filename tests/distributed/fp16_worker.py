@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -63,7 +64,7 @@ def fit(dp: int, mp: int, zero: int) -> dict:
     poison = Poison()
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * mp,
-        strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=120, consolidate_on_teardown=False),
+        strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout=timedelta(minutes=2), consolidate_on_teardown=False),
         plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False, callbacks=[poison],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -56,7 +57,7 @@ def fit(dp: int, mp: int, zero: int, out: str, name: str = "moe_list", **strateg
 
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * mp,
-        strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=120, **strategy_kw),
+        strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout=timedelta(minutes=2), **strategy_kw),
         precision="64-true", max_steps=STEPS, gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Steps(), probe, SeedEachStep()],

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import warnings
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -78,7 +79,8 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     base, _, variant = name.partition("+")
     model, dataset = build(base)
     probe = Probe()
-    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, sequence_parallel=variant in ("sp", "sp_nosync"),
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2),
+                            sequence_parallel=variant in ("sp", "sp_nosync"),
                             verify_plan=variant != "noverify", zero=int(variant == "zero"))
     if variant == "sp_nosync":  # the bug sequence parallelism invites: never summing the partial gradients
         probe.drop_sequence_sync = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -90,7 +91,8 @@ class AfterLoad(L.Callback):
 
 def trainer_for(dp: int, mp: int, zero: int, steps: int, callbacks: list) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout_s=300),
+        accelerator="cpu", devices=dp * mp,
+        strategy=DPMPStrategy(dp=dp, mp=mp, zero=zero, timeout=timedelta(minutes=5)),
         precision="64-true", max_steps=steps, gradient_clip_val=CLIP, gradient_clip_algorithm="norm",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
@@ -115,7 +117,8 @@ class CountValidation(L.Callback):
 def generate(dp: int, mp: int, path: str) -> dict:
     """``trainer.validate`` whose step generates: the tokens, the plan and the MP collectives of the batch."""
     counter = CountValidation()
-    trainer = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=300),
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=5))
+    trainer = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=strategy,
                         precision="64-true", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=1, callbacks=[counter])
     model = P.GenerateLM(lightning_dpmp.from_pretrained(P.model_class("llama"), path))

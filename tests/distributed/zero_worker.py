@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -86,7 +87,7 @@ def fit(dp, mp, name, zero, out, tag, steps=STEPS, accumulate=1, ckpt_path=None,
     L.seed_everything(SEED, workers=True)
     if not meta:  # built right after seeding, as the single-process reference builds it
         model, dataset = (SchedResMLP(), make_dataset()) if name == "sched" else build(name)  # sched: AdamW + StepLR
-    strategy = DPMPStrategy(dp=dp, mp=mp, timeout_s=120, zero=zero, **strategy_kw)
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2), zero=zero, **strategy_kw)
     probe = Probe()
     callbacks = [probe, *callbacks]
     trainer = L.Trainer(

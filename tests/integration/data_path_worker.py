@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -130,12 +131,13 @@ def averaging_callbacks() -> dict:
 
 
 def trainer(dp: int, mp: int, **kw) -> L.Trainer:
-    # timeout_s bounds the start-up rendezvous too: on 2 loaded cores 4 ranks can take a minute to import torch
+    # the timeout bounds the start-up rendezvous too: on 2 loaded cores 4 ranks can take a minute to import torch
     strategy_kw = {k: kw.pop(k) for k in ("mp_batch", "check_consistency_every_n_steps", "zero") if k in kw}
     defaults = dict(accelerator="cpu", devices=dp * mp, logger=False, enable_checkpointing=False, precision="64-true",
                     enable_progress_bar=False, enable_model_summary=False)
     strategy_kw = {"consolidate_on_teardown": True, **strategy_kw}  # every rank reads the weights after fit
-    return L.Trainer(strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=300, **strategy_kw), **{**defaults, **kw})
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=5), **strategy_kw)
+    return L.Trainer(strategy=strategy, **{**defaults, **kw})
 
 
 def weights(model) -> dict:
@@ -196,7 +198,7 @@ def run(out: str) -> dict:
     m = StepSkip()
     t = L.Trainer(accelerator="cpu", devices=4, precision="64-true", max_steps=STEPS, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  strategy=DPMPStrategy(dp=2, mp=2, timeout_s=300, find_unused_parameters=True,
+                  strategy=DPMPStrategy(dp=2, mp=2, timeout=timedelta(minutes=5), find_unused_parameters=True,
                                         consolidate_on_teardown=True))
     t.fit(m, DataLoader(make_dataset(), batch_size=PER_RANK))
     res["step_skip_weights"] = weights(m)

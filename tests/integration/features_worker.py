@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -91,7 +92,8 @@ def trainer(dp: int, mp: int, **kw) -> L.Trainer:
                     enable_progress_bar=False, enable_model_summary=False)
     # every rank reads the trained weights after fit: each keeps the plain model (the default keeps it on rank 0)
     strategy_kw = {"consolidate_on_teardown": True, **strategy_kw}
-    return L.Trainer(strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=120, **strategy_kw), **{**defaults, **kw})
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2), **strategy_kw)
+    return L.Trainer(strategy=strategy, **{**defaults, **kw})
 
 
 def weights(model: nn.Module) -> dict:
@@ -190,9 +192,10 @@ def grid_checks(dp: int, mp: int, out: str) -> dict:
             def on_fit_start(self, tr, pl_module):
                 res["meta_setup_rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 
-        t = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=120,
-                      consolidate_on_teardown=False), max_steps=2, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[SetupPeak()])
+        strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2), consolidate_on_teardown=False)
+        t = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=strategy, max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[SetupPeak()])
         with t.init_module(empty_init=True):
             big = BigMLP()
         full = sum(p.numel() * 4 for p in big.parameters())

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def main() -> None:
     torch.set_num_threads(1)
     case, out = sys.argv[1], Path(sys.argv[2])
     L.seed_everything(0)
-    strategy = DPMPStrategy(dp=2, mp=2, timeout_s=60, check_consistency_every_n_steps=1,
+    strategy = DPMPStrategy(dp=2, mp=2, timeout=timedelta(minutes=1), check_consistency_every_n_steps=1,
                             mp_batch="check" if case == "batch" else "broadcast")
     strategy._guard = TimedGuard(1)
     trainer = L.Trainer(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -28,7 +29,8 @@ def main() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     accounting = CommAccounting()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=DPMPStrategy(dp=dp, mp=mp, start_method=mode, timeout_s=60),
+        accelerator="cpu", devices=devices,
+        strategy=DPMPStrategy(dp=dp, mp=mp, start_method=mode, timeout=timedelta(minutes=1)),
         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[accounting],
     )

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -83,7 +84,7 @@ def main(out: str) -> None:
     for key, plan in (("auto", None), ("vocab", {"net.head": "vocab"})):
         cfg = digits_config(os.path.join(out, "hydra"))
         model, data = digits_parts(cfg)
-        strategy = DPMPStrategy(dp=DP, mp=MP, plan_overrides=plan, timeout_s=60)
+        strategy = DPMPStrategy(dp=DP, mp=MP, plan_overrides=plan, timeout=timedelta(minutes=1))
         t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=strategy, num_sanity_val_steps=2, **DIGITS_TRAINER)
         t.fit(model, datamodule=data)
         res[f"digits_{key}"] = {"acc": float(t.callback_metrics["val/acc"]),
@@ -110,7 +111,8 @@ def main(out: str) -> None:
             if not tr.sanity_checking:
                 timing["t0"] = time.perf_counter()
 
-    t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=DPMPStrategy(dp=DP, mp=MP, timeout_s=30),
+    strategy = DPMPStrategy(dp=DP, mp=MP, timeout=timedelta(seconds=30))
+    t = L.Trainer(accelerator="cpu", devices=DP * MP, strategy=strategy,
                   precision="64-true", max_steps=GPT_STEPS, val_check_interval=GPT_STEPS, check_val_every_n_epoch=None,
                   num_sanity_val_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False, callbacks=[Clock()])

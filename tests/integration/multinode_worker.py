@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,8 @@ def main() -> None:
     model = ResMLP()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, num_nodes=num_nodes, precision="64-true", max_steps=8,
-        strategy=DPMPStrategy(dp=2, mp=2, timeout_s=60, check_consistency_every_n_steps=4), gradient_clip_val=1.0,
+        strategy=DPMPStrategy(dp=2, mp=2, timeout=timedelta(minutes=1), check_consistency_every_n_steps=4),
+        gradient_clip_val=1.0,
         callbacks=[Layout(out)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,8 @@ def main() -> None:
         io = FailingIO(out)
         callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=FAIL_STEP, save_top_k=-1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=DPMPStrategy(dp=2, mp=2, timeout_s=timeout_s, checkpoint_io=io),
+        accelerator="cpu", devices=4,
+        strategy=DPMPStrategy(dp=2, mp=2, timeout=timedelta(seconds=timeout_s), checkpoint_io=io),
         max_steps=12, limit_val_batches=4, val_check_interval=6, callbacks=callbacks, logger=False,
         enable_checkpointing=case == "checkpoint", enable_progress_bar=False, enable_model_summary=False,
     )

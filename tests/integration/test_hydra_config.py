@@ -91,7 +91,7 @@ def test_every_experiment_composes_and_instantiates(tmp_path, experiment):
         ["logger=tensorboard"],
         ["~logger", "callbacks=none"],
         ["trainer=gpu"],
-        ["strategy.dp=1", "strategy.mp=4", "strategy.verify_plan=false", "strategy.timeout_s=30"],
+        ["strategy.dp=1", "strategy.mp=4", "strategy.verify_plan=false", "strategy.timeout.seconds=30"],
         ["strategy.plan_overrides={net.blocks.*.mlp.fc1:column,net.blocks.*.mlp.fc2:row}",
          "+strategy.ddp.static_graph=true"],
     ],

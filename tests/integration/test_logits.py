@@ -66,7 +66,7 @@ def test_rank_zero_only_logits_code_in_validation_finishes_with_single_process_v
         g = r["gpt"]
         # training stays vocab-parallel
         assert g["styles"]["net.lm_head"] == "vocab" and g["styles"]["net.wte"] == "vocab"
-        assert g["validation_s"] < 20, g  # no collective waits for rank 0 (a hang would end at timeout_s=30)
+        assert g["validation_s"] < 20, g  # no collective waits for rank 0 (a hang would end at the 30 s timeout)
     assert ranks[0]["gpt"]["inspected"] == 3 and ranks[1]["gpt"]["inspected"] == 0  # sanity batch + 2 val batches
 
     L.seed_everything(0)

@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 
 WORKER = "tests/integration/reliability_worker.py"
 GUARD_WORKER = "tests/integration/guard_worker.py"
-LIMIT_S = 60  # the bound from failure to exit; measured 2-13 s here (timeout case: timeout_s + ~5 s)
+LIMIT_S = 60  # the bound from failure to exit; measured 2-13 s here (timeout case: the timeout + ~5 s)
 
 
 def _alive(pid: int) -> bool:
@@ -89,7 +89,7 @@ def test_a_failing_rank_ends_the_torchrun_job(tmp_path, case, rank):
 
 
 @pytest.mark.slow
-def test_a_rank_alive_but_stuck_is_bounded_by_timeout_s(tmp_path):
+def test_a_rank_alive_but_stuck_is_bounded_by_the_timeout(tmp_path):
     # Rank 1 sleeps inside its step: nothing is closed, so only the process-group timeout can end the wait.
     # Rank 0 (the launcher) times out and exits; rank 1 must not survive it (die_with_parent).
     timeout_s = 30  # also bounds the start-up rendezvous: shorter is flaky on a loaded 2-core machine

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import warnings
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -144,8 +145,8 @@ def weights(model: torch.nn.Module) -> dict:
 def fit(dp: int, mp: int, model: L.LightningModule, precision: str, steps: int) -> dict:
     """Train ``model`` and return what the tests read: plan, verification, warnings, weights, collectives."""
     count = CountStep()
-    trainer = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=DPMPStrategy(dp=dp, mp=mp, timeout_s=120,
-                                                                                     consolidate_on_teardown=True),
+    strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2), consolidate_on_teardown=True)
+    trainer = L.Trainer(accelerator="cpu", devices=dp * mp, strategy=strategy,
                         precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[count])
     with warnings.catch_warnings(record=True) as caught:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -60,12 +61,12 @@ def main() -> None:
     if mode == "idle":
         devices, strategy, model, n = 4, DPMPStrategy(dp=2, mp=2), Odd(), 1
     elif mode == "late_glob":
-        strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"extar": "column"}, timeout_s=60)
+        strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"extar": "column"}, timeout=timedelta(minutes=1))
         devices, model, n = 2, Later(), 8
     elif mode == "late_compile":
-        devices, strategy, model, n = 2, DPMPStrategy(dp=1, mp=2, timeout_s=60), LaterCompiled(), 8
+        devices, strategy, model, n = 2, DPMPStrategy(dp=1, mp=2, timeout=timedelta(minutes=1)), LaterCompiled(), 8
     else:
-        strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"nte": "column"}, timeout_s=60)
+        strategy = DPMPStrategy(dp=1, mp=2, plan_overrides={"nte": "column"}, timeout=timedelta(minutes=1))
         devices, model, n = 2, Odd(), 8
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

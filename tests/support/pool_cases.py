@@ -18,7 +18,7 @@ import torch.distributed as dist
 def _init() -> int:
     # MASTER_ADDR/MASTER_PORT from the environment, rank and world given, as Lightning does
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=2))
     return rank
 
 

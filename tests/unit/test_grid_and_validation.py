@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import lightning as L
 import pytest
@@ -91,5 +92,5 @@ def test_sampler_shards_over_dp_only():
 def test_unsupported_options_are_refused():
     with pytest.raises(ValueError, match="process_group"):
         DPMPStrategy(dp=1, mp=2, process_group=object())
-    with pytest.raises(ValueError, match="timeout_s"):
-        DPMPStrategy(dp=1, mp=2, timeout_s=0)
+    with pytest.raises(ValueError, match="`timeout` must be a positive datetime.timedelta"):
+        DPMPStrategy(dp=1, mp=2, timeout=timedelta(seconds=0))

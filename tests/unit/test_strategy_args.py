@@ -11,14 +11,14 @@ from lightning_dpmp.integration.layout import Layout, resolve_layout
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 
 
-def test_plan_is_a_deprecated_alias_of_plan_overrides() -> None:
-    with pytest.warns(DeprecationWarning, match="plan_overrides"):
-        s = DPMPStrategy(dp=1, mp=2, plan={"net.fc1": "column"})
-    assert s.plan_overrides == {"net.fc1": "column"}
+def test_plan_overrides_property_and_removed_aliases() -> None:
     assert DPMPStrategy(dp=1, mp=2, plan_overrides={"a": "row"}).plan_overrides == {"a": "row"}
     assert DPMPStrategy(dp=1, mp=2).plan_overrides is None
-    with pytest.raises(ValueError, match="plan_overrides"):
-        DPMPStrategy(plan={"a": "row"}, plan_overrides={"a": "row"})
+    with pytest.raises(TypeError, match=r"no argument `plan`: use `plan_overrides=`"):
+        DPMPStrategy(dp=1, mp=2, plan={"a": "row"})
+    with pytest.raises(TypeError, match=r"no argument `timeout_s`: use `timeout=timedelta\(seconds=\.\.\.\)`"):
+        DPMPStrategy(dp=1, mp=2, timeout_s=30)
+    assert not hasattr(DPMPStrategy, "plan")  # the deprecated alias of applied_plan is gone
 
 
 def test_plan_overrides_are_parsed_once_at_construction(monkeypatch) -> None:
@@ -47,21 +47,17 @@ def test_plan_overrides_are_parsed_once_at_construction(monkeypatch) -> None:
         make_plan(model, 2, None, rules)
 
 
-def test_applied_plan_before_setup_and_the_deprecated_plan_property() -> None:
-    s = DPMPStrategy(dp=1, mp=2)
-    assert s.applied_plan is None
-    with pytest.warns(DeprecationWarning, match="applied_plan"):
-        assert s.plan is None
+def test_applied_plan_before_setup() -> None:
+    assert DPMPStrategy(dp=1, mp=2).applied_plan is None
 
 
-def test_timeout_as_in_ddp_or_timeout_s() -> None:
+def test_timeout_is_a_timedelta_as_in_ddp() -> None:
     assert DPMPStrategy(timeout=timedelta(seconds=30)).timeout == timedelta(seconds=30)
-    assert DPMPStrategy(timeout_s=45).timeout == timedelta(seconds=45)
-    assert DPMPStrategy().timeout == timedelta(seconds=600)
-    with pytest.raises(ValueError, match=r"`timeout`.*`timeout_s`"):
-        DPMPStrategy(timeout=timedelta(seconds=30), timeout_s=30)
-    with pytest.raises(ValueError, match="timedelta"):
+    assert DPMPStrategy().timeout == timedelta(seconds=600)  # not torch's 30 minutes
+    with pytest.raises(ValueError, match=r"got 30: pass timeout=timedelta\(seconds=30\)"):
         DPMPStrategy(timeout=30)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive datetime.timedelta"):
+        DPMPStrategy(timeout=timedelta(0))
 
 
 def test_layout_is_resolved_when_devices_are_known() -> None:
