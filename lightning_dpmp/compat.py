@@ -21,6 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+# torch.distributed._functional_collectives: the collectives that torch.compile traces into its graph without a
+# break (torch 2.13 has no public module for them; c10d's in-place ops break the graph). Relies on:
+# all_reduce(t, "sum", group), all_gather_tensor(t, gather_dim, group), reduce_scatter_tensor(t, "sum", scatter_dim,
+# group) returning tensors that wait_tensor(t) completes. Imported as ``compat.functional_collectives``.
+import torch.distributed._functional_collectives as functional_collectives  # noqa: E402  (grouped with its note)
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -38,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TorchDispatchMode",
+    "functional_collectives",
     "apply_batch_transfer_handler",
     "averaged_copy",
     "check_can_spawn_children",
@@ -58,6 +65,7 @@ __all__ = [
     "loop_data_source",
     "metric_state_keys",
     "op_name",
+    "queue_backward_callback",
     "optimizer_to_device",
     "optimizers_to_device",
     "script_object_type",
@@ -99,6 +107,15 @@ def dynamo_without_ddp_split() -> contextlib.AbstractContextManager:
     import torch._dynamo
 
     return torch._dynamo.config.patch(optimize_ddp=False)
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once, when the backward pass now running ends (after every gradient hook of that pass).
+
+    ``torch.autograd.Variable._execution_engine.queue_callback`` (torch 2.13): the engine's private queue, the only
+    "end of this backward" signal (FSDP and DDP use it too); it must be called from inside a backward (a hook).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def tensor_version(x: Tensor) -> int:

@@ -25,8 +25,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+
+from lightning_dpmp.compat import functional_collectives as funcol  # private torch module: see compat
 
 __all__ = [
     "all_reduce_sum",

@@ -22,9 +22,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor
+
+from lightning_dpmp.compat import functional_collectives as funcol  # private torch module: see compat
 
 __all__ = ["linear_with_async_input_grad"]
 

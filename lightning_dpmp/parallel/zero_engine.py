@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_dpmp.compat import queue_backward_callback
 from lightning_dpmp.parallel.zero_shard import (
     Bucket,
     gather_buckets,
@@ -212,7 +213,7 @@ class ZeroEngine:
     def _queue_end_of_backward(self) -> None:
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_backward_callback(self._end_of_backward)
 
     def _grad_hook(self, b: Bucket) -> Any:
         def hook(p: Tensor) -> None:

@@ -320,3 +320,30 @@ def test_hf_dtype_plan_is_transformers_keep_in_fp32() -> None:
     assert compat.hf_dtype_plan(model, torch.float16) == {"wo": torch.float32}
     assert compat.hf_dtype_plan(model, torch.float32) == {}
     assert compat.hf_dtype_plan(nn.Linear(2, 2), torch.float16) == {}
+
+
+def test_functional_collectives_have_the_calls_comm_and_overlap_make() -> None:
+    funcol = compat.functional_collectives
+    for name in ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "wait_tensor"):
+        assert callable(getattr(funcol, name, None)), f"torch.distributed._functional_collectives.{name} is gone"
+    params = inspect.signature(funcol.reduce_scatter_tensor).parameters
+    assert list(params)[:4] == ["self", "reduceOp", "scatter_dim", "group"], (
+        f"reduce_scatter_tensor's arguments changed: {list(params)}"
+    )
+
+
+def test_queue_backward_callback_runs_once_when_the_backward_ends() -> None:
+    events: list[str] = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+
+    def hook(grad):
+        events.append("hook")
+        compat.queue_backward_callback(lambda: events.append("end"))
+        return grad
+
+    y.register_hook(hook)
+    (y * 3).sum().backward()
+    assert events == ["hook", "end"], events  # after the hooks of that pass, once
+    (x * 1).sum().backward()
+    assert events == ["hook", "end"], "a callback must not run again in a later backward"
