@@ -82,9 +82,9 @@ EXPERIMENTS = {
 
 
 def readme_commands() -> list[str]:
-    """The commands of README.md's bash code blocks (continuations joined, comments dropped), plus inline
-    ``python -m lightning_dpmp...`` commands."""
-    text = (ROOT / "README.md").read_text()
+    """The commands of the bash code blocks of README.md and docs/*.md (continuations joined, comments dropped),
+    plus inline ``python -m lightning_dpmp...`` commands."""
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     out: list[str] = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -92,3 +93,19 @@ def test_no_private_name_imported_from_another_module() -> None:
     bad = [f"{m} imports {n} from {t}" for m, edges in _package_edges().items() for t, names in edges
            for n in names if n.startswith("_") and not n.startswith("__")]
     assert not bad, bad
+
+
+def test_the_package_table_names_every_module_and_nothing_else() -> None:
+    """docs/design.md's package layout lists every module of every folder, and no module that does not exist."""
+    text = (PKG.parent / "docs" / "design.md").read_text()
+    listed = set(re.findall(r"^\| `(\w+)` \| `(\w+)` \|", text, flags=re.M))
+    folders = [p for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    actual = {(f.name, m.stem) for f in folders for m in f.glob("*.py") if m.stem != "__init__"}
+    assert listed == actual, {"missing": sorted(actual - listed), "not a module": sorted(listed - actual)}
+
+
+def test_readme_stays_a_short_user_guide() -> None:
+    readme = (PKG.parent / "README.md").read_text().splitlines()
+    assert len(readme) <= 300, f"README.md has {len(readme)} lines: move depth to docs/"
+    for doc in ("design.md", "guide.md", "benchmarks.md", "testing.md"):
+        assert f"docs/{doc}" in "\n".join(readme), f"README.md does not point to docs/{doc}"
