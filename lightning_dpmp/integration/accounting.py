@@ -115,7 +115,7 @@ class CommAccounting(Callback):
         self.last: dict[str, int] = {}
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        grid = getattr(trainer.strategy, "_grid", None)
+        grid = getattr(trainer.strategy, "grid_or_none", None)  # None: not a DPMPStrategy, or before setup
         if trainer.global_step % self.every_n_steps == 0 and grid is not None:
             self.counter = CommCounter({"mp": grid.mp_group, "dp": grid.dp_group})
             self.counter.__enter__()

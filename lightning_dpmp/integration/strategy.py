@@ -17,6 +17,7 @@ import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -24,6 +25,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -33,7 +35,6 @@ from lightning_dpmp.integration import hooks, validate
 from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
-from lightning_dpmp.integration.delegate import leaves_sharded_rng, to_checkpointer
 from lightning_dpmp.integration.failfast import (
     check_sync_batchnorm,
     warn_if_data_not_sharded,
@@ -200,6 +201,16 @@ class DPMPStrategy(GridStrategy):
         return self._plan_overrides
 
     @property
+    def zero(self) -> int:
+        """The ZeRO level given to the constructor (0: off; 1/2: optimizer state and gradients; 3: + parameters)."""
+        return self._zero
+
+    @property
+    def zero_engine(self) -> Optional[ZeroEngine]:
+        """The engine that shards over DP while fitting with ``zero >= 1`` (``None`` otherwise, and after fit)."""
+        return self._zero_engine
+
+    @property
     def applied_plan(self) -> Optional[PlanResult]:
         """The plan applied at the last setup (with its printout in ``.text``), or ``None`` before setup."""
         return self._applied_plan
@@ -348,9 +359,17 @@ class DPMPStrategy(GridStrategy):
             if self._rng is not None:
                 self._rng.exit()  # the data pipeline between steps must see the replicated RNG stream
 
-    training_step = leaves_sharded_rng("training_step")
-    validation_step = leaves_sharded_rng("validation_step")
-    test_step = leaves_sharded_rng("test_step")
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step_then_leave_sharded_rng("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step_then_leave_sharded_rng("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step_then_leave_sharded_rng("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -428,13 +447,32 @@ class DPMPStrategy(GridStrategy):
         """
         return self.checkpointer.save_pretrained(module, out_dir, max_shard_size)
 
-    # Strategy hook = StrategyCheckpointer method, same arguments and defaults.
-    lightning_module_state_dict = to_checkpointer("lightning_module_state_dict", "module_state_dict")
-    save_checkpoint = to_checkpointer("save_checkpoint", "save")
-    load_checkpoint = to_checkpointer("load_checkpoint", "load")
-    remove_checkpoint = to_checkpointer("remove_checkpoint", "remove")
-    load_model_state_dict = to_checkpointer("load_model_state_dict", "load_module_state")
-    load_optimizer_state_dict = to_checkpointer("load_optimizer_state_dict", "load_optimizer_states")
+    # Each checkpoint hook hands the call to the StrategyCheckpointer, with Lightning's arguments and defaults.
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpointer.module_state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        self.checkpointer.save(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self.checkpointer.load(checkpoint_path, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        self.checkpointer.remove(filepath)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.checkpointer.load_module_state(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self.checkpointer.load_optimizer_states(checkpoint)
 
     @classmethod
     @override

@@ -84,7 +84,7 @@ class StrategyCheckpointer:
         return grid is not None and not self.distributed and grid.dp_rank == 0
 
     def _engine(self) -> Any:
-        return getattr(self.strategy, "_zero_engine", None)
+        return getattr(self.strategy, "zero_engine", None)
 
     def _plain(self, optimizer: Any, with_state: bool) -> Any:
         """``optimizer`` as without ZeRO-2/3 (a plain optimizer over the module's parameters; collective over DP

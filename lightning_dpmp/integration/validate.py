@@ -234,7 +234,7 @@ def check_before_launch(trainer: Any, function: Callable, args: tuple, kwargs: M
         if model is not None and not _builds_in_configure_model(model) and not strategy.layout_pending:  # else at setup
             check_plan_on_model(model, strategy.parsed_plan_overrides, strategy.mp)
         if not strategy.layout_pending:  # else at setup, once mp is chosen
-            check_averaging_callbacks(trainer.callbacks, strategy.mp, getattr(strategy, "_zero", 0),
+            check_averaging_callbacks(trainer.callbacks, strategy.mp, getattr(strategy, "zero", 0),
                                       trainer.state.fn, strategy.checkpointer.distributed)
 
 

@@ -41,7 +41,7 @@ class Poison(L.Callback):
 
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == POISONED_STEP and dist.get_rank() == POISONED_RANK:
-            engine = trainer.strategy._zero_engine
+            engine = trainer.strategy.zero_engine
             if engine is not None:  # zero=2/3: the gradients are DP shards by now
                 name, p = "the first MP-split DP shard", engine.shard_params("split")[0]
             else:

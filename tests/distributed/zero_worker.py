@@ -59,7 +59,7 @@ class Probe(L.Callback):
             self.counter.__exit__(None, None, None)
             self.res["counts"] = {f"{g}/{op}": n for (g, op), n in self.counter.counts.items()}
             self.counter = None
-        engine = trainer.strategy._zero_engine
+        engine = trainer.strategy.zero_engine
         if trainer.global_step == 5 and "held" not in self.res and engine is not None:
             shards = engine.shard_params() + [b.shard for b in engine.buckets if not b.trainable]
             params = list(pl_module.parameters()) + shards

@@ -70,7 +70,7 @@ def test_default_trainer_instantiates_with_the_strategy(tmp_path):
 
 def test_zero_is_a_typed_strategy_option(tmp_path):
     cfg = _compose(tmp_path, "strategy.zero=3")
-    assert instantiate_strategy(cfg.strategy)._zero == 3
+    assert instantiate_strategy(cfg.strategy).zero == 3
     with pytest.raises(Exception, match="zero"):
         _compose(tmp_path, "strategy.zero=three")  # typed: fails while composing
 

@@ -76,3 +76,22 @@ def test_checkpointing_is_a_collaborator_not_a_base_class() -> None:
     assert isinstance(s.checkpointer, StrategyCheckpointer) and s.checkpointer.strategy is s
     assert s.checkpointer.distributed is True
     assert not any(c.__name__ == "CheckpointMixin" for c in type(s).__mro__)
+
+
+def test_every_lightning_hook_the_strategy_overrides_is_written_out_and_marked() -> None:
+    """No generated overrides: each Lightning ``Strategy`` method that DPMPStrategy (or its grid base) replaces is
+    a method of its own class body, marked ``@override`` (so a renamed Lightning hook fails mypy and this test)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_dpmp.integration.grid_strategy import GridStrategy
+
+    lightning_names = {n for n in dir(DDPStrategy) if not n.startswith("__") and callable(getattr(DDPStrategy, n, None))
+                       or isinstance(getattr(DDPStrategy, n, None), property)} - {"_abc_impl"}
+    for cls in (DPMPStrategy, GridStrategy):
+        for name, attr in vars(cls).items():
+            if name not in lightning_names:
+                continue
+            func = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            func = getattr(func, "__wrapped__", func)  # @contextmanager
+            assert getattr(func, "__override__", False), f"{cls.__name__}.{name} overrides Lightning without @override"
+            assert func.__qualname__ == f"{cls.__name__}.{name}", f"{cls.__name__}.{name} is generated elsewhere"
