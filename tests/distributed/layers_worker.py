@@ -13,7 +13,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
@@ -28,6 +27,7 @@ from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidated_state_dict  # noqa: E402
+from tests.support.pool import run_world  # noqa: E402
 
 
 class _Scaled(nn.Embedding):
@@ -183,13 +183,4 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" in os.environ:  # launched externally (a test rank pool, torchrun): this process is one rank
-        worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]),
-               sys.argv[1])
-    else:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(worker, args=(4, port, sys.argv[1]), nprocs=4)
+    run_world(worker, sys.argv[1])

@@ -16,7 +16,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -30,6 +29,7 @@ from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.sharding import gather_tensor  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidate, consolidated_state_dict  # noqa: E402
+from tests.support.pool import run_world  # noqa: E402
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,13 +154,4 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" in os.environ:  # launched externally (a test rank pool, torchrun): this process is one rank
-        worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]),
-               sys.argv[1])
-    else:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(worker, args=(4, port, sys.argv[1]), nprocs=4)
+    run_world(worker, sys.argv[1])

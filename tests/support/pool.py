@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -256,6 +256,17 @@ def close_pools() -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+def run_world(worker: Callable[[int, int, int, str], None], path: str, world: int = 4) -> None:
+    """A raw torch.distributed worker script's entry: ``worker(rank, world, port, path)`` on this rank when the
+    process was launched as one rank (a pool, torchrun: ``LOCAL_RANK`` set), else on ``world`` spawned processes."""
+    if "LOCAL_RANK" in os.environ:
+        worker(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), path)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(world, free_port(), path), nprocs=world)
 
 
 def connect_worker() -> tuple[Connection, int]:
