@@ -26,7 +26,7 @@ import torch.distributed as dist
 # break (torch 2.13 has no public module for them; c10d's in-place ops break the graph). Relies on:
 # all_reduce(t, "sum", group), all_gather_tensor(t, gather_dim, group), reduce_scatter_tensor(t, "sum", scatter_dim,
 # group) returning tensors that wait_tensor(t) completes. Imported as ``compat.functional_collectives``.
-import torch.distributed._functional_collectives as functional_collectives  # noqa: E402  (grouped with its note)
+import torch.distributed._functional_collectives as functional_collectives
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 

@@ -61,7 +61,7 @@ def run_ranks(
     _require_slow_marker(args)
     if os.environ.get("DPMP_TEST_POOL", "1") == "0":
         return run_script(args, timeout=timeout, env=env, cwd=cwd)
-    result = rank_pool(world_size).run(args, timeout=timeout, env={"OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd)
+    result = rank_pool(world_size).run(args, timeout=timeout, env=env, cwd=cwd)  # the pool sets OMP_NUM_THREADS=1
     if result.timed_out:
         pytest.fail(f"{args} did not finish in {timeout} s:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result

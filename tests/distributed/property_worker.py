@@ -142,7 +142,7 @@ def serve(rank: int, world: int, init_file: str, inbox: Any, outbox: Any) -> Non
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(minutes=1)
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     grids = {mp: build_grid(world // mp, mp) for mp in (1, 2, 4)}  # same order on every rank
     outbox.put((rank, "ready"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_script
+from tests.support.pool import free_port
 
 WORKER = "tests/integration/multinode_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node(node_rank: int, port: int, out: Path) -> subprocess.Popen:
@@ -38,7 +32,7 @@ def _node(node_rank: int, port: int, out: Path) -> subprocess.Popen:
 def test_two_nodes_keep_mp_inside_a_node_and_match_one_node(tmp_path):
     two, one = tmp_path / "two_nodes", tmp_path / "one_node"
     two.mkdir(), one.mkdir()
-    port = _free_port()
+    port = free_port()
     nodes = [_node(r, port, two) for r in (0, 1)]
     try:
         logs = [p.communicate(timeout=300) for p in nodes]

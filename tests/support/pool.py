@@ -188,10 +188,9 @@ class RankPool:
                 self.close()  # a failed case may leave ranks inside a collective: the next case gets a new pool
             stdout = "".join(_read(out) for out, _ in outs)
             stderr = "".join(_read(err) for _, err in outs)
-        failing = [c for c in codes if c != 0]  # None: a rank that never answered (killed with the pool)
-        code = 0
-        if failing:
-            code = codes[0] if codes[0] not in (0, None) else next((c for c in failing if c is not None), 1)
+        # The first failing rank's code (rank 0 first); 1 when the only failures are ranks that never answered.
+        failed = any(c != 0 for c in codes)  # None: a rank that never answered (killed with the pool)
+        code = next((c for c in codes if c not in (0, None)), 1 if failed else 0)
         if timed_out:
             stderr += f"\n[pool] case {args} did not finish in {timeout} s; the pool was killed\n"
         return CaseResult(list(args), code, stdout, stderr, codes, timed_out)
@@ -200,12 +199,11 @@ class RankPool:
         codes: list[Optional[int]] = [None] * self.world_size
         deadline = time.monotonic() + timeout
         pending = dict(enumerate(self.conns))
+        failed = False  # from the first failure on, the others get FAILURE_GRACE_S, not the whole timeout
         while pending:
             remaining = deadline - time.monotonic()
-            if any(c not in (0, None) for c in codes):
-                remaining = min(remaining, FAILURE_GRACE_S)
             if remaining <= 0:
-                return codes, not any(c not in (0, None) for c in codes)
+                return codes, not failed
             ready = wait(list(pending.values()), timeout=min(remaining, 1.0))
             for rank, conn in list(pending.items()):
                 if conn in ready:
@@ -217,7 +215,8 @@ class RankPool:
                 elif self.procs[rank].poll() is not None:
                     codes[rank] = self.procs[rank].returncode
                     del pending[rank]
-            if any(c not in (0, None) for c in codes):
+            if not failed and any(c not in (0, None) for c in codes):
+                failed = True
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return codes, False
 
