@@ -57,6 +57,7 @@ __all__ = [
     "disable_torch_function_subclass",
     "dynamo_without_ddp_split",
     "distributed_is_initialized",
+    "enable_model_averaging",
     "hf_dtype_plan",
     "hf_model_from_config",
     "keep_adapters_off_meta",
@@ -73,7 +74,6 @@ __all__ = [
     "set_launcher",
     "set_num_threads_if_needed",
     "set_rng_states",
-    "skip_ddp_state_sync",
     "start_method",
     "tensor_version",
     "tree_leaves",
@@ -201,30 +201,6 @@ def distributed_is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
-
-
-def skip_ddp_state_sync(module: nn.Module) -> Callable[[], None]:
-    """Make Lightning's ``_sync_module_states`` (DDPStrategy.setup outside fitting) skip every state of ``module``.
-
-    Relies on ``module._ddp_params_and_buffers_to_ignore`` (a list of state names), which torch's
-    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` sets and which both DDP and Lightning's
-    ``lightning.pytorch.overrides.distributed._sync_module_states`` read (lightning 2.6.6, torch 2.13).
-    Returns the undo.
-    """
-    before = module.__dict__.get(_DDP_IGNORE)
-    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
-    setattr(module, _DDP_IGNORE, names)
-
-    def undo() -> None:
-        if before is None:
-            module.__dict__.pop(_DDP_IGNORE, None)
-        else:
-            setattr(module, _DDP_IGNORE, before)
-
-    return undo
-
-
 # ---------------------------------------------------------------------------------------------- Lightning
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside a ``LightningOptimizer`` (its public ``optimizer`` property), else ``optimizer``."""
@@ -298,6 +274,16 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any]:
 def ddp_timeout(strategy: Any) -> Any:
     """``DDPStrategy._timeout``: the ``timeout=`` timedelta given to ``init_process_group`` (lightning 2.6.6)."""
     return strategy._timeout
+
+
+def enable_model_averaging(strategy: Any) -> None:
+    """The end of ``DDPStrategy.setup`` (lightning 2.6.6): with a ``PostLocalSGDState`` as ``ddp_comm_state``,
+    ``DDPStrategy._enable_model_averaging()`` (reads ``_ddp_comm_state``) wraps the optimizers for periodic model
+    averaging. A no-op otherwise."""
+    import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook as post_local_sgd
+
+    if isinstance(getattr(strategy, "_ddp_comm_state", None), post_local_sgd.PostLocalSGDState):
+        strategy._enable_model_averaging()
 
 
 def layer_sync(strategy: Any) -> Any:

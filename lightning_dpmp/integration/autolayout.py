@@ -1,8 +1,8 @@
 """``DPMPStrategy(dp="auto", mp="auto")``: the split of a fixed world into (dp, mp), chosen at setup by
 measurement and the cost model.
 
-:func:`choose_layout` runs in ``DPMPStrategy.model_to_device``, after Lightning has moved the dense model and
-before it is planned for real, on every rank:
+:func:`choose_layout` runs in ``DPMPStrategy.setup``, after Lightning has moved the dense model and before the
+parallelize pipeline plans it for real, on every rank:
 
 1. rank 0's first batch is broadcast and the step is traced once on the dense model (side-effect free, as the
    planner's own trace: :func:`~lightning_dpmp.integration.autoplan.isolated`);

@@ -1,9 +1,9 @@
 """Splitting the model at setup (one batch traced, the plan made and applied, a meta model materialised) and
 gathering it back at teardown.
 
-:func:`split_model` is what ``DPMPStrategy.model_to_device`` runs between Lightning's move to the device and the
-DDP wrap; it returns what the strategy keeps for training (:class:`Split`). :func:`unsplit_model` makes the module
-(and its optimizers' state) dense again.
+:func:`split_model` is the first step of the parallelize pipeline (:mod:`lightning_dpmp.integration.parallelize`),
+after Lightning's move to the device and before the DP wrap; it returns what training keeps (:class:`Split`).
+:func:`unsplit_model` makes the module (and its optimizers' state) dense again.
 
 Example:
     >>> split = split_model(strategy, trainer, False, None, verify=True, sequence_parallel=False)  # doctest: +SKIP

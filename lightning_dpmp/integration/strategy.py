@@ -3,13 +3,15 @@
 * The grid is the base class's (:class:`~lightning_dpmp.integration.grid_strategy.GridStrategy`): ``set_world_ranks``
   resolves (dp, mp) once, ``setup_environment`` builds the :class:`~lightning_dpmp.parallel.grid.Grid`, the sampler
   shards over DP only and ``reduce`` averages over the DP group.
-* ``setup`` is ``DDPStrategy.setup``; the model is planned and split in ``model_to_device``
-  (:mod:`lightning_dpmp.integration.split`), wrapped in ``DistributedDataParallel(process_group=<dp group>)`` in
-  ``configure_ddp`` so that gradients are averaged over DP only; norm clipping goes through the global norm and the
-  sequence-parallel gradient sum runs in ``optimizer_step`` (:mod:`lightning_dpmp.integration.hooks`).
+* ``setup`` follows ``DDPStrategy.setup``'s order and calls the parallelize pipeline once
+  (:func:`~lightning_dpmp.integration.parallelize.parallelize`: plan and split, metrics over DP, overlap, compile,
+  the DP wrap or ZeRO, the optimizers, the clipping hooks, in that order); the step-time methods
+  (``optimizer_step``, ``block_backward_sync``, the ``*_step`` methods) ask its
+  :class:`~lightning_dpmp.integration.parallelize.Parallelized` result what to do.
 * Checkpoints are the job of ``self.checkpointer``
   (:class:`~lightning_dpmp.integration.strategy_checkpoint.StrategyCheckpointer`).
-* ``teardown`` gathers the layers back, so the module you passed to ``fit`` is dense again afterwards.
+* ``teardown`` undoes the pipeline, so the module you passed to ``fit`` is dense again afterwards (on rank 0 by
+  default).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -31,7 +33,7 @@ from typing_extensions import override
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.weights import defer_loading, note_deferring_strategy
-from lightning_dpmp.integration import hooks, validate
+from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
@@ -42,21 +44,12 @@ from lightning_dpmp.integration.failfast import (
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.layout import DEFAULT_TIMEOUT
-from lightning_dpmp.integration.metrics import route_metrics
-from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown, split_model, unsplit_model
+from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized, parallelize, unparallelize
+from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
-from lightning_dpmp.integration.zero import (
-    memory_line,
-    memory_report,
-    release_engine,
-    shard_optimizers,
-    then_finish_zero,
-)
-from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
-from lightning_dpmp.parallel.layers import set_async_grad_allreduce
+from lightning_dpmp.integration.zero import memory_line, memory_report
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
-from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.materialize import empty_parameters
 from lightning_dpmp.planner.user_plan import PlanOverrides
@@ -155,8 +148,7 @@ class DPMPStrategy(GridStrategy):
                                              save_distributed_checkpoint, process_group_backend, start_method,
                                              timeout, zero)
         validate.check_speed_flags(compile, async_grad_allreduce)
-        self._compile, self._async_grad_allreduce = compile, async_grad_allreduce
-        self._guard, self._zero = ConsistencyGuard(check_consistency_every_n_steps), zero
+        self._guard = ConsistencyGuard(check_consistency_every_n_steps)
         check_mp_batch(mp_batch)
         self._mp_batch = mp_batch
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
@@ -172,48 +164,55 @@ class DPMPStrategy(GridStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self._plan_overrides = overrides  # parsed once, here
-        self._sequence_parallel = bool(sequence_parallel)
-        self._verify_plan, self._consolidate_on_teardown = verify_plan, consolidate_on_teardown
+        # parsed and checked once, here; what setup's parallelize pipeline follows
+        self._config = ParallelConfig(overrides, bool(verify_plan), bool(sequence_parallel), zero, compile,
+                                      async_grad_allreduce)
+        self._consolidate_on_teardown = consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
-        self._applied_plan: Optional[PlanResult] = None
-        self._split_params: set[int] = set()
-        self._rng: Optional[RNGTracker] = None
-        self._partial_grads: list[torch.nn.Parameter] = []
+        self._parallel: Optional[Parallelized] = None  # set by setup's parallelize
         self._failed = False
-        self._undo_sync_skip: Optional[Callable[[], None]] = None  # set by model_to_device outside fitting
-        self._zero_engine: Optional[ZeroEngine] = None  # zero=2/3 while fitting
         note_deferring_strategy(self)  # from_pretrained called from now on leaves its weights to the split
 
     @property
     def rng_tracker(self) -> Optional[RNGTracker]:
         """The per-MP-rank dropout streams of the split regions (``None`` with mp=1 or before setup)."""
-        return self._rng
+        return self._parallel.rng if self._parallel is not None else None
 
     @property
     def plan_overrides(self) -> Optional[dict[str, str]]:
         """The ``{glob: style}`` overrides given to the constructor (``None`` when the planner decides alone)."""
-        return self._plan_overrides.as_dict() or None
+        return self._config.plan_overrides.as_dict() or None
 
     @property
     def parsed_plan_overrides(self) -> PlanOverrides:
         """The overrides as parsed at construction (empty when none were given): what every plan check takes."""
-        return self._plan_overrides
+        return self._config.plan_overrides
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """How the model is parallelized, as the constructor decided it."""
+        return self._config
+
+    @property
+    def parallelized(self) -> Optional[Parallelized]:
+        """What the last setup's :func:`~lightning_dpmp.integration.parallelize.parallelize` made of the module
+        (plan, RNG tracker, MP-shard and partial parameters, ZeRO engine); ``None`` before setup."""
+        return self._parallel
 
     @property
     def zero(self) -> int:
         """The ZeRO level given to the constructor (0: off; 1/2: optimizer state and gradients; 3: + parameters)."""
-        return self._zero
+        return self._config.zero
 
     @property
     def zero_engine(self) -> Optional[ZeroEngine]:
         """The engine that shards over DP while fitting with ``zero >= 1`` (``None`` otherwise, and after fit)."""
-        return self._zero_engine
+        return self._parallel.engine if self._parallel is not None else None
 
     @property
     def applied_plan(self) -> Optional[PlanResult]:
         """The plan applied at the last setup (with its printout in ``.text``), or ``None`` before setup."""
-        return self._applied_plan
+        return self._parallel.plan if self._parallel is not None else None
 
     # ------------------------------------------------------------------ training-time checks
     @override
@@ -224,7 +223,7 @@ class DPMPStrategy(GridStrategy):
             warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
             validate.warn_if_data_smaller_than_dp(trainer.train_dataloader, use_sampler, self.dp)
         if self.is_global_zero:
-            rank_zero_info(memory_line(self.memory_report(), self._zero))
+            rank_zero_info(memory_line(self.memory_report(), self.zero))
         super().on_train_start()
 
     @override
@@ -248,141 +247,98 @@ class DPMPStrategy(GridStrategy):
     # ------------------------------------------------------------------ model setup
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        # DDPStrategy.setup does the lifecycle; the split happens in model_to_device, the DP-only wrap in configure_ddp.
-        self._failed = False
-        if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (model_to_device)
+        """Lightning's setup, in ``DDPStrategy.setup``'s order, with the split in the middle: the accelerator, the
+        layer sync, the precision conversion and the dense move, then :func:`parallelize` (plan, split, DP wrap or
+        ZeRO, optimizers, hooks: :mod:`lightning_dpmp.integration.parallelize`), then the precision plugin."""
+        assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
+        self._failed, self._parallel = False, None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (_choose_layout)
             check_sync_batchnorm(compat.layer_sync(self), self.mp)
-            callbacks = getattr(trainer, "callbacks", [])
-            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn,
-                                               self.checkpointer.distributed)
-        self._undo_sync_skip = None
-        super().setup(trainer)
-        if self._undo_sync_skip is not None:
-            self._undo_sync_skip()
-        if self.mp > 1 or self._zero_engine is not None:
-            dp_group = self.grid.dp_group if self._zero_engine is not None else None
-            hooks.install(self.precision_plugin, self._split_params, self.grid.mp_group, dp_group)
-        if trainer.state.fn == TrainerFn.FITTING and self.lightning_module is not None:
+            validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero,
+                                               trainer.state.fn, self.checkpointer.distributed)
+        self.accelerator.setup(trainer)
+        layer_sync = compat.layer_sync(self)
+        if fitting and layer_sync is not None:
+            self.model = layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        # rank 0 alone holding the model (a previous run's teardown): every rank takes it from rank 0
+        meta = agree_on_meta(self)
+        if not meta:
+            self.model_to_device()
+        if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
+            self._choose_layout(trainer, meta)
+        # No module-state sync from rank 0 outside fitting (DDPStrategy's): the split broadcast rank 0's dense
+        # weights before splitting, and a sync now would overwrite each rank's MP shards with rank 0's.
+        self._parallel = parallelize(self, trainer, self._config, meta)
+        if self.layout_report:
+            self._parallel.plan.text += "\n" + self.layout_report
+        self.setup_precision_plugin()
+        if fitting:
+            compat.optimizers_to_device(self.optimizers, self.root_device)
+            compat.enable_model_averaging(self)  # DDPStrategy's post-local-SGD, when ddp_comm_state asks for it
             # Their copies were made in the callbacks' setup, before the split: they now average this rank's shards.
             split_averaging_callbacks(getattr(trainer, "callbacks", []), self.lightning_module, self.grid,
                                       self.checkpointer.gathers())
 
-    @override
-    def model_to_device(self) -> None:
-        """Move the dense model (unless it is on the meta device), then plan and split it.
-
-        This is the one hook ``DDPStrategy.setup`` calls after ``convert_module`` and before the DDP wrap (fitting)
-        or its module-state broadcast from rank 0 (other stages), which would overwrite MP shards with rank 0's.
-        """
-        assert self.model is not None and self.lightning_module is not None
-        meta = agree_on_meta(self)  # rank 0 alone holding the model (a previous run's teardown): taken from it
-        if not meta:
-            super().model_to_device()
-        trainer = self.lightning_module.trainer
-        if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
-            validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
-            choice = choose_layout(self, trainer, meta, self._plan_overrides, compat.layer_sync(self) is not None)
-            self.set_layout(choice.layout, choice.text, keep=choice.measured)
-            callbacks = getattr(trainer, "callbacks", [])
-            validate.check_averaging_callbacks(callbacks, self.mp, self._zero, trainer.state.fn,
-                                               self.checkpointer.distributed)
-        split = split_model(self, trainer, meta, self._plan_overrides, self._verify_plan, self._sequence_parallel,
-                            self._zero)
-        self._applied_plan, self._rng = split.applied_plan, split.rng
-        if self.layout_report:
-            self._applied_plan.text += "\n" + self.layout_report
-        self._partial_grads, self._split_params = split.partial_grads, split.split_params
-        route_metrics(self.model, self.grid.dp_group)  # sums and counts over DP: MP ranks saw the same batch
-        overlap = self._async_grad_allreduce
-        set_async_grad_allreduce(self.model, self.root_device.type == "cuda" if overlap is None else overlap)
-        if self._compile:
-            compile_blocks(self.lightning_module)  # after the split and the plan's eager verification
-        if trainer.state.fn != TrainerFn.FITTING:
-            # split_model already broadcast rank 0's dense weights before the split.
-            self._undo_sync_skip = compat.skip_ddp_state_sync(self.model)
-
-    @override
-    def configure_ddp(self) -> None:
-        if self.dp == 1 or self._zero >= 1:
-            return  # no DP replicas to average over, or ZeRO reduce-scatters the gradients itself
-        # With mp=1 the DP group is the world: give DDP the default group, exactly as DDPStrategy does.
-        compat.ddp_kwargs(self)["process_group"] = self.grid.dp_group if self.mp > 1 else None
-        if self._applied_plan is not None and self._applied_plan.conditional:
-            # The traced step left parameters out or branched on the data: DDP must find, each step, the parameters
-            # no rank used (their gradients stay None, as on one process) and reduce zeros for the rest.
-            compat.ddp_kwargs(self)["find_unused_parameters"] = True
-        super().configure_ddp()
+    def _choose_layout(self, trainer: "pl.Trainer", meta: bool) -> None:
+        validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
+        choice = choose_layout(self, trainer, meta, self._config.plan_overrides, compat.layer_sync(self) is not None)
+        self.set_layout(choice.layout, choice.text, keep=choice.measured)
+        validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero, trainer.state.fn,
+                                           self.checkpointer.distributed)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Optional[Any] = None, **kwargs: Any) -> Any:
-        # The precision plugin runs `closure` (backward) inside optimizer.step, then clips: the sequence-parallel
-        # partial gradients must be summed between the two, so the sum runs at the end of the closure.
-        if self._zero_engine is not None:
-            closure = then_finish_zero(closure, self._zero_engine, self.grid.mp_group)
-            out = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self._zero_engine.after_step()
-            return out
-        if self._partial_grads:
-            mine = {id(p) for p in self.precision_plugin.main_params(optimizer)}
-            partial = [p for p in self._partial_grads if id(p) in mine]
-            closure = hooks.then_sum_partial(closure, partial, self.grid.mp_group)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The precision plugin runs `closure` (backward) inside optimizer.step, then clips: partial gradients are
+        # summed over MP between the two, so the sum runs at the end of the closure.
+        parallel = self._parallel
+        if parallel is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        stepped = {id(p) for p in self.precision_plugin.main_params(optimizer)}
+        out = super().optimizer_step(optimizer, parallel.step_closure(closure, stepped), model, **kwargs)
+        parallel.after_step()
+        return out
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._zero_engine is None:
-            with super().block_backward_sync():
-                yield
-            return
-        with self._zero_engine.no_sync():  # accumulating micro-batch: zero=2 keeps gradients local
+        no_sync = self._parallel.no_sync() if self._parallel is not None else None
+        with no_sync if no_sync is not None else super().block_backward_sync():  # ZeRO keeps gradients local
             yield
 
     def parameters_whole(self) -> Any:
         """A context in which the module's parameters hold their values (zero=3 gathers them over DP, then frees)."""
-        return self._zero_engine.gathered() if self._zero_engine is not None else nullcontext()
+        return self._parallel.whole() if self._parallel is not None else nullcontext()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now: ``parameters``, ``gradients``, ``optimizer_state``, ``buffers``, counted from
         the tensors' storages (parameters freed by zero=3 count 0; its DP shards count)."""
-        return memory_report(self.lightning_module, self.optimizers, self._zero_engine)
+        return memory_report(self.lightning_module, self.optimizers, self.zero_engine)
 
-    def _step_then_leave_sharded_rng(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        engine = self._zero_engine
-        if engine is not None:
-            engine.gather_root()  # zero=3: the parameters outside the repeated blocks, for this step
-        try:
-            return getattr(super(), name)(*args, **kwargs)
-        finally:
-            if engine is not None and name != "training_step":
-                engine.free_root()  # a training step's root stays until its optimizer step
-            if self._rng is not None:
-                self._rng.exit()  # the data pipeline between steps must see the replicated RNG stream
+    def _in_step(self, training: bool = False) -> Any:
+        return self._parallel.enter_step(training) if self._parallel is not None else nullcontext()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step_then_leave_sharded_rng("training_step", *args, **kwargs)
+        with self._in_step(training=True):
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step_then_leave_sharded_rng("validation_step", *args, **kwargs)
+        with self._in_step():
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step_then_leave_sharded_rng("test_step", *args, **kwargs)
+        with self._in_step():
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._step_then_leave_sharded_rng("predict_step", *args, **kwargs)
+        with self._in_step():
+            out = super().predict_step(*args, **kwargs)
         return apply_to_collection(out, VocabShardedLogits, lambda t: t.full())  # predictions are never MP shards
-
-    @override
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        super().setup_optimizers(trainer)
-        assert self.lightning_module is not None
-        self.optimizers, self._zero_engine = shard_optimizers(
-            self.lightning_module, self.optimizers, self.lr_scheduler_configs, self._zero, self.grid,
-            self._split_params, self._partial_grads, self._applied_plan)
 
     @contextmanager
     @override
@@ -407,20 +363,12 @@ class DPMPStrategy(GridStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no collectives on the way out: a peer may be dead
         super().on_exception(exception)  # DDPStrategy's advice names strategy='ddp_find_unused_parameters_true'
-        validate.advise_our_arguments(exception, self._dp_arg, self._mp_arg, self._zero)
+        validate.advise_our_arguments(exception, self._dp_arg, self._mp_arg, self.zero)
 
     @override
     def teardown(self) -> None:
-        lm = self.lightning_module
-        if self._zero_engine is not None and not self._failed:
-            self.optimizers = release_engine(self._zero_engine, self.optimizers, self.lr_scheduler_configs)
-        self._zero_engine = None
-        if self._consolidate_on_teardown and not self._failed and lm is not None and shard_dims(lm):
-            # Before super(): it moves the module to CPU, where NCCL cannot gather. "rank0": the others keep shapes.
-            unsplit_model(self, everywhere=self._consolidate_on_teardown is True)
-        if self._compile and lm is not None:
-            uncompile_blocks(lm)
-        hooks.remove(self.precision_plugin)
+        if self._parallel is not None:
+            unparallelize(self, self._parallel, self._consolidate_on_teardown, self._failed)
         with meta_safe_teardown(self):
             super().teardown()
 

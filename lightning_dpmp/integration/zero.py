@@ -47,14 +47,13 @@ def repoint_schedulers(old: Sequence[Any], new: Sequence[Any], scheduler_configs
 def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, dp_group: Any,
                  split_params: set[int], partial_grads: Sequence[nn.Parameter], conditional: bool = False,
                  branches: tuple[str, ...] = ()) -> ZeroEngine:
-    """Shard ``module`` and its optimizers over ``dp_group`` (zero=``level``); schedulers re-pointed, and the ids of
-    the MP-split shards added to ``split_params`` so that the global-norm clip sums their squares over MP.
+    """Shard ``module`` and its optimizers over ``dp_group`` (zero=``level``), schedulers re-pointed. ``split_params``
+    (ids of the MP shards) is read, not changed: the engine's own shards of them are ``engine.shard_params("split")``.
     ``conditional``, ``branches``: a step may leave parameters out (see :class:`ZeroEngine`)."""
     plain = [compat.unwrap_optimizer(o) for o in optimizers]
     engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in partial_grads},
                         conditional=conditional, branches=branches)
     repoint_schedulers(plain, engine.optimizers, scheduler_configs)
-    split_params.update(id(p) for p in engine.shard_params("split"))
     return engine
 
 

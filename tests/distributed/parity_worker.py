@@ -38,7 +38,7 @@ class Probe(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.drop_sequence_sync:
-            trainer.strategy._partial_grads.clear()
+            trainer.strategy.parallelized.partial_grads.clear()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:

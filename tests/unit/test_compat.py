@@ -95,18 +95,17 @@ def test_distributed_is_initialized() -> None:
     assert compat.distributed_is_initialized() is False
 
 
-def test_skip_ddp_state_sync_attribute_is_read() -> None:
-    from lightning.pytorch.overrides import distributed as pl_distributed
+def test_enable_model_averaging_follows_ddp_setup() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
 
-    assert "_ddp_params_and_buffers_to_ignore" in _source(pl_distributed._sync_module_states), (
-        "Lightning's _sync_module_states no longer reads module._ddp_params_and_buffers_to_ignore: outside fitting"
-        " DDPStrategy.setup would overwrite MP shards with rank 0's"
+    setup = _source(DDPStrategy.setup)
+    assert "self._ddp_comm_state" in setup and "self._enable_model_averaging()" in setup, (
+        "DDPStrategy.setup no longer enables post-local-SGD averaging this way: compat.enable_model_averaging"
+        " (which DPMPStrategy.setup calls in its place) must follow"
     )
-    m = nn.Linear(2, 2)
-    undo = compat.skip_ddp_state_sync(m)
-    assert m._ddp_params_and_buffers_to_ignore == ["weight", "bias"]
-    undo()
-    assert not hasattr(m, "_ddp_params_and_buffers_to_ignore")
+    assert callable(getattr(DDPStrategy, "_enable_model_averaging", None))
+    s = DDPStrategy()
+    compat.enable_model_averaging(s)  # no ddp_comm_state: nothing to do, and no error
 
 
 def test_unwrap_optimizer() -> None:
@@ -189,10 +188,20 @@ def test_ddp_strategy_internals() -> None:
     assert callable(getattr(DDPStrategy, "_configure_launcher", None)), (
         "Strategy._configure_launcher is gone: DPMPStrategy's launcher would never be installed"
     )
+    # DPMPStrategy.setup replays DDPStrategy.setup's steps around its parallelize pipeline: a step Lightning adds
+    # or drops must be mirrored there.
     setup = _source(DDPStrategy.setup)
-    assert "self.model_to_device()" in setup and "self.configure_ddp()" in setup, (
-        "DDPStrategy.setup no longer calls model_to_device()/configure_ddp(): DPMPStrategy splits the model there"
+    steps = ["self.accelerator.setup(trainer)", "self._layer_sync.apply(self.model)",
+             "self.precision_plugin.convert_module(self.model)", "self.model_to_device()", "self.configure_ddp()",
+             "self.setup_optimizers(trainer)", "_sync_module_states(self.model)", "self.setup_precision_plugin()",
+             "_optimizers_to_device(self.optimizers, self.root_device)", "self._enable_model_averaging()"]
+    where = [setup.find(step) for step in steps]
+    assert all(i >= 0 for i in where) and where == sorted(where), (
+        f"DDPStrategy.setup's steps changed (missing or reordered: {[s for s, i in zip(steps, where) if i < 0]}):"
+        " DPMPStrategy.setup replays them around parallelize() and must follow"
     )
+    n_calls = sum(line.strip().startswith(("self.", "_")) and "(" in line for line in setup.splitlines())
+    assert n_calls == 10, f"DDPStrategy.setup now makes {n_calls} calls (10 in lightning 2.6.6): mirror the new one"
 
 
 def test_launcher_internals() -> None:

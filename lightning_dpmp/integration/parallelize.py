@@ -1,0 +1,245 @@
+"""The parallelize pipeline: every step that turns the user's dense module into the (dp x mp) one, in one place and
+in its order, and the steps that undo it at teardown.
+
+``DPMPStrategy.setup`` calls :func:`parallelize` once, after Lightning's precision conversion and the dense move to
+the device (skipped for a meta model). The steps, each a short function below, run in this order:
+
+1. :func:`plan_and_split`: trace one step, plan, split over MP (sequence-parallel regions included), materialise a
+   meta model and read deferred pretrained weights (:func:`~lightning_dpmp.integration.split.split_model`);
+2. :func:`route_metrics`: torchmetrics states sync over the DP group only (MP ranks saw the same batch);
+3. :func:`overlap_grad_allreduce`: column layers' input-gradient all-reduce overlapped with their weight gradient;
+4. :func:`compile_model`: ``torch.compile`` per block, after the split and its eager verification.
+
+Fitting only:
+
+5. :func:`wrap_dp`: zero=0 with dp > 1: ``DistributedDataParallel`` over the DP group (``find_unused_parameters``
+   when the trace saw a step leave parameters out);
+6. the user's ``configure_optimizers``, through the strategy's public ``setup_optimizers`` (so the LR finder's
+   wrapper of it still applies), over the split parameters;
+7. :func:`shard_dp`: zero >= 1 with dp > 1: the ZeRO engine shards gradients, optimizer state (and at 3 the
+   parameters) over DP and rebuilds the optimizers over its shards; the strategy then steps those.
+
+Then, at every stage:
+
+8. :func:`install_step_hooks`: global-norm clipping over the shards and ``found_inf`` agreed over the world.
+
+:func:`unparallelize` undoes them in reverse at teardown. What the strategy needs between the two is the
+:class:`Parallelized` result: the plan, the RNG tracker, which parameters are MP shards or partial, and the engine,
+with the few step-time operations that depend on them (:meth:`Parallelized.step_closure`,
+:meth:`Parallelized.no_sync`, :meth:`Parallelized.whole`, :meth:`Parallelized.enter_step`).
+
+Example:
+    >>> config = ParallelConfig(PlanOverrides(), verify=True, sequence_parallel=False, zero=2)
+    >>> config.zero
+    2
+    >>> parallel = parallelize(strategy, trainer, config, meta=False)   # doctest: +SKIP
+    >>> print(parallel.plan.text)                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+import lightning_dpmp.compat as compat
+from lightning_dpmp.integration import hooks
+from lightning_dpmp.integration.autoplan import PlanResult
+from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
+from lightning_dpmp.integration.split import Split, split_model, unsplit_model
+from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
+from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
+from lightning_dpmp.parallel.layers import set_async_grad_allreduce
+from lightning_dpmp.parallel.rng import RNGTracker
+from lightning_dpmp.parallel.sharding import shard_dims
+from lightning_dpmp.parallel.zero_engine import ZeroEngine
+from lightning_dpmp.planner.user_plan import PlanOverrides
+
+__all__ = [
+    "ParallelConfig",
+    "Parallelized",
+    "compile_model",
+    "install_step_hooks",
+    "overlap_grad_allreduce",
+    "parallelize",
+    "plan_and_split",
+    "route_metrics",
+    "shard_dp",
+    "unparallelize",
+    "wrap_dp",
+]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """What the strategy's constructor decided about parallelizing (validated there, before any launch)."""
+
+    plan_overrides: PlanOverrides
+    verify: bool = True
+    sequence_parallel: bool = False
+    zero: int = 0
+    compile: bool = False
+    async_grad_allreduce: Optional[bool] = None  # None: on for CUDA, off on CPU/gloo
+
+
+@dataclass
+class Parallelized:
+    """The result of :func:`parallelize`: what training needs to know about the split model.
+
+    ``split_params`` holds the ids of the parameters that are MP shards, the engine's flat shards of them included
+    (the global-norm clip sums their squares over MP); ``partial_grads`` the parameters whose gradients are summed
+    over MP once per step (sequence-parallel regions, whole layers inside a column region).
+    """
+
+    plan: PlanResult
+    rng: Optional[RNGTracker]
+    split_params: frozenset[int]
+    partial_grads: list[nn.Parameter]
+    mp_group: Any
+    engine: Optional[ZeroEngine] = None
+    compiled: bool = False
+    _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
+
+    def step_closure(self, closure: Callable[[], Any], stepped: set[int]) -> Callable[[], Any]:
+        """``closure`` (forward and backward), then the MP sum of the partial gradients among ``stepped`` (ids of
+        the parameters the optimizer steps), before the precision plugin clips and steps."""
+        if self.engine is not None:
+            return then_finish_zero(closure, self.engine, self.mp_group)
+        partial = [p for p in self.partial_grads if id(p) in stepped]
+        return hooks.then_sum_partial(closure, partial, self.mp_group) if partial else closure
+
+    def after_step(self) -> None:
+        """After the optimizer step: ZeRO gathers the updated parameters (zero=1/2) or frees them (zero=3)."""
+        if self.engine is not None:
+            self.engine.after_step()
+
+    def no_sync(self) -> Any:
+        """Context of an accumulating micro-batch under ZeRO (gradients stay local); ``None`` without ZeRO, where
+        DDP's own ``no_sync`` applies."""
+        return self.engine.no_sync() if self.engine is not None else None
+
+    def whole(self) -> Any:
+        """Context in which every parameter holds its values (zero=3 gathers them over DP, then frees them)."""
+        return self.engine.gathered() if self.engine is not None else nullcontext()
+
+    @contextmanager
+    def enter_step(self, training: bool) -> Iterator[None]:
+        """Around a training/validation/test/predict step: zero=3 gathers the parameters outside the repeated blocks
+        (a training step's stay until its optimizer step), and the split regions' dropout stream is left after it,
+        so the data pipeline between steps sees the replicated RNG stream."""
+        if self.engine is not None:
+            self.engine.gather_root()
+        try:
+            yield
+        finally:
+            if self.engine is not None and not training:
+                self.engine.free_root()
+            if self.rng is not None:
+                self.rng.exit()
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool) -> Split:
+    """Step 1: trace, plan and split ``strategy.lightning_module`` over ``strategy.grid`` (collective)."""
+    return split_model(strategy, trainer, meta, config.plan_overrides, config.verify, config.sequence_parallel,
+                       config.zero)
+
+
+def route_metrics(module: nn.Module, dp_group: Any) -> None:
+    """Step 2: torchmetrics in ``module`` sum their states over the DP group, not the world."""
+    route_metrics_over(module, dp_group)
+
+
+def overlap_grad_allreduce(module: nn.Module, setting: Optional[bool], device_type: str) -> None:
+    """Step 3: column layers overlap their input-gradient all-reduce with their weight gradient (``None``: on CUDA,
+    where streams make it pay; on CPU/gloo it only adds threads)."""
+    set_async_grad_allreduce(module, device_type == "cuda" if setting is None else setting)
+
+
+def compile_model(module: nn.Module, enabled: bool) -> bool:
+    """Step 4: ``torch.compile`` each repeated block in place; after the split and the plan's eager verification,
+    so that the compiled code is the split model's. Returns whether it compiled."""
+    if enabled:
+        compile_blocks(module)
+    return enabled
+
+
+def wrap_dp(strategy: Any, conditional: bool) -> None:
+    """Step 5 (zero=0, dp > 1): ``DistributedDataParallel`` over the DP group, so gradients are averaged over DP
+    only; with mp=1 the DP group is the world and DDP gets the default group, as ``DDPStrategy`` gives it.
+    ``conditional``: the traced step left parameters out or branched on the data, so DDP must find each step the
+    parameters no rank used (their gradients stay None, as on one process)."""
+    kwargs = compat.ddp_kwargs(strategy)
+    kwargs["process_group"] = strategy.grid.dp_group if strategy.mp > 1 else None
+    if conditional:
+        kwargs["find_unused_parameters"] = True
+    strategy.configure_ddp()
+
+
+def shard_dp(strategy: Any, split: Split, zero: int) -> Optional[ZeroEngine]:
+    """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild the strategy's optimizers over the shards (their LR
+    schedulers re-pointed); ``None`` when there is nothing to shard."""
+    optimizers, engine = shard_optimizers(strategy.lightning_module, strategy.optimizers,
+                                          strategy.lr_scheduler_configs, zero, strategy.grid, split.split_params,
+                                          split.partial_grads, split.applied_plan)
+    strategy.optimizers = optimizers
+    return engine
+
+
+def install_step_hooks(plugin: Any, parallel: Parallelized, dp_group: Any) -> None:
+    """Step 8: global-norm clipping over the shards (``dp_group`` too when the engine shards gradients over DP) and
+    ``found_inf`` agreed over the world, on the precision plugin's instance."""
+    hooks.install(plugin, set(parallel.split_params), parallel.mp_group, dp_group)
+    parallel._hooked.append(plugin)
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool) -> Parallelized:
+    """Run steps 1-8 on ``strategy``'s module over its grid (collective over the world: every rank calls it).
+
+    ``meta``: the module's parameters are on the meta device (each rank allocates only its shards). When fitting,
+    the strategy's ``model`` is DDP-wrapped (zero=0) and its ``optimizers`` are set (over the ZeRO shards at
+    zero >= 1), as Lightning's setup would leave them.
+    """
+    module = strategy.lightning_module
+    grid = strategy.grid
+    split = plan_and_split(strategy, trainer, config, meta)
+    route_metrics(strategy.model, grid.dp_group)
+    overlap_grad_allreduce(strategy.model, config.async_grad_allreduce, strategy.root_device.type)
+    compiled = compile_model(module, config.compile)
+    engine = None
+    if trainer.state.fn == TrainerFn.FITTING:
+        if grid.dp > 1 and config.zero == 0:
+            wrap_dp(strategy, bool(split.applied_plan.conditional))
+        strategy.setup_optimizers(trainer)
+        if grid.dp > 1 and config.zero >= 1:
+            engine = shard_dp(strategy, split, config.zero)
+    # the engine's flat shards of MP-split parameters are MP shards too
+    split_params = frozenset(split.split_params) | (
+        frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
+    parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
+                            engine, compiled)
+    if grid.mp > 1 or engine is not None:
+        install_step_hooks(strategy.precision_plugin, parallel, grid.dp_group if engine is not None else None)
+    return parallel
+
+
+def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool, str], failed: bool) -> None:
+    """Undo :func:`parallelize` in reverse (collective unless ``failed``: after an error no rank communicates, since
+    a peer may be dead): release the engine (whole parameters, plain optimizers with their gathered state), gather
+    the layers back per ``consolidate`` (``"rank0"``: global rank 0 alone ends with the plain model; ``True``: every
+    rank; ``False``: stays split), uncompile, remove the step hooks."""
+    module = strategy.lightning_module
+    if parallel.engine is not None and not failed:
+        strategy.optimizers = release_engine(parallel.engine, strategy.optimizers, strategy.lr_scheduler_configs)
+    parallel.engine = None
+    if consolidate and not failed and module is not None and shard_dims(module):
+        unsplit_model(strategy, everywhere=consolidate is True)
+    if parallel.compiled and module is not None:
+        uncompile_blocks(module)
+    while parallel._hooked:
+        hooks.remove(parallel._hooked.pop())

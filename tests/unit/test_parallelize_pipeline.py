@@ -1,0 +1,123 @@
+"""The parallelize pipeline's order (issue 25, item 1): one call, its steps in the written order, per stage and zero.
+
+Each step function of :mod:`lightning_dpmp.integration.parallelize` is replaced by a recorder, so the test sees
+which steps :func:`parallelize` runs, in which order, with what; the steps themselves are covered by the parity,
+ZeRO and compile tests, which run through this same pipeline.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+import lightning_dpmp.integration.parallelize as pipeline
+from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized
+from lightning_dpmp.integration.split import Split
+from lightning_dpmp.planner.user_plan import PlanOverrides
+
+
+class _Engine:
+    def __init__(self, split_shard: nn.Parameter) -> None:
+        self.split_shard = split_shard
+        self.calls: list[str] = []
+
+    def shard_params(self, kind: str) -> list[nn.Parameter]:
+        return [self.split_shard] if kind == "split" else []
+
+    def after_step(self) -> None:
+        self.calls.append("after_step")
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: TrainerFn, conditional: tuple = ()
+         ) -> tuple[list[str], Parallelized, Any]:
+    calls: list[str] = []
+    module = nn.Linear(2, 2)
+    shard = nn.Parameter(torch.zeros(1))
+    plan = SimpleNamespace(conditional=conditional, text="plan")
+    split = Split(applied_plan=plan, rng=None, partial_grads=[], split_params={id(module.weight)})  # type: ignore
+    engine = _Engine(shard)
+    strategy = SimpleNamespace(lightning_module=module, model=module, grid=SimpleNamespace(dp=dp, mp=mp,
+                               dp_group="dp", mp_group="mp"), root_device=torch.device("cpu"),
+                               precision_plugin="plugin")
+    strategy.setup_optimizers = lambda trainer: calls.append("setup_optimizers")
+
+    def record(name: str, result: Any = None) -> Any:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return result
+        return step
+
+    monkeypatch.setattr(pipeline, "plan_and_split", record("plan_and_split", split))
+    monkeypatch.setattr(pipeline, "route_metrics", record("route_metrics"))
+    monkeypatch.setattr(pipeline, "overlap_grad_allreduce", record("overlap_grad_allreduce"))
+    monkeypatch.setattr(pipeline, "compile_model", lambda m, enabled: calls.append("compile_model") or enabled)
+    monkeypatch.setattr(pipeline, "wrap_dp", lambda s, cond: calls.append(f"wrap_dp(conditional={cond})"))
+    monkeypatch.setattr(pipeline, "shard_dp", record("shard_dp", engine))
+    monkeypatch.setattr(pipeline, "install_step_hooks",
+                        lambda plugin, parallel, dp_group: calls.append(f"install_step_hooks(dp_group={dp_group})"))
+    config = ParallelConfig(PlanOverrides(), zero=zero, compile=True)
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
+    return calls, pipeline.parallelize(strategy, trainer, config, meta=False), shard
+
+
+MODEL_STEPS = ["plan_and_split", "route_metrics", "overlap_grad_allreduce", "compile_model"]
+
+
+def test_fitting_at_zero0_wraps_in_ddp_before_the_optimizers(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, parallel, _ = _run(monkeypatch, dp=2, mp=2, zero=0, fn=TrainerFn.FITTING)
+    assert calls == MODEL_STEPS + ["wrap_dp(conditional=False)", "setup_optimizers",
+                                   "install_step_hooks(dp_group=None)"]
+    assert parallel.engine is None and parallel.compiled and parallel.plan.text == "plan"
+
+
+def test_a_conditional_trace_asks_ddp_to_find_unused_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, _, _ = _run(monkeypatch, dp=2, mp=1, zero=0, fn=TrainerFn.FITTING, conditional=("experts",))
+    assert "wrap_dp(conditional=True)" in calls
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_fitting_under_zero_shards_after_the_optimizers_and_counts_its_split_shards(
+        monkeypatch: pytest.MonkeyPatch, zero: int) -> None:
+    calls, parallel, shard = _run(monkeypatch, dp=2, mp=2, zero=zero, fn=TrainerFn.FITTING)
+    assert calls == MODEL_STEPS + ["setup_optimizers", "shard_dp", "install_step_hooks(dp_group=dp)"]
+    assert parallel.engine is not None
+    assert id(shard) in parallel.split_params  # the clip sums the engine's flat MP shards over MP too
+    closure = parallel.step_closure(lambda: "loss", set())
+    assert closure is not None
+    parallel.after_step()
+    assert parallel.engine.calls == ["after_step"]  # type: ignore[attr-defined]
+
+
+def test_one_dp_rank_neither_wraps_nor_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, parallel, _ = _run(monkeypatch, dp=1, mp=2, zero=3, fn=TrainerFn.FITTING)
+    assert calls == MODEL_STEPS + ["setup_optimizers", "install_step_hooks(dp_group=None)"]
+    assert parallel.engine is None
+
+
+@pytest.mark.parametrize("fn", [TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING])
+def test_outside_fitting_only_the_model_steps_run(monkeypatch: pytest.MonkeyPatch, fn: TrainerFn) -> None:
+    calls, parallel, _ = _run(monkeypatch, dp=2, mp=2, zero=2, fn=fn)
+    assert calls == MODEL_STEPS + ["install_step_hooks(dp_group=None)"]
+    assert parallel.engine is None
+
+
+def test_mp1_without_zero_installs_no_step_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls, _, _ = _run(monkeypatch, dp=2, mp=1, zero=0, fn=TrainerFn.FITTING)
+    assert calls == MODEL_STEPS + ["wrap_dp(conditional=False)", "setup_optimizers"]
+
+
+def test_step_closure_sums_only_the_stepped_partial_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    sums: list[list[nn.Parameter]] = []
+    monkeypatch.setattr(pipeline.hooks, "then_sum_partial",
+                        lambda closure, params, group: sums.append(list(params)) or closure)
+    a, b = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    parallel = Parallelized(SimpleNamespace(), None, frozenset(), [a, b], "mp")  # type: ignore[arg-type]
+    parallel.step_closure(lambda: None, {id(b)})
+    assert sums == [[b]]
+    assert parallel.step_closure(lambda: 1, set())() == 1  # nothing partial stepped: the closure as it is
+    assert sums == [[b]]
