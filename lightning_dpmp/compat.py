@@ -58,6 +58,7 @@ __all__ = [
     "dynamo_without_ddp_split",
     "distributed_is_initialized",
     "enable_model_averaging",
+    "hf_checkpoint_conversion",
     "hf_dtype_plan",
     "hf_model_from_config",
     "keep_adapters_off_meta",
@@ -410,3 +411,63 @@ def hf_dtype_plan(model: Any, dtype: torch.dtype) -> dict[str, torch.dtype]:
     ``*`` as ``.*`` (transformers' ``build_glob_alternation``). ``{}`` for a model without the method."""
     plan = getattr(model, "_get_dtype_plan", None)
     return dict(plan(dtype)) if callable(plan) else {}
+
+
+def hf_checkpoint_conversion(
+    model: Any, keys: list[str]
+) -> Optional[tuple[dict[str, str], list[tuple[list[str], Callable[[Callable[[str], Tensor]], dict[str, Tensor]]]]]]:
+    """How transformers' ``from_pretrained`` turns a checkpoint's tensors ``keys`` into ``model``'s, for checkpoints
+    stored in another layout than the model's (Mixtral's per-expert ``experts.<i>.w1/w3`` files into one stacked
+    ``experts.gate_up_proj``; renamed prefixes; legacy ``gamma``/``beta``). ``None`` when no key needs converting.
+
+    Relies on transformers 5.24's loading internals: ``conversion_mapping.get_model_conversion_mapping(model)`` (used
+    by peft, documented as such in its source), ``core_model_loading.rename_source_key`` and
+    ``WeightConverter.add_tensor``/``convert``, called as ``convert_and_load_state_dict_in_model`` calls them (keys in
+    ``dot_natural_key`` order, a fresh copy of the converter per target). Returns ``(renamed, groups)``: ``renamed``
+    maps a model key to the one checkpoint key it is read from unchanged; each group is ``(source keys, make)`` where
+    ``make(read)`` reads every source whole through ``read(key)`` and returns ``{model key: tensor}``.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+    except ImportError:  # another transformers: checkpoints are read under their own names
+        return None
+    import copy
+    import functools
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    expected = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    renamed: dict[str, str] = {}
+    grouped: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
+    for key in sorted(keys, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if target not in expected and key in expected:
+            target, pattern = key, None
+        if pattern is None:
+            renamed.setdefault(target, key)
+        else:
+            grouped.setdefault(target, (by_pattern[pattern], []))[1].append((key, pattern))
+    if not grouped and all(t == k for t, k in renamed.items()):
+        return None
+
+    def maker(target: str, converter: Any, sources: list[tuple[str, str]]) -> Callable[..., dict[str, Tensor]]:
+        def make(read: Callable[[str], Tensor]) -> dict[str, Tensor]:
+            fresh = copy.deepcopy(converter)
+            for key, pattern in sources:
+                fresh.add_tensor(target, key, pattern, functools.partial(read, key))  # read when converted
+            return dict(fresh.convert(target, model=model, config=getattr(model, "config", None)))
+
+        return make
+
+    groups = [([k for k, _ in sources], maker(target, converter, sources))
+              for target, (converter, sources) in grouped.items()]
+    return renamed, groups

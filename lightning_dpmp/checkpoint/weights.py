@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from lightning_dpmp.parallel.sharding import MATERIALIZED_ATTR, shard_blocks, sh
 
 __all__ = [
     "DEFERRED_ATTR",
+    "ConvertedWeights",
     "DeferredWeights",
     "RankZeroWeights",
     "WeightFiles",
@@ -139,6 +140,58 @@ class WeightFiles:
             return sl[index] if index else sl[:]
 
 
+#: ``make(read)`` of a converted group: reads each of its source tensors whole through ``read(key)`` and returns the
+#: model's tensors it makes, by the model's names.
+MakeTensors = Callable[[Callable[[str], Tensor]], dict[str, Tensor]]
+
+
+class ConvertedWeights:
+    """A checkpoint stored in another layout than the model's, read under the model's names.
+
+    Some tensors are the checkpoint's under another name (``renamed``: model key -> checkpoint key), read in slices
+    as :class:`WeightFiles` reads them; others are made from several checkpoint tensors (``groups``: Mixtral's
+    per-expert ``w1``/``w3`` stacked into one ``gate_up_proj``), made whole when first read, sliced, and dropped
+    once the next group is made, so a rank holds at most one group's tensors beyond its slices. The shapes of made
+    tensors are found by making them once from meta tensors (no data read).
+
+    Args:
+        files: the checkpoint.
+        renamed: model key -> checkpoint key, read as they are.
+        groups: ``(checkpoint keys, make)`` for the tensors made from several (see ``MakeTensors``).
+    """
+
+    def __init__(self, files: WeightFiles, renamed: Mapping[str, str], groups: list[tuple[list[str], MakeTensors]]
+                 ) -> None:
+        self.files, self.path = files, files.path
+        self._renamed = dict(renamed)
+        self._groups = groups
+        self._owner: dict[str, int] = {}
+        self._shapes = {k: files.shape(src) for k, src in self._renamed.items()}
+        for i, (_, make) in enumerate(groups):
+            for key, t in make(lambda k: torch.empty(files.shape(k), device="meta")).items():
+                self._owner[key], self._shapes[key] = i, tuple(t.shape)
+        self._made: tuple[int, dict[str, Tensor]] = (-1, {})
+
+    def keys(self) -> list[str]:
+        """The model's names this checkpoint holds a tensor for."""
+        return list(self._shapes)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The dense shape of the model's ``key``."""
+        return self._shapes[key]
+
+    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: int = 1) -> Tensor:
+        """As :meth:`WeightFiles.read`, under the model's name ``key``."""
+        if key in self._renamed:
+            return self.files.read(self._renamed[key], dim, parts, part, blocks)
+        i = self._owner[key]
+        if self._made[0] != i:
+            self._made = (-1, {})  # the previous group's tensors go before the next are made
+            self._made = (i, self._groups[i][1](self.files.read))
+        full = self._made[1][key]
+        return full.clone() if dim is None or parts == 1 else shard_tensor(full, dim, parts, part, blocks).clone()
+
+
 def match_keys(module: nn.Module, names: list[str], prefix: Optional[str] = None) -> dict[str, str]:
     """For each ``state_dict`` key of ``module``, the checkpoint name that holds it.
 
@@ -221,16 +274,24 @@ class DeferredWeights:
     source: Union[str, RankZeroWeights]  # a path for WeightFiles, or rank 0's tensors
     strict: bool = True
     prefix: Optional[str] = None  # a base-model prefix the checkpoint's names may carry or lack (see match_keys)
+    # the files' layout -> the model's, when they differ (a transformers checkpoint it converts on load)
+    convert: Optional[Callable[[WeightFiles], Optional[ConvertedWeights]]] = None
 
-    def open(self) -> Union[WeightFiles, RankZeroWeights]:
-        return WeightFiles(self.source) if isinstance(self.source, str) else self.source
+    def open(self) -> Union[WeightFiles, ConvertedWeights, RankZeroWeights]:
+        if not isinstance(self.source, str):
+            return self.source
+        files = WeightFiles(self.source)
+        converted = self.convert(files) if self.convert is not None else None
+        return converted if converted is not None else files
 
 
-def defer_weights(module: nn.Module, path: str, strict: bool = True, prefix: Optional[str] = None) -> nn.Module:
+def defer_weights(module: nn.Module, path: str, strict: bool = True, prefix: Optional[str] = None,
+                  convert: Optional[Callable[[WeightFiles], Optional[ConvertedWeights]]] = None) -> nn.Module:
     """Mark ``module`` (its parameters on the meta device) to be filled from ``path`` after the split; the
-    strategy then calls :func:`load_deferred`. Returns ``module``."""
+    strategy then calls :func:`load_deferred`. ``convert``: the files seen under the model's names when their
+    layout differs (``None`` from it: read as they are). Returns ``module``."""
     WeightFiles(str(path))  # fail now, with the path named, rather than at setup on every rank
-    module.__dict__[DEFERRED_ATTR] = DeferredWeights(str(path), strict, prefix)
+    module.__dict__[DEFERRED_ATTR] = DeferredWeights(str(path), strict, prefix, convert)
     return module
 
 

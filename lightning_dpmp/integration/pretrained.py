@@ -27,12 +27,18 @@ import torch
 from torch import nn
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.checkpoint.weights import WeightFiles, defer_weights, loading_deferred, match_keys
+from lightning_dpmp.checkpoint.weights import (
+    ConvertedWeights,
+    WeightFiles,
+    defer_weights,
+    loading_deferred,
+    match_keys,
+)
 from lightning_dpmp.planner.materialize import empty_parameters
 
-__all__ = ["from_pretrained", "load_weights"]
+__all__ = ["converted_view", "from_pretrained", "load_weights"]
 
-_BUILD_KWARGS = ("attn_implementation",)  # passed to the model's construction, as from_pretrained does
+_BUILD_KWARGS = ("attn_implementation", "experts_implementation")  # to the construction, as from_pretrained does
 
 
 def from_pretrained(model_class: Any, path: str, *, lazy: Optional[bool] = None, **kwargs: Any) -> nn.Module:
@@ -46,7 +52,9 @@ def from_pretrained(model_class: Any, path: str, *, lazy: Optional[bool] = None,
             ``configure_model`` / ``init_module`` contexts, or when one has been created in this process: create
             the Trainer before the model, or call this in ``configure_model``).
         kwargs: ``config``, ``dtype`` (or ``torch_dtype``; ``"auto"`` by default: the config's dtype) and
-            ``attn_implementation``; on the non-lazy path anything ``from_pretrained`` takes.
+            ``attn_implementation``, ``experts_implementation``; on the non-lazy path anything ``from_pretrained``
+            takes. Checkpoints in a layout transformers converts on load (Mixtral's per-expert files) are read as
+            it reads them.
 
     Raises:
         TypeError: a keyword the lazy path does not implement (named), rather than ignoring it.
@@ -72,7 +80,19 @@ def from_pretrained(model_class: Any, path: str, *, lazy: Optional[bool] = None,
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers returns it (Lightning keeps submodules in the mode it finds them)
     compat.keep_adapters_off_meta()  # adapters added next (peft) keep their initial values
-    return defer_weights(model, path, strict=True, prefix=getattr(model, "base_model_prefix", None) or None)
+    return defer_weights(model, path, strict=True, prefix=getattr(model, "base_model_prefix", None) or None,
+                         convert=lambda files: converted_view(model, files))
+
+
+def converted_view(model: nn.Module, files: WeightFiles) -> Optional[ConvertedWeights]:
+    """``files`` under ``model``'s names where transformers would convert them on load (per-expert tensors stacked,
+    renamed prefixes): the conversions are transformers' own for the model (``compat.hf_checkpoint_conversion``),
+    so every architecture it converts is read as ``from_pretrained`` reads it. ``None`` when nothing converts."""
+    conversion = compat.hf_checkpoint_conversion(model, files.keys())
+    if conversion is None:
+        return None
+    renamed, groups = conversion
+    return ConvertedWeights(files, renamed, groups)
 
 
 def _keep_in_dtype_plan(model: nn.Module, dtype: Any) -> None:

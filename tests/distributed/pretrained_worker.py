@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from datetime import timedelta
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -41,8 +42,9 @@ class AfterLoad(L.Callback):
     """Right after the split and the load: this rank's tensors against its slices of the file; at the end of the
     fit, an export while the model is still split."""
 
-    def __init__(self, path: str, export: str) -> None:
+    def __init__(self, path: str, export: str, load_kwargs: Optional[dict] = None) -> None:
         self.path, self.export, self.load_diff, self.read, self.mode = path, export, None, {}, None
+        self.load_kwargs = load_kwargs or {}
 
     def on_fit_start(self, trainer, pl_module):
         if self.load_diff is not None:
@@ -54,11 +56,18 @@ class AfterLoad(L.Callback):
         dims, blocks = shard_dims(net), shard_blocks(net)
         grid = trainer.strategy.grid
         worst = 0.0
+        # Tensors the file stores in another layout (Mixtral's per-expert w1/w3 -> one stacked gate_up_proj): what
+        # transformers' own from_pretrained makes of them, in this process, is the truth they are compared with.
+        converted = {}
+        if any(k not in names and "lora_" not in k for k in net.state_dict()):
+            converted = type(net).from_pretrained(self.path, **self.load_kwargs).state_dict()
+        self.read["converted_tensors"] = sum(1 for k in converted if k not in names)
         with trainer.strategy.parameters_whole():  # zero=3: the MP-local parameters exist only inside
             for key, t in net.state_dict().items():
-                if key not in names:  # an adapter: not in the checkpoint
+                if key not in names and key not in converted:  # an adapter: not in the checkpoint
+                    assert "lora_" in key, f"{key} is neither in {self.path} nor an adapter"
                     continue
-                full = files.read(names[key]).to(t.dtype)
+                full = (files.read(names[key]) if key in names else converted[key]).to(t.dtype)
                 want = shard_tensor(full, dims[key], grid.mp, grid.mp_rank, blocks.get(key, 1)) if key in dims else full
                 worst = max(worst, (t - want).abs().max().item())
         self.load_diff = worst
@@ -134,10 +143,10 @@ def run(dp: int, mp: int, out: str, case: str) -> dict:
         return generate(dp, mp, os.path.join(out, "..", "pretrained", P.base(case)))
     path = os.path.join(out, "..", "pretrained", P.checkpoint_case(case))
     export = os.path.join(out, f"{case}_export") if "+lora" not in case else ""  # adapters: no Hugging Face export
-    probe = AfterLoad(path, export)
+    probe = AfterLoad(path, export, P.load_kwargs(case))
     again = "+again" in case
     trainer = trainer_for(dp, mp, 3 if "+z3" in case else 0, AGAIN_STEPS[0] if again else STEPS, [probe])
-    net = lightning_dpmp.from_pretrained(P.model_class(case), path)  # after the Trainer: lazy
+    net = lightning_dpmp.from_pretrained(P.model_class(case), path, **P.load_kwargs(case))  # after the Trainer: lazy
     lazy = all(p.is_meta for p in net.parameters())
     model = P.lightning_module(case, net)
     loader = DataLoader(P.dataset(), batch_size=GLOBAL_BATCH // dp)

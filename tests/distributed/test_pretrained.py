@@ -2,7 +2,8 @@
 sharded index) loaded with ``lightning_dpmp.from_pretrained`` at (1,2), (2,2) and (1,4), each rank reading only
 its slices, against single-process training from transformers' own ``from_pretrained``.
 
-- right after the load, every tensor a rank holds equals its slice of the file exactly;
+- right after the load, every tensor a rank holds equals its slice of the file exactly (Mixtral, whose file holds
+  per-expert tensors that transformers stacks when it loads: its slice of transformers' own loaded tensors);
 - 20 float64 AdamW steps (norm clipping) end within 1e-8 of single-process training, with the usual shifted loss
   and with transformers' ``labels=`` loss (tied Llama, where it computes in float32: 1e-6; T5), Conv1D with fused
   q|k|v (GPT-2), T5's one embedding under three names, and at zero=3;
@@ -36,8 +37,8 @@ from tests.support.reference import one_process_trainer
 pytest.importorskip("transformers")
 
 CASES = {
-    (2, 2): ["llama", "llama_tied+sharded", "gpt2", "t5", "llama+again", "llama+z3", "llama+lora"],
-    (1, 2): ["llama", "gpt2", "t5", "llama@generate", "llama+lora", "llama+lora_all"],
+    (2, 2): ["llama", "llama_tied+sharded", "gpt2", "t5", "llama+again", "llama+z3", "llama+lora", "mixtral"],
+    (1, 2): ["llama", "gpt2", "t5", "llama@generate", "llama+lora", "llama+lora_all", "mixtral+sharded"],
     (1, 4): ["llama_tied+sharded", "gpt2"],
 }
 
@@ -59,7 +60,7 @@ def _reference(folder, case: str) -> dict:
     """Single process, transformers' own from_pretrained, the same steps and global batch."""
     L.seed_everything(W.SEED, workers=True)
     path = str(folder / "pretrained" / P.checkpoint_case(case))
-    model = P.lightning_module(case, P.model_class(case).from_pretrained(path))
+    model = P.lightning_module(case, P.model_class(case).from_pretrained(path, **P.load_kwargs(case)))
     for steps in W.AGAIN_STEPS if "+again" in case else (W.STEPS,):
         trainer = one_process_trainer(max_steps=steps, gradient_clip_val=W.CLIP, gradient_clip_algorithm="norm")
         trainer.fit(model, reference_loader(P.dataset(), W.GLOBAL_BATCH, W.SEED))
@@ -98,6 +99,9 @@ def test_each_rank_reads_exactly_its_slices(run):
             assert got["lazy"], f"{case} rank {r}: from_pretrained loaded the whole model"
             assert got["load_diff"] == 0.0, f"{case} rank {r}: {got['load_diff']:.3e} from the file's slices"
             assert got["split_tensors"] > 0, f"{case}: nothing split at mp={mp}"
+            if P.base(case) == "mixtral":  # the file: block_sparse_moe.gate and experts.<i>.w1/w2/w3 per layer; the
+                # model: mlp.gate (renamed), mlp.experts.gate_up_proj and down_proj (stacked), in each of 2 layers
+                assert got["converted_tensors"] == 6, got["converted_tensors"]
 
 
 @pytest.mark.slow
@@ -120,7 +124,7 @@ def test_export_during_fit_loads_back_exactly(run):
         if "+again" in case or "+lora" in case:
             continue
         trained = torch.load(out / f"{case}.ckpt", weights_only=True)["state_dict"]
-        back = P.model_class(case).from_pretrained(str(out / f"{case}_export"))
+        back = P.model_class(case).from_pretrained(str(out / f"{case}_export"), **P.load_kwargs(case))
         assert back.dtype == torch.float64  # the config says what the weights are
         for k, v in back.state_dict().items():
             assert torch.equal(v, trained[f"net.{k}"]), f"{case}: {k} differs after the export"
@@ -144,7 +148,7 @@ def test_convert_hf_from_the_consolidated_checkpoint(run, folders, tmp_path):
         target = tmp_path / f"{case}_hf"
         assert main([str(out / f"{case}.ckpt"), str(target), "--hf", "--config", base, "--max-shard-size", "20KB"]) == 0
         trained = torch.load(out / f"{case}.ckpt", weights_only=True)["state_dict"]
-        back = P.model_class(case).from_pretrained(str(target))
+        back = P.model_class(case).from_pretrained(str(target), **P.load_kwargs(case))
         for k, v in back.state_dict().items():
             assert torch.equal(v, trained[f"net.{k}"]), f"{case}: {k} differs after convert --hf"
 

@@ -41,13 +41,33 @@ def _t5() -> nn.Module:
         decoder_start_token_id=0, pad_token_id=0))
 
 
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=False, output_router_logits=False))
+
+
 # name -> (builder, the model class to load it with, the LightningModule that trains it)
 PRETRAINED: dict[str, tuple[Callable[[], nn.Module], str, Callable[[nn.Module], Any]]] = {
     "llama": (lambda: _llama(False), "LlamaForCausalLM", CausalLM),
     "llama_tied": (lambda: _llama(True), "LlamaForCausalLM", LabelsLM),  # transformers' own labels= loss
     "gpt2": (_gpt2, "GPT2LMHeadModel", CausalLM),  # Conv1D, fused q|k|v
     "t5": (_t5, "T5ForConditionalGeneration", LabelsLM),  # one embedding under three names
+    # save_pretrained writes the hub layout (experts.<i>.w1/w2/w3) that transformers stacks into
+    # experts.gate_up_proj / down_proj when it loads: a converted layout
+    "mixtral": (_mixtral, "MixtralForCausalLM", CausalLM),
 }
+
+# from_pretrained keywords per model: the stacked experts' default kernel (grouped_mm) has no float64 CPU kernel
+LOAD_KWARGS: dict[str, dict[str, Any]] = {"mixtral": {"experts_implementation": "eager"}}
+
+
+def load_kwargs(case: str) -> dict[str, Any]:
+    """What both transformers' and lightning_dpmp's ``from_pretrained`` are given for the case's model."""
+    return dict(LOAD_KWARGS.get(base(case), {}))
 
 
 NEW_TOKENS = 4

@@ -356,3 +356,23 @@ def test_queue_backward_callback_runs_once_when_the_backward_ends() -> None:
     assert events == ["hook", "end"], events  # after the hooks of that pass, once
     (x * 1).sum().backward()
     assert events == ["hook", "end"], "a callback must not run again in a later backward"
+
+
+def test_hf_checkpoint_conversion_internals() -> None:
+    pytest.importorskip("transformers")
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+
+    for name in ("add_tensor", "convert"):
+        assert callable(getattr(WeightConverter, name, None)), f"WeightConverter.{name} is gone"
+    assert callable(rename_source_key) and callable(dot_natural_key)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
+    assert any(isinstance(t, WeightConverter) for t in get_model_conversion_mapping(model)), (
+        "transformers no longer converts Mixtral's per-expert files on load: compat.hf_checkpoint_conversion's test"
+        " model must change")
+    keys = [f"model.layers.0.block_sparse_moe.experts.{i}.w{j}.weight" for i in range(2) for j in (1, 2, 3)]
+    renamed, groups = compat.hf_checkpoint_conversion(model, keys)
+    assert renamed == {} and sorted(len(src) for src, _ in groups) == [2, 4]

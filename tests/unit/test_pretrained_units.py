@@ -292,3 +292,62 @@ def test_materialize_initialises_a_whole_parallel_layer_alike_on_every_rank():
         return layer
 
     assert torch.equal(built(0).weight, built(1).weight)
+
+
+def _tiny_mixtral(folder):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    MixtralForCausalLM(cfg).save_pretrained(str(folder))
+    return MixtralForCausalLM
+
+
+def test_a_converted_layout_is_read_as_transformers_reads_it(tmp_path):
+    """Mixtral's file holds ``block_sparse_moe.experts.<i>.w1/w2/w3``; the model ``mlp.experts.gate_up_proj`` (4
+    experts' w1|w3 stacked) and ``down_proj``: the view names the model's keys, makes each stack once per group from
+    whole source tensors, slices it like any split tensor, and keeps one group at a time."""
+    from lightning_dpmp.checkpoint.weights import ConvertedWeights
+    from lightning_dpmp.integration.pretrained import converted_view
+
+    cls = _tiny_mixtral(tmp_path)
+    want = cls.from_pretrained(str(tmp_path)).state_dict()
+    lazy = from_pretrained(cls, str(tmp_path), lazy=True)
+    files = WeightFiles(str(tmp_path))
+    assert not any("gate_up_proj" in k for k in files.keys())
+    view = converted_view(lazy, files)
+    assert isinstance(view, ConvertedWeights)
+    assert sorted(view.keys()) == sorted(want), set(view.keys()) ^ set(want)
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    assert view.shape(key) == tuple(want[key].shape) == (4, 48, 16)
+    assert torch.equal(view.read(key), want[key])
+    for part in range(2):  # the fused gate|up blocks, split per block as the experts' split holds them
+        got = view.read(key, dim=1, parts=2, part=part, blocks=2)
+        assert torch.equal(got, shard_tensor(want[key], 1, 2, part, 2))
+    assert torch.equal(view.read("model.layers.0.mlp.gate.weight"), want["model.layers.0.mlp.gate.weight"])
+    view.read("model.layers.0.mlp.experts.down_proj")
+    held = view._made[1]  # noqa: SLF001 - the bound: one group's tensors held, the last one made
+    assert list(held) == ["model.layers.0.mlp.experts.down_proj"]
+
+
+def test_a_checkpoint_in_the_models_own_layout_needs_no_view(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_dpmp.integration.pretrained import converted_view
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=4)).save_pretrained(str(tmp_path))
+    lazy = from_pretrained(LlamaForCausalLM, str(tmp_path), lazy=True)
+    assert converted_view(lazy, WeightFiles(str(tmp_path))) is None
+
+
+def test_deferred_load_of_a_converted_layout_equals_transformers(tmp_path):
+    cls = _tiny_mixtral(tmp_path)
+    want = cls.from_pretrained(str(tmp_path)).state_dict()
+    lazy = from_pretrained(cls, str(tmp_path), lazy=True)
+    materialize(lazy, torch.device("cpu"), 0, 0)
+    read = load_deferred(lazy, None)
+    assert read["tensors"] == len(want)
+    got = lazy.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
