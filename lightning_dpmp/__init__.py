@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_dpmp.integration.accounting import CommAccounting, CommCounter
 from lightning_dpmp.integration.autoplan import PlanFallbackWarning, PlanVerificationError, UnverifiedPlanWarning
 from lightning_dpmp.integration.data_path import UnevenBatchesError
+from lightning_dpmp.integration.fabric import FabricDPMPStrategy
 from lightning_dpmp.integration.mp_batch import BatchMismatchError
 from lightning_dpmp.integration.pretrained import from_pretrained, load_weights
 from lightning_dpmp.integration.strategy import DPMPStrategy
@@ -35,6 +36,7 @@ __all__ = [
     "CommAccounting",
     "CommCounter",
     "DPMPStrategy",
+    "FabricDPMPStrategy",
     "Grid",
     "LayerPlan",
     "Plan",
