@@ -5,7 +5,9 @@ Usage: ``fabric_worker.py DP MP OUT``. Writes ``OUT/rank<r>.json`` and, from glo
 - ``straight.ckpt``: 10 float64 AdamW steps (loss on the logits outside the model, ``fabric.clip_gradients``);
 - ``resumed.ckpt``: 6 steps, ``fabric.save``, then a fresh model and optimizer, ``fabric.load`` before their first
   call (the optimizer state is sliced at the split), 4 more steps;
-- ``accumulated.ckpt``: 5 steps of 2 micro-batches each under ``fabric.no_backward_sync``.
+- ``accumulated.ckpt``: 5 steps of 2 micro-batches each under ``fabric.no_backward_sync``;
+- ``pretrained.ckpt``: 10 steps of a model saved with ``save_pretrained`` and loaded with
+  ``lightning_dpmp.from_pretrained`` (meta until the first call, then each rank reads its slices).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def batches(fabric, micro: int):
         yield from loader
 
 
-def train(fabric, steps: int, micro: int = 1, load: str = "", save: str = "", skip: int = 0, record=None):
-    net = llama()
+def train(fabric, steps: int, micro: int = 1, load: str = "", save: str = "", skip: int = 0, record=None,
+          net=None):
+    net = net if net is not None else llama()
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.01)
     model, optimizer = fabric.setup(net, optimizer)
     if load:
@@ -91,6 +94,17 @@ def main(dp: int, mp: int, out: str) -> None:
     train(fabric, 6, save=os.path.join(out, "half.ckpt"))
     train(fabric, 4, load=os.path.join(out, "half.ckpt"), save=os.path.join(out, "resumed.ckpt"), skip=6)
     train(fabric, 5, micro=2, save=os.path.join(out, "accumulated.ckpt"))
+    # a pretrained folder read lazily: built on meta, each rank reads its slices at the first call
+    import lightning_dpmp
+    from transformers import LlamaForCausalLM
+
+    folder = os.path.join(out, "pretrained")
+    if fabric.global_rank == 0:
+        llama().save_pretrained(folder)
+    fabric.barrier()
+    net = lightning_dpmp.from_pretrained(LlamaForCausalLM, folder)
+    record["pretrained_lazy"] = all(p.is_meta for p in net.parameters())
+    train(fabric, 10, save=os.path.join(out, "pretrained.ckpt"), net=net)
     # user collectives default to the DP group: each sample once, sums not counted mp times
     rank = torch.tensor([float(fabric.global_rank // mp)], dtype=torch.float64)
     record["gathered"] = fabric.all_gather(rank).reshape(-1).tolist()

@@ -7,6 +7,8 @@ One launch per layout (``fabric_worker.py``) trains three runs; each is compared
 - 6 steps, ``fabric.save``, a fresh model and optimizer, ``fabric.load`` before their first call, 4 steps: the
   10-step single-process weights (the optimizer state is sliced when the model splits);
 - 5 steps of 2 accumulated micro-batches under ``fabric.no_backward_sync``: the single-process weights;
+- the same model saved with ``save_pretrained`` and read by ``lightning_dpmp.from_pretrained`` (on the meta device
+  until its first call, then each rank reads only its slices): the 10-step weights;
 - the collectives of one training step, counted: the plan's MP all-reduces, one for the clipping norm, the batch's
   broadcast, and exactly one DP all-reduce for the gradients;
 - ``fabric.all_gather`` / ``all_reduce`` default to the DP group.
@@ -70,7 +72,7 @@ def _worst(path, ref) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ref", [("straight", "straight"), ("resumed", "straight"),
-                                      ("accumulated", "accumulated")])
+                                      ("accumulated", "accumulated"), ("pretrained", "straight")])
 def test_fabric_training_matches_one_process(run, references, name, ref):
     dp, mp, out, _ = run
     worst = _worst(out / f"{name}.ckpt", references[ref])
@@ -114,6 +116,7 @@ def test_a_steps_collectives_are_counted_exactly(run):
 def test_user_collectives_default_to_the_dp_group(run):
     dp, mp, _, ranks = run
     for rank in ranks:
+        assert rank["pretrained_lazy"]
         assert rank["gathered"] == [float(r) for r in range(dp)]
         assert rank["summed"] == float(dp)
 
