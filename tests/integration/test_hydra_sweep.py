@@ -35,7 +35,10 @@ def _train(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Compl
 
 
 def _train_in_pool(tmp_path: Path, world: int, *args: str, timeout: float = 240):
-    """``train.py *args`` in each rank of the ``world``-rank pool, as under ``torchrun --nproc_per_node=world``."""
+    """``train.py *args`` in each rank of the ``world``-rank pool, as under ``torchrun --nproc_per_node=world``
+    (``DPMP_TEST_POOL=0``: the plain ``python train.py *args`` launch, as before the pools)."""
+    if os.environ.get("DPMP_TEST_POOL", "1") == "0":
+        return _train(tmp_path, *args, timeout=timeout)
     env = {"DPMP_CACHE_DIR": str(tmp_path / "cache"), "HYDRA_FULL_ERROR": "0"}
     return run_ranks(world, [TRAIN, *args], timeout=timeout, env=env, cwd=tmp_path, torchrun=True)
 
