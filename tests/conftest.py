@@ -50,18 +50,28 @@ def script():
 
 
 def run_ranks(
-    world_size: int, args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = ROOT
+    world_size: int,
+    args: list[str],
+    timeout: float = 300,
+    env: dict | None = None,
+    cwd: Path = ROOT,
+    torchrun: bool = False,
 ) -> CaseResult | subprocess.CompletedProcess:
     """Run a worker script in every rank of the session's pool of ``world_size`` ranks (``tests/support/pool.py``).
 
     The script must start a job of exactly ``world_size`` processes (``Trainer(devices=world_size)``): the pool's
-    ranks are "launched externally", as under torchrun. ``DPMP_TEST_POOL=0`` runs it as a fresh launch instead
-    (``run_script``), the way the suite ran before the pools. Fails the test (not hang) past ``timeout`` seconds.
+    ranks are "launched externally", as under torchrun; ``torchrun=True`` also sets torchrun's own variables
+    (``RANK``, ``TORCHELASTIC_RUN_ID``, ...). ``DPMP_TEST_POOL=0`` runs it as a fresh launch instead
+    (``run_script``; under ``torch.distributed.run`` with ``torchrun=True``), the way the suite ran before the
+    pools. Fails the test (not hang) past ``timeout`` seconds.
     """
     _require_slow_marker(args)
     if os.environ.get("DPMP_TEST_POOL", "1") == "0":
+        if torchrun:
+            args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *args]
         return run_script(args, timeout=timeout, env=env, cwd=cwd)
-    result = rank_pool(world_size).run(args, timeout=timeout, env=env, cwd=cwd)  # the pool sets OMP_NUM_THREADS=1
+    # the pool sets OMP_NUM_THREADS=1
+    result = rank_pool(world_size).run(args, timeout=timeout, env=env, cwd=cwd, torchrun=torchrun)
     if result.timed_out:
         pytest.fail(f"{args} did not finish in {timeout} s:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result

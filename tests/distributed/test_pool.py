@@ -37,6 +37,19 @@ def test_a_case_raising_on_one_rank_fails_with_its_traceback_and_the_next_case_p
     assert pool.starts == starts + 1  # rank 0 was left waiting in a collective: the pool was restarted
 
 
+def test_a_case_failing_on_every_rank_keeps_the_pool_and_leaves_nothing_behind(pool, tmp_path):
+    _check(pool, tmp_path)  # a pool that is up
+    starts = pool.starts
+    result = pool.run([CASES, "fail_all", str(tmp_path)], timeout=120)
+    assert result.returncode == 1 and result.rank_codes == [1, 1], result.rank_codes
+    assert result.stderr == "failed on rank 0\nfailed on rank 1\n", result.stderr[-3000:]
+    assert not result.timed_out
+    for report in _check(pool, tmp_path):
+        assert report == {"initialized": False, "leftover": None, "dtype": "torch.float32", "argv": ["check",
+                          str(tmp_path)], "sum": 2.0}
+    assert pool.starts == starts  # every rank came back: the same processes ran the next case
+
+
 def test_a_hanging_case_is_killed_at_its_timeout_and_the_pool_restarts(pool, tmp_path):
     result = pool.run([CASES, "hang", str(tmp_path)], timeout=3)
     assert result.timed_out and result.returncode != 0

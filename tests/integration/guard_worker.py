@@ -1,4 +1,4 @@
-"""DPMPStrategy(dp=2, mp=2, check_consistency_every_n_steps=1) on 4 popen processes, optionally broken on purpose.
+"""DPMPStrategy(dp=2, mp=2, check_consistency_every_n_steps=1) on 4 processes, optionally broken on purpose.
 
 Usage: python tests/integration/guard_worker.py CASE OUT_DIR
 CASE: clean | param (rank 3 nudges its shard of blocks.0.fc1.weight after step 2) | batch (the data is split by

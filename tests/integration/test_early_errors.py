@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_script
+from tests.conftest import run_ranks, run_script
 
 WORKER = "tests/integration/validate_worker.py"
 
@@ -39,7 +39,7 @@ def test_a_module_compiled_in_configure_model_is_refused_at_setup_by_rank_zero()
 
 @pytest.mark.slow
 def test_idle_mp_and_tiny_data_warn_once_each():
-    proc = run_script([WORKER, "idle"], timeout=400)
+    proc = run_ranks(4, [WORKER, "idle"], timeout=400)  # warnings, not launching: the 4-rank pool (all output joined)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("DPMPStrategy(dp=2, mp=2): the plan splits no parameter") == 1, out[-4000:]

@@ -1,7 +1,9 @@
-"""examples/train.py end to end in subprocesses: a multirun sweep, a default run, failures and bad overrides.
+"""examples/train.py end to end: a multirun sweep, a default run, failures and bad overrides.
 
-Every run launches from pytest's tmp_path, so a stray ``outputs/`` or ``multirun/`` folder (a child replaying the
-sweep) would show up there.
+Every run starts from pytest's tmp_path, so a stray ``outputs/`` or ``multirun/`` folder (a child replaying the
+sweep) would show up there. The sweeps are real launches (the multirun starts each job's ranks itself); the single
+runs, whose subject is the config and the training result, run in a rank pool as torchrun-launched ranks
+(``run_ranks(..., torchrun=True)``; the popen and torchrun launches of train.py are in test_hydra_newuser.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -28,6 +32,15 @@ def _train(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Compl
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"train.py {args} did not finish in {timeout} s:\n{(exc.stderr or '')[-3000:]}")
+
+
+def _train_in_pool(tmp_path: Path, world: int, *args: str, timeout: float = 240):
+    """``train.py *args`` in each rank of the ``world``-rank pool, as under ``torchrun --nproc_per_node=world``
+    (``DPMP_TEST_POOL=0``: the plain ``python train.py *args`` launch, as before the pools)."""
+    if os.environ.get("DPMP_TEST_POOL", "1") == "0":
+        return _train(tmp_path, *args, timeout=timeout)
+    env = {"DPMP_CACHE_DIR": str(tmp_path / "cache"), "HYDRA_FULL_ERROR": "0"}
+    return run_ranks(world, [TRAIN, *args], timeout=timeout, env=env, cwd=tmp_path, torchrun=True)
 
 
 def _rows(sweep_dir: Path) -> list[dict[str, str]]:
@@ -78,8 +91,8 @@ def test_sweep_records_failed_and_skipped_jobs_and_exits_nonzero(tmp_path):
 @pytest.mark.slow
 def test_default_run_trains_and_writes_summary_and_consolidated_checkpoint(tmp_path):
     run = tmp_path / "run"
-    proc = _train(
-        tmp_path, "trainer.max_steps=25", "trainer.val_check_interval=25", "trainer.limit_val_batches=2",
+    proc = _train_in_pool(
+        tmp_path, 4, "trainer.max_steps=25", "trainer.val_check_interval=25", "trainer.limit_val_batches=2",
         "data.max_bytes=300000", f"hydra.run.dir={run}", *QUIET,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -92,7 +105,7 @@ def test_default_run_trains_and_writes_summary_and_consolidated_checkpoint(tmp_p
 
     state = torch.load(summary["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
     assert state["net.blocks.0.mlp.fc1.weight"].shape == (512, 128)  # consolidated: the dense shape
-    rank_logs = sorted(p.name for p in run.glob("train_rank*.log"))
+    rank_logs = sorted(p.name for p in run.glob("train_rank*.log"))  # ranks 1-3 log into rank 0's run folder
     assert rank_logs == ["train_rank1.log", "train_rank2.log", "train_rank3.log"]
     _no_stray_outputs(tmp_path, {"run"})
 
@@ -104,7 +117,7 @@ def test_default_run_trains_and_writes_summary_and_consolidated_checkpoint(tmp_p
      ("strategy.dpp=2", "Could not override 'strategy.dpp'")],
 )  # fmt: skip
 def test_bad_override_fails_with_hydras_error(tmp_path, override, message):
-    proc = _train(tmp_path, override, f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
+    proc = _train_in_pool(tmp_path, 2, override, f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
     assert proc.returncode != 0
     assert f"Error merging override {override}" in proc.stderr or message in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr
@@ -114,7 +127,8 @@ def test_bad_override_fails_with_hydras_error(tmp_path, override, message):
 
 @pytest.mark.slow
 def test_layout_above_max_world_size_is_refused_in_a_single_run(tmp_path):
-    proc = _train(tmp_path, "strategy.dp=4", "strategy.mp=4", "max_world_size=8", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = _train_in_pool(tmp_path, 2, "strategy.dp=4", "strategy.mp=4", "max_world_size=8",
+                          f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert "needs 16 processes; this machine allows 8" in proc.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "skipped"

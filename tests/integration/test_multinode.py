@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_script
+from tests.conftest import ROOT, run_ranks
 from tests.support.pool import free_port
 
 WORKER = "tests/integration/multinode_worker.py"
@@ -50,7 +50,7 @@ def test_two_nodes_keep_mp_inside_a_node_and_match_one_node(tmp_path):
         assert set(info["mp_group_nodes"]) == {info["node"]}  # the MP all-reduces never leave the node
         assert info["dp_group"] == [info["rank"] % 2, info["rank"] % 2 + 2]  # DP crosses nodes
 
-    proc = run_script([WORKER, "1", "4", str(one)], timeout=240)  # the same job on one node (popen launcher)
+    proc = run_ranks(4, [WORKER, "1", "4", str(one)], timeout=240)  # the same job on one node (the 4-rank pool)
     assert proc.returncode == 0, proc.stderr[-4000:]
     a = torch.load(two / "last.ckpt", weights_only=True)["state_dict"]
     b = torch.load(one / "last.ckpt", weights_only=True)["state_dict"]

@@ -2,8 +2,14 @@
 
 Each ``python examples/train.py ...`` / ``torchrun ...`` / ``python -m lightning_dpmp...`` line of README's code
 blocks is classified below; a line that is not fails the first test, so a new README command needs a test too.
-Commands that run on CPU run for a few steps (one process tree per command, small overrides appended) and must
-exit 0; those that need GPUs (``trainer=gpu``, ``experiment=gpt_gpu``) or SLURM are composed and instantiated.
+Commands that run on CPU run for a few steps (small overrides appended) and must exit 0; those that need GPUs
+(``trainer=gpu``, ``experiment=gpt_gpu``) or SLURM are composed and instantiated.
+
+A command's subject is its script and config, not how its ranks are started: single runs execute in a rank pool of
+their world size (``run_ranks(..., torchrun=True)``: each pool rank runs the script as a torchrun-launched rank
+would), so they pay no imports. The launch paths of ``examples/train.py`` stay real launches elsewhere: Lightning's
+popen launcher and torchrun in ``test_hydra_newuser.py``, the multirun sweep in ``test_hydra_sweep.py``, and the two
+README sweeps here (a multirun launches each job's ranks itself). ``DPMP_TEST_POOL=0`` runs every command afresh.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["trainer.enable_progress_bar=false", "print_config=false"]
@@ -71,6 +79,19 @@ COMMANDS: dict[str, tuple[str, list[str]]] = {
         "elsewhere", ["tests/distributed/test_pretrained.py (convert --hf from the consolidated checkpoint)"]
     ),
 }
+# "run" commands executed in a rank pool of this world size (every other "run" command is launched afresh).
+POOLED = {
+    "python examples/train.py strategy.dp=1 strategy.mp=4": 4,
+    "python examples/train.py strategy.sequence_parallel=true": 4,
+    "python examples/train.py experiment=mlp_digits": 4,
+    "python examples/train.py --cfg job": 4,  # prints the config in each rank, starts no job
+    "torchrun --standalone --nproc_per_node=4 examples/train.py strategy.dp=2 strategy.mp=2": 4,
+    "python examples/train.py debug=default": 4,
+    "python examples/train.py debug=overfit": 4,
+    "python examples/train.py debug=profiler": 4,
+    "python -m lightning_dpmp.costmodel --model gpt-7b --hardware dgx-a100 --devices 64": 4,  # no job: ran in each
+    "python examples/finetune.py": 4,
+}
 # conf/experiment/<name>.yaml -> the README command (or the test) that covers it.
 EXPERIMENTS = {
     "mlp_digits": "python examples/train.py experiment=mlp_digits",
@@ -100,6 +121,7 @@ def test_every_readme_command_and_experiment_is_covered():
     assert set(found) == set(COMMANDS), {"unclassified": set(found) - set(COMMANDS), "gone": set(COMMANDS) - set(found)}
     assert set(EXPERIMENTS) == {p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")}
     assert all(v == "compose" or v.startswith("tests/") or v in COMMANDS for v in EXPERIMENTS.values())
+    assert all(COMMANDS[c][0] == "run" and "train.py -m" not in c and "sweep" not in c for c in POOLED)  # no multirun
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +154,20 @@ COMPOSE = sorted(c for c, (how, _) in COMMANDS.items() if how == "compose")
 @pytest.mark.slow
 @pytest.mark.parametrize("command", RUN)
 def test_readme_command_runs(command, tmp_path, cache):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DPMP_CACHE_DIR": str(cache),
-           "HYDRA_FULL_ERROR": "1"}
+    extra_env = {"DPMP_CACHE_DIR": str(cache), "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra_env}
     argv = _argv(command, COMMANDS[command][1], tmp_path)
-    try:
-        proc = subprocess.run(argv, cwd=ROOT if "costmodel" in command else tmp_path, env=env, capture_output=True,
-                              text=True, timeout=400)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{argv} did not finish in 400 s:\n{(exc.stderr or '')[-3000:]}")
+    cwd = ROOT if "costmodel" in command else tmp_path
+    if command in POOLED and os.environ.get("DPMP_TEST_POOL", "1") != "0":
+        args = argv[1:]  # each pool rank runs `python ARGS`; under torchrun, the script and its arguments
+        if args[:2] == ["-m", "torch.distributed.run"]:
+            args = args[next(i for i, a in enumerate(args) if a.endswith(".py")):]
+        proc = run_ranks(POOLED[command], args, timeout=400, env=extra_env, cwd=cwd, torchrun=True)
+    else:
+        try:
+            proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{argv} did not finish in 400 s:\n{(exc.stderr or '')[-3000:]}")
     assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-4000:])
     if "--cfg" in command:
         assert "_target_: lightning_dpmp.DPMPStrategy" in proc.stdout

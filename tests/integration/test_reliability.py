@@ -2,8 +2,9 @@
 
 Each case is one 4-process launch of reliability_worker.py (Lightning's popen launcher, or torchrun). The worker
 records every rank's pid and the moment of the failure; "time to exit" is from that moment to the launcher's exit.
-The consistency guard is exercised by guard_worker.py: a clean run passes, a nudged replica and a batch split by
-global rank are named.
+The consistency guard is exercised by guard_worker.py in the 4-rank pool (its subject is the guard, not the
+launch; every rank reports the failure, so the pool keeps running): a clean run passes, a nudged replica and a
+batch split by global rank are named.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
+from tests.support.pool import CaseResult
 
 WORKER = "tests/integration/reliability_worker.py"
 GUARD_WORKER = "tests/integration/guard_worker.py"
@@ -98,9 +100,8 @@ def test_a_rank_alive_but_stuck_is_bounded_by_the_timeout(tmp_path):
     assert elapsed >= timeout_s - 1, "the others should have waited for the timeout, not less"
 
 
-def _guard(case: str, out: Path) -> subprocess.CompletedProcess:
-    proc, _ = _run([GUARD_WORKER, case, str(out)], out)
-    return proc
+def _guard(case: str, out: Path) -> CaseResult | subprocess.CompletedProcess:
+    return run_ranks(4, [GUARD_WORKER, case, str(out)], timeout=240)
 
 
 @pytest.mark.slow

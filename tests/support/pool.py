@@ -19,7 +19,9 @@ Each case starts from fresh state:
 Failures stay with their case:
 
 - a rank that raises reports its traceback (in the captured stderr) and a non-zero code; the other ranks get a
-  short grace to finish, then the pool is killed and restarted, as Lightning's child observer would kill a job;
+  short grace to finish, then the pool is killed and restarted, as Lightning's child observer would kill a job.
+  When every rank came back in time (a failure every rank reports, such as a bad argument or a consistency check),
+  each has left the case and reset its state as after a passing case, and the pool keeps running;
 - a case that passes its timeout is killed with its whole pool (every process group, so forked DataLoader
   workers too); the next case starts a new pool;
 - a rank that dies (a segfault, ``os._exit``) fails the case with its exit code.
@@ -171,21 +173,33 @@ class RankPool:
 
     # -- cases ----------------------------------------------------------------------------------------------------
     def run(
-        self, args: list[str], timeout: float = 300, env: Optional[dict[str, str]] = None, cwd: Path = ROOT
+        self,
+        args: list[str],
+        timeout: float = 300,
+        env: Optional[dict[str, str]] = None,
+        cwd: Path = ROOT,
+        torchrun: bool = False,
     ) -> CaseResult:
         """Runs ``python *args`` in every rank; returns the first failing rank's code (rank 0 first) and the
-        ranks' output in rank order. Past ``timeout`` seconds the pool is killed and ``timed_out`` is set."""
+        ranks' output in rank order. Past ``timeout`` seconds the pool is killed and ``timed_out`` is set.
+
+        ``torchrun=True``: each rank also gets what ``torchrun --standalone`` would set (``RANK``,
+        ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, a new ``TORCHELASTIC_RUN_ID``, ...), so Lightning sees a
+        ``TorchElasticEnvironment`` and scripts that look for torchrun (``examples/train.py``) take that path."""
         if not self.alive:
             self.start()
         self.cases += 1
         with tempfile.TemporaryDirectory(prefix="dpmp_case_") as tmp:
             outs = [(Path(tmp) / f"rank{r}.out", Path(tmp) / f"rank{r}.err") for r in range(self.world_size)]
-            case = {"args": list(args), "env": dict(env or {}), "cwd": str(cwd), "port": str(free_port())}
+            case = {"args": list(args), "env": dict(env or {}), "cwd": str(cwd), "port": str(free_port()),
+                    "torchrun_id": secrets.token_hex(8) if torchrun else ""}
             for conn, (out, err) in zip(self.conns, outs):
                 conn.send({**case, "stdout": str(out), "stderr": str(err)})
             codes, timed_out = self._collect(timeout)
-            if timed_out or any(c != 0 for c in codes):
-                self.close()  # a failed case may leave ranks inside a collective: the next case gets a new pool
+            if timed_out or any(c is None for c in codes) or not self.alive:
+                # a rank still inside the case (maybe inside a collective) or dead: the next case gets a new pool.
+                # A case that failed on ranks that all came back keeps it: each left the case and reset its state.
+                self.close()
             stdout = "".join(_read(out) for out, _ in outs)
             stderr = "".join(_read(err) for _, err in outs)
         # The first failing rank's code (rank 0 first); 1 when the only failures are ranks that never answered.

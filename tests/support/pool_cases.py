@@ -29,6 +29,11 @@ def main(case: str, out: str) -> None:
             raise RuntimeError("boom on rank 1")
         _init()
         dist.barrier()
+    elif case == "fail_all":  # every rank fails after a collective, leaving its process group and a dtype behind
+        _init()
+        dist.barrier()
+        torch.set_default_dtype(torch.float64)
+        raise SystemExit(f"failed on rank {rank}")
     elif case == "hang":
         time.sleep(3600)
     elif case == "leave":  # leaves a process group, an environment variable and a default dtype behind

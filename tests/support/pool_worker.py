@@ -8,6 +8,7 @@ everything it may leave behind is put back before the next case (see ``tests/sup
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import runpy
 import sys
@@ -59,6 +60,58 @@ def _restore_fds(saved: tuple[int, int]) -> None:
         os.close(old)
 
 
+def _torchrun_env(run_id: str) -> dict[str, str]:
+    """What ``torchrun --standalone`` sets in a rank besides what the pool sets anyway (``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). ``TORCHELASTIC_USE_AGENT_STORE`` stays unset: there is no
+    agent here, so rank 0 hosts the rendezvous store itself."""
+    rank, world = os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]
+    return {
+        "RANK": rank, "GROUP_RANK": "0", "ROLE_RANK": rank, "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": world,
+        "ROLE_WORLD_SIZE": world, "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+    }  # fmt: skip
+
+
+def _logging_state() -> list[tuple]:
+    """The root logger's handlers and level, and the level and flags of every other logger that exists now."""
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    root = logging.getLogger()
+    return [(root, root.level, list(root.handlers), root.propagate, root.disabled)] + [
+        (lg, lg.level, None, lg.propagate, lg.disabled) for lg in loggers
+    ]
+
+
+def _restore_logging(saved: list[tuple]) -> None:
+    """Hydra's job logging puts a console and a file handler (``train.log``) on the root logger: they are closed
+    and removed, so the next case does not log into this case's folder; levels and flags are put back."""
+    for lg, level, handlers, propagate, disabled in saved:
+        if handlers is not None:
+            for h in lg.handlers[:]:
+                if h not in handlers:
+                    lg.removeHandler(h)
+                    h.close()
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+
+
+def _reset_hydra() -> None:
+    """Hydra's singletons (``@hydra.main`` clears ``GlobalHydra`` on its way out but keeps the job's
+    ``HydraConfig``) and the examples' launch-time stamp, read once per process: each run of ``examples/train.py``
+    starts as in a new process."""
+    if "hydra" in sys.modules:
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.hydra_config import HydraConfig
+
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # type: ignore[assignment]
+    config = sys.modules.get("examples.config")
+    if config is not None:
+        config._LAUNCH_TIME = None  # type: ignore[attr-defined]
+
+
 def _reset_state() -> None:
     """What a case may leave in this process that a fresh launch would not have."""
     if dist.is_available() and dist.is_initialized():
@@ -75,14 +128,17 @@ def _reset_state() -> None:
     torch.set_default_dtype(torch.float32)
     torch.set_num_threads(1)
     torch.set_grad_enabled(True)
+    _reset_hydra()
     gc.collect()
 
 
 def run_case(case: dict[str, Any]) -> int:
     saved_env, saved_argv, saved_path = dict(os.environ), list(sys.argv), list(sys.path)
-    saved_cwd, saved_filters = os.getcwd(), list(warnings.filters)
+    saved_cwd, saved_filters, saved_logging = os.getcwd(), list(warnings.filters), _logging_state()
     os.environ.update(case["env"])
     os.environ["MASTER_PORT"] = case["port"]
+    if case.get("torchrun_id"):
+        os.environ.update(_torchrun_env(case["torchrun_id"]))
     os.chdir(case["cwd"])
     fds = _redirect(case["stdout"], case["stderr"])
     code = 0
@@ -106,6 +162,7 @@ def run_case(case: dict[str, Any]) -> int:
         except BaseException:
             traceback.print_exc()
             code = code or 1
+        _restore_logging(saved_logging)
         _restore_fds(fds)
         os.chdir(saved_cwd)
         os.environ.clear()
