@@ -159,7 +159,7 @@ def _held(trainer: Any, pl_module: Any, kind: str) -> dict[str, int]:
                                    if isinstance(v, torch.Tensor) and v.dim() > 0),
         }
     s = trainer.strategy
-    ddp = kind == "ddp" or (kind == "dpmp" and s.dp > 1 and getattr(s, "_zero", 0) < 1)
+    ddp = kind == "ddp" or (kind == "dpmp" and s.dp > 1 and s.zero < 1)
     out["ddp_buckets"] = sum(_nbytes(p) for p in params if p.requires_grad) if ddp else 0
     return out
 
