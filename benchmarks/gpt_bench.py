@@ -26,8 +26,10 @@ Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy, eager, ``async_grad_allreduce=False``
 parallel), ``..._async`` (``async_grad_allreduce=True``: the input-gradient all-reduce overlapped with the
 weight-gradient matmul), ``..._compiled`` (``compile=True``: each transformer block ``torch.compile``d after the
 split), ``..._zero<k>`` (``zero=k``: 1 and 2 optimizer state and gradients, 3 + parameters sharded over
-DP), ``mps_<dp>x<mp>`` (ModelParallelStrategy: ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2
-``fully_shard`` over the data-parallel axis), ``ddp_<n>`` (DDPStrategy).
+DP), ``..._zero<k>_fsdp2`` (the same sharding over DP done by torch's FSDP2 ``fully_shard`` per repeated block and
+root instead of our ZeRO engine: issue 22's side-by-side), ``mps_<dp>x<mp>`` (ModelParallelStrategy:
+ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2 ``fully_shard`` over the data-parallel axis),
+``ddp_<n>`` (DDPStrategy).
 """
 
 from __future__ import annotations
@@ -354,6 +356,31 @@ def _lit_module(args: argparse.Namespace, kind: str, mp: int) -> Any:
     return Bench(GPT(**_model_kwargs(args)))
 
 
+def _shard_dp_with_fsdp2() -> None:
+    """For ``..._zero<k>_fsdp2`` (issue 22's side-by-side, benchmark only): the parallelize pipeline's DP step done by
+    torch's FSDP2 instead of our ZeRO engine. The MP split is ours as usual; then ``fully_shard`` over the grid's DP
+    mesh dimension wraps each unit our engine would use (the repeated blocks) and the module's children, with
+    ``reshard_after_forward=(zero == 3)``, and the optimizers are built again over FSDP2's sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    import lightning_dpmp.integration.parallelize as pipeline
+    from lightning_dpmp.parallel.zero_engine import find_units
+
+    def shard_dp(strategy: Any, split: Any, zero: int) -> None:
+        module, mesh = strategy.lightning_module, strategy.device_mesh["dp"]
+        for _, unit in find_units(module):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=zero == 3)
+        # FSDP2's root hooks run on forward(), which Lightning never calls (training_step does): the children the
+        # step calls (the model in `self.net`) are the root units, as ModelParallelStrategy users shard them
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh, reshard_after_forward=zero == 3)
+        strategy.setup_optimizers(module.trainer)  # over the DTensor shards FSDP2 registered
+        return None
+
+    pipeline.shard_dp = shard_dp  # type: ignore[assignment]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -364,7 +391,7 @@ def worker(args: argparse.Namespace) -> None:
     from tests.support.models import make_lm_dataset
 
     name = args.config
-    m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3])*)", name)
+    m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3]|_fsdp2)*)", name)
     if not m:
         raise SystemExit(f"unknown config {name!r}")
     kind, a, b, flags = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4)
@@ -377,9 +404,15 @@ def worker(args: argparse.Namespace) -> None:
         from lightning_dpmp import DPMPStrategy
 
         zero = re.search(r"_zero(\d)", flags)
+        if "_fsdp2" in flags:
+            if not zero or zero.group(1) not in "23":
+                raise SystemExit(f"{name}: _fsdp2 replaces the ZeRO engine: give _zero2 or _zero3 with it")
+            _shard_dp_with_fsdp2()
         strategy: Any = DPMPStrategy(dp=dp, mp=mp, sequence_parallel="_sp" in flags, verify_plan=False,
                                      compile="_compiled" in flags, async_grad_allreduce="_async" in flags,
-                                     zero=int(zero.group(1)) if zero else 0)
+                                     zero=int(zero.group(1)) if zero else 0,
+                                     # FSDP2's DTensors are not gathered back by our teardown: leave them
+                                     consolidate_on_teardown="_fsdp2" not in flags and "rank0")
     elif kind == "mps":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -98,13 +98,15 @@ def all_gather_flat(full: Tensor, shard: Tensor, group: Any, async_op: bool) -> 
 
 
 def storage_bytes(tensors: list[Tensor], seen: Optional[set[int]] = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` as allocated now (a freed view counts 0)."""
+    """Bytes of the distinct storages behind ``tensors`` as allocated now (a freed view counts 0; a ``DTensor``,
+    such as a parameter torch's FSDP2 sharded, counts its local shard)."""
     seen = set() if seen is None else seen
     total = 0
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
-        st = t.untyped_storage()
+        local = getattr(t, "to_local", None)
+        st = (local() if callable(local) else t).untyped_storage()
         key = st.data_ptr()
         if st.nbytes() == 0 or key in seen:
             continue

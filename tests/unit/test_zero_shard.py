@@ -134,3 +134,14 @@ def test_zero_argument_errors_name_the_values():
     with pytest.raises(ValueError, match=r"zero=3 .*\['static_graph'\]"):
         DPMPStrategy(dp=2, mp=1, zero=3, static_graph=True)
     DPMPStrategy(dp=2, mp=2, zero=3, save_distributed_checkpoint=True)  # both formats at every level
+
+
+def test_storage_bytes_counts_a_dtensors_local_shard(world1):
+    """A parameter torch's FSDP2 sharded is a DTensor, whose own storage cannot be read: its local shard counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    dt = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+    assert storage_bytes([dt]) == 6 * 4 * 4
+    assert storage_bytes([dt, dt.to_local()]) == 6 * 4 * 4  # one storage, counted once
