@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,6 +77,15 @@ def run_ranks(
     if result.timed_out:
         pytest.fail(f"{args} did not finish in {timeout} s:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def run_layout(worker: str, dp: int, mp: int, out: Path, timeout: float = 420) -> tuple[Any, list[dict]]:
+    """Run ``worker DP MP OUT`` on ``dp * mp`` pool ranks (:func:`run_ranks`), fail the test on a non-zero exit with
+    the ranks' stderr, and return the result and each rank's ``OUT/rank<r>.json`` in rank order: the shape of
+    every one-launch-per-layout fixture."""
+    proc = run_ranks(dp * mp, [worker, str(dp), str(mp), str(out)], timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

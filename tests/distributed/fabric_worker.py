@@ -95,8 +95,9 @@ def main(dp: int, mp: int, out: str) -> None:
     train(fabric, 4, load=os.path.join(out, "half.ckpt"), save=os.path.join(out, "resumed.ckpt"), skip=6)
     train(fabric, 5, micro=2, save=os.path.join(out, "accumulated.ckpt"))
     # a pretrained folder read lazily: built on meta, each rank reads its slices at the first call
-    import lightning_dpmp
     from transformers import LlamaForCausalLM
+
+    import lightning_dpmp
 
     folder = os.path.join(out, "pretrained")
     if fabric.global_rank == 0:

@@ -16,13 +16,11 @@ One launch per layout (``fabric_worker.py``) trains three runs; each is compared
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.conftest import run_ranks
+from tests.conftest import run_layout
 from tests.distributed import fabric_worker as W
 from tests.support.models import make_lm_dataset
 
@@ -59,9 +57,8 @@ def references():
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"fabric_dp{dp}_mp{mp}")
-    proc = run_ranks(dp * mp, ["tests/distributed/fabric_worker.py", str(dp), str(mp), str(out)], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return dp, mp, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
+    _, ranks = run_layout("tests/distributed/fabric_worker.py", dp, mp, out, timeout=600)
+    return dp, mp, out, ranks
 
 
 def _worst(path, ref) -> float:

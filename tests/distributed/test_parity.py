@@ -7,12 +7,10 @@ exact collective counts per step.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.conftest import run_ranks
+from tests.conftest import run_layout
 from tests.support.models import ResMLP
 from tests.support.reference import reference_run
 
@@ -30,9 +28,7 @@ def reference(tmp_path_factory):
 def run(request, tmp_path_factory):
     dp, mp = request.param
     out = tmp_path_factory.mktemp(f"parity_dp{dp}_mp{mp}")
-    proc = run_ranks(dp * mp, ["tests/distributed/parity_worker.py", str(dp), str(mp), str(out)], timeout=420)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
+    proc, ranks = run_layout("tests/distributed/parity_worker.py", dp, mp, out)
     return dp, mp, out, ranks, proc.stderr
 
 
