@@ -72,6 +72,7 @@ __all__ = [
     "optimizers_to_device",
     "script_object_type",
     "scaler_found_inf",
+    "set_backward_sync_control",
     "set_launcher",
     "set_num_threads_if_needed",
     "set_rng_states",
@@ -273,8 +274,16 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any]:
 
 
 def ddp_timeout(strategy: Any) -> Any:
-    """``DDPStrategy._timeout``: the ``timeout=`` timedelta given to ``init_process_group`` (lightning 2.6.6)."""
+    """``DDPStrategy._timeout``: the ``timeout=`` timedelta given to ``init_process_group`` (lightning 2.6.6; the
+    Trainer's and Fabric's ``DDPStrategy`` both keep it there)."""
     return strategy._timeout
+
+
+def set_backward_sync_control(strategy: Any, control: Any) -> None:
+    """Set Fabric's ``Strategy._backward_sync_control`` (lightning 2.6.6), the object whose
+    ``no_backward_sync(module, enabled)`` context ``Fabric.no_backward_sync`` returns (``None``: Fabric warns that
+    the strategy cannot skip synchronisation)."""
+    strategy._backward_sync_control = control
 
 
 def enable_model_averaging(strategy: Any) -> None:

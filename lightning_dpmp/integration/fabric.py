@@ -44,7 +44,6 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -132,8 +131,9 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, ParallelOnFirstCall) else module
 
 
-class _NoSyncNeeded(_BackwardSyncControl):
-    """Nothing syncs in backward (gradients are reduced before clipping or stepping), so there is nothing to skip."""
+class _NoSyncNeeded:
+    """Fabric's backward-sync control for this strategy: nothing syncs in backward (gradients are reduced before
+    clipping or stepping), so there is nothing to skip."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         return nullcontext()
@@ -183,7 +183,7 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         self._sequence_parallel, self._verify = bool(sequence_parallel), bool(verify_plan)
         self._grid: Optional[Grid] = None
         self._models: list[_ModelState] = []  # every module given to fabric.setup, latest last
-        self._backward_sync_control = _NoSyncNeeded()
+        compat.set_backward_sync_control(self, _NoSyncNeeded())  # fabric.no_backward_sync: a no-op, no warning
         note_deferring_strategy(self)  # from_pretrained from now on leaves its weights to the split
 
     # ------------------------------------------------------------------ the grid
@@ -240,7 +240,7 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     def setup_environment(self) -> None:
         self._check_layout()
         super().setup_environment()
-        self._grid = build_grid(self.dp, self.mp, timeout=self._timeout)
+        self._grid = build_grid(self.dp, self.mp, timeout=compat.ddp_timeout(self))
 
     # ------------------------------------------------------------------ the model
     @override

@@ -376,3 +376,22 @@ def test_hf_checkpoint_conversion_internals() -> None:
     keys = [f"model.layers.0.block_sparse_moe.experts.{i}.w{j}.weight" for i in range(2) for j in (1, 2, 3)]
     renamed, groups = compat.hf_checkpoint_conversion(model, keys)
     assert renamed == {} and sorted(len(src) for src, _ in groups) == [2, 4]
+
+
+def test_fabric_backward_sync_control_is_what_no_backward_sync_uses() -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    assert "self._strategy._backward_sync_control.no_backward_sync(" in _source(Fabric.no_backward_sync), (
+        "Fabric.no_backward_sync no longer asks Strategy._backward_sync_control: FabricDPMPStrategy's must follow"
+    )
+    s = FabricDDP()
+    compat.set_backward_sync_control(s, "control")
+    assert s._backward_sync_control == "control"
+    assert compat.ddp_timeout(FabricDDP(timeout=timedelta(seconds=7))) == timedelta(seconds=7)
+    # FabricDPMPStrategy checks dp * mp against the world in _configure_launcher, which Fabric's connector calls in
+    # the launching process, before any rank starts
+    from lightning.fabric.connector import _Connector
+
+    assert "self.strategy._configure_launcher()" in _source(_Connector._lazy_init_strategy), (
+        "Fabric no longer configures the launcher at construction: FabricDPMPStrategy's early grid check moves")
