@@ -34,12 +34,11 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -57,18 +56,19 @@ from lightning_dpmp.checkpoint.consolidated import (
     shard_optimizer_state,
     shard_state_dict,
 )
-from lightning_dpmp.checkpoint.weights import load_deferred, note_deferring_strategy
+from lightning_dpmp.checkpoint.weights import note_deferring_strategy
 from lightning_dpmp.integration import validate
-from lightning_dpmp.integration.autoplan import PlanResult, plan_module
-from lightning_dpmp.integration.layout import DEFAULT_TIMEOUT
+from lightning_dpmp.integration.autoplan import PlanResult
+from lightning_dpmp.integration.layout import DEFAULT_TIMEOUT, Layout, resolve_layout
 from lightning_dpmp.integration.mp_batch import broadcast_batch
-from lightning_dpmp.integration.split import broadcast_dense
+from lightning_dpmp.integration.split import Split, split_module
 from lightning_dpmp.integration.stepdata import real_tensors_on_meta, to_meta
 from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
+from lightning_dpmp.parallel.comm import all_reduce_sum
 from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
-from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
+from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
-from lightning_dpmp.planner.materialize import empty_parameters, is_meta, materialize
+from lightning_dpmp.planner.materialize import empty_parameters, is_meta
 from lightning_dpmp.planner.trace import NoDropout
 
 __all__ = ["FabricDPMPStrategy", "ParallelOnFirstCall"]
@@ -83,15 +83,12 @@ def _surrogate_loss(out: Any) -> Optional[Tensor]:
 
 @dataclass
 class _ModelState:
-    """One module given to ``fabric.setup``: its optimizers, and once split at its first call, the plan and what
-    the gradient step needs (the ids of its MP-shard parameters, its partial-gradient parameters)."""
+    """One module given to ``fabric.setup``: its optimizers, and once split at its first call, what the split made
+    of it (plan, dropout streams, MP-shard and partial-gradient parameters)."""
 
     module: nn.Module
     optimizers: list[Optimizer] = field(default_factory=list)
-    plan: Optional[PlanResult] = None
-    rng: Optional[RNGTracker] = None
-    split: set[int] = field(default_factory=set)
-    partial: list[nn.Parameter] = field(default_factory=list)
+    split: Optional[Split] = None
     pending: bool = False  # a backward ran since the gradients were last reduced
 
     def owns(self, optimizer: Optimizer) -> bool:
@@ -117,13 +114,14 @@ class ParallelOnFirstCall(nn.Module):
         grid = strategy.grid
         if grid.mp > 1:
             (args, kwargs), _ = broadcast_batch((args, kwargs), grid.mp_group, src=grid.dp_rank * grid.mp)
-        if state.plan is None:
+        if state.split is None:
             strategy.parallelize_on_call(state, args, kwargs)
+        assert state.split is not None
         try:
             return self.module(*args, **kwargs)
         finally:
-            if state.rng is not None:
-                state.rng.exit()  # code between calls (data, the user's loss) sees the replicated RNG stream
+            if state.split.rng is not None:
+                state.split.rng.exit()  # code between calls (data, the user's loss) sees the replicated RNG stream
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -156,8 +154,8 @@ class FabricDPMPStrategy(FabricDDPStrategy):
 
     def __init__(
         self,
-        dp: Union[int, str] = "auto",
-        mp: Union[int, str] = "auto",
+        dp: Union[int, Literal["auto"]] = "auto",
+        mp: Union[int, Literal["auto"]] = "auto",
         plan_overrides: Optional[Mapping[str, str]] = None,
         sequence_parallel: bool = False,
         verify_plan: bool = True,
@@ -188,16 +186,19 @@ class FabricDPMPStrategy(FabricDDPStrategy):
 
     # ------------------------------------------------------------------ the grid
     @property
+    def layout(self) -> Layout:
+        """The resolved (dp, mp) for Fabric's devices and nodes (one ``"auto"`` is world // the other)."""
+        return resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
+
+    @property
     def dp(self) -> int:
         """Data-parallel size."""
-        world = self.num_processes * self.num_nodes
-        return world // self.mp if self._dp_arg == "auto" else int(self._dp_arg)
+        return self.layout.dp
 
     @property
     def mp(self) -> int:
         """Tensor-parallel size."""
-        world = self.num_processes * self.num_nodes
-        return world // int(self._dp_arg) if self._mp_arg == "auto" else int(self._mp_arg)
+        return self.layout.mp
 
     @property
     def grid(self) -> Grid:
@@ -210,13 +211,15 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     def applied_plan(self) -> Optional[PlanResult]:
         """The plan applied at the first call of the latest module set up (``.text`` is its printout), ``None``
         before."""
-        return self._models[-1].plan if self._models else None
+        split = self._models[-1].split if self._models else None
+        return split.applied_plan if split is not None else None
 
     @property
     def rng_tracker(self) -> Optional[RNGTracker]:
         """Per-MP-rank dropout streams of the latest module's split regions (``None`` with mp=1 or before its first
         call)."""
-        return self._models[-1].rng if self._models else None
+        split = self._models[-1].split if self._models else None
+        return split.rng if split is not None else None
 
     @property
     @override
@@ -224,12 +227,9 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         return {"num_replicas": self.dp, "rank": self.global_rank // self.mp}  # MP ranks read the same samples
 
     def _check_layout(self) -> None:
-        world = self.num_processes * self.num_nodes
-        other = self._mp_arg if self._dp_arg == "auto" else self._dp_arg
-        if world % int(other):
-            raise ValueError(f"FabricDPMPStrategy(dp={self._dp_arg!r}, mp={self._mp_arg!r}): {world} processes"
-                             f" (devices={self.num_processes} x num_nodes={self.num_nodes}) do not divide by {other}.")
-        check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
+        layout = self.layout  # an "auto" size that does not divide the world raises here
+        check_world_size(layout.dp, layout.mp, self.num_processes * self.num_nodes, devices=self.num_processes,
+                         num_nodes=self.num_nodes)
 
     @override
     def _configure_launcher(self) -> None:
@@ -278,11 +278,9 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     def parallelize_on_call(self, state: _ModelState, args: tuple, kwargs: dict) -> PlanResult:
         """Trace ``state.module(*args, **kwargs)``, plan, split the module in place and verify (collective over
         the world), then re-point its optimizers at the split parameters. Called by the wrapper at the first call."""
-        module, grid, device = state.module, self.grid, self.root_device
+        module, grid = state.module, self.grid
         meta = is_meta(module)
         names_before = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        if not meta:
-            broadcast_dense(module)  # unseeded runs: every rank starts from rank 0's weights
         modes = [(m, m.training) for m in module.modules()]
         training = module.training
 
@@ -294,19 +292,11 @@ class FabricDPMPStrategy(FabricDDPStrategy):
                 out = module(*a, **k)
             return {"loss": _surrogate_loss(out), "output": out}  # the output is returned: it stays whole
 
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        state.rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(module)) if grid.mp > 1 else None
         precision = str(getattr(self.precision, "precision", "32-true"))
-        plan = plan_module(module, grid, run, self._overrides, self._verify and not meta, device, [], state.rng,
-                           self._sequence_parallel, precision, training)
-        if meta:
-            materialize(module, device, seed, grid.mp_rank)
-            load_deferred(module, grid.mp_group)
-        dims, partial = shard_dims(module), set(plan.plan.partial_params)
-        state.split = {id(p) for n, p in module.named_parameters() if n in dims}
-        state.partial = [p for n, p in module.named_parameters() if n in partial]
-        state.plan = plan
+        state.split = split_module(module, grid, self.root_device, run, self._overrides, self._verify,
+                                   self._sequence_parallel, precision, training, meta)
         self._repoint_optimizers(state, names_before)
+        plan = state.split.applied_plan
         if self.global_rank == 0:
             print(f"{plan.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
         return plan
@@ -330,19 +320,20 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
         for state in self._models:
-            state.pending = state.plan is not None
+            state.pending = state.split is not None
 
     def _reduce_gradients(self, optimizer: Optimizer) -> Optional[_ModelState]:
         """Once per step, before clipping or stepping: the partial gradients of ``optimizer``'s module summed over
         MP, then every gradient of its optimizers averaged over DP (one all-reduce per dtype, presence flags
         included). Returns that module's state (``None`` for an optimizer of no module set up here)."""
         state = self._owner(optimizer)
-        if state is None or not state.pending:
+        if state is None or state.split is None or not state.pending:
             return state
         state.pending = False
         grid = self.grid
-        if state.partial:
-            sync_partial_grads([p for p in state.partial if p.grad is not None], grid.mp_group)
+        partial: list[Tensor] = list(state.split.partial_grads)
+        if partial:
+            sync_partial_grads(partial, grid.mp_group)
         if grid.dp == 1:
             return state
         params = {id(p): p for opt in state.optimizers for g in opt.param_groups for p in g["params"]
@@ -353,7 +344,7 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         for (dtype, dev), ps in by_dtype.items():
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]
                              + [torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=dev)])
-            dist.all_reduce(flat, group=grid.dp_group)
+            all_reduce_sum(flat, grid.dp_group)
             used = flat[-len(ps):].tolist()
             offset = 0
             for p, u in zip(ps, used):
@@ -376,7 +367,8 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         state = self._reduce_gradients(optimizer)
         self.precision.unscale_gradients(optimizer)
         params = list(self.precision.main_params(optimizer))
-        total = clip_grad_norm_(params, float(max_norm), state.split if state else set(), self.grid.mp_group)
+        shards = state.split.split_params if state is not None and state.split is not None else set()
+        total = clip_grad_norm_(params, float(max_norm), shards, self.grid.mp_group)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"The total norm of the gradients is {total.item()}: non-finite.")
         return total
@@ -447,7 +439,7 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     def module_of(self, optimizer: Optimizer) -> Optional[nn.Module]:
         """The split module whose parameters ``optimizer`` steps (``None`` before its split)."""
         state = self._owner(optimizer)
-        return state.module if state is not None and state.plan is not None else None
+        return state.module if state is not None and state.split is not None else None
 
     @override
     def teardown(self) -> None:

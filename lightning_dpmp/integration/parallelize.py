@@ -38,7 +38,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -104,12 +104,16 @@ class Parallelized:
     compiled: bool = False
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
 
-    def step_closure(self, closure: Callable[[], Any], stepped: set[int]) -> Callable[[], Any]:
-        """``closure`` (forward and backward), then the MP sum of the partial gradients among ``stepped`` (ids of
-        the parameters the optimizer steps), before the precision plugin clips and steps."""
+    def step_closure(self, closure: Callable[[], Any], stepped: Iterable[nn.Parameter]) -> Callable[[], Any]:
+        """``closure`` (forward and backward), then the MP sum of the partial gradients among ``stepped`` (the
+        parameters the optimizer steps; read only when there are partial gradients), before the precision plugin
+        clips and steps."""
         if self.engine is not None:
             return then_finish_zero(closure, self.engine, self.mp_group)
-        partial = [p for p in self.partial_grads if id(p) in stepped]
+        if not self.partial_grads:
+            return closure
+        mine = {id(p) for p in stepped}
+        partial = [p for p in self.partial_grads if id(p) in mine]
         return hooks.then_sum_partial(closure, partial, self.mp_group) if partial else closure
 
     def after_step(self) -> None:

@@ -16,7 +16,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,9 @@ from lightning_dpmp.planner.materialize import is_meta, materialize
 from lightning_dpmp.planner.parallelize import consolidate
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
-__all__ = ["Split", "agree_on_meta", "broadcast_dense", "meta_safe_teardown", "split_model", "unsplit_model"]
+__all__ = [
+    "Split", "agree_on_meta", "broadcast_dense", "meta_safe_teardown", "split_model", "split_module", "unsplit_model"
+]
 
 
 @dataclass
@@ -89,6 +91,40 @@ def agree_on_meta(strategy: Any) -> bool:
     return True
 
 
+def split_module(
+    module: nn.Module,
+    grid: Any,
+    device: torch.device,
+    run: Optional[Callable[[], Any]],
+    plan_overrides: PlanOverrides,
+    verify: bool,
+    sequence_parallel: bool,
+    precision: str,
+    training: bool,
+    meta: bool,
+    notes: Optional[list[str]] = None,
+) -> Split:
+    """Plan ``module`` from ``run`` (one step, or ``None`` when there is no batch) and split it in place over
+    ``grid`` (collective over the world): every rank starts from rank 0's dense weights, the split regions get
+    their dropout streams, and a meta model is materialised shard by shard and its pending weights read. The one
+    core of the Trainer strategy's setup (:func:`split_model`) and of Fabric's first call."""
+    broadcast_dense(module)  # unseeded runs agree (meta tensors are skipped)
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(module)) if grid.mp > 1 else None
+    applied = plan_module(module, grid, run, plan_overrides, verify and not meta, device, notes, rng,
+                          sequence_parallel, precision, training)
+    if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
+        materialize(module, device, seed, grid.mp_rank)
+        load_deferred(module, grid.mp_group)  # pretrained weights: each rank reads only the slices it holds
+    dims, partial = shard_dims(module), set(applied.plan.partial_params)
+    return Split(
+        applied_plan=applied,
+        rng=rng,
+        partial_grads=[p for n, p in module.named_parameters() if n in partial],
+        split_params={id(p) for n, p in module.named_parameters() if n in dims},
+    )
+
+
 def split_model(
     strategy: Any,
     trainer: Any,
@@ -104,21 +140,11 @@ def split_model(
     assert lm is not None
     grid, device = strategy.grid, strategy.root_device
     validate.check_plan_at_setup(lm, plan_overrides, strategy.mp, strategy.global_rank)  # a configure_model model
-    broadcast_dense(lm)
     batch, notes = first_batch(trainer, strategy)
     run = step_runner(trainer, strategy, batch, meta) if batch is not None else None
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(lm)) if strategy.mp > 1 else None
-    applied = plan_module(
-        lm, grid, run, plan_overrides, verify and not meta, device, notes, rng,
-        sequence_parallel, str(trainer.precision), trainer.state.fn == TrainerFn.FITTING,
-    )
-    if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
-        materialize(lm, device, seed, grid.mp_rank)
-        load_deferred(lm, grid.mp_group)  # pretrained weights: each rank reads only the slices it holds
-    names = set(applied.plan.partial_params)
-    dims = shard_dims(lm)
-    split_params = {id(p) for n, p in lm.named_parameters() if n in dims}
+    split = split_module(lm, grid, device, run, plan_overrides, verify, sequence_parallel, str(trainer.precision),
+                         trainer.state.fn == TrainerFn.FITTING, meta, notes)
+    applied, split_params = split.applied_plan, split.split_params
     if strategy.is_global_zero:
         validate.warn_if_mp_idle(len(split_params), strategy.dp, strategy.mp)
     if applied.conditional and strategy.dp > 1:
@@ -133,12 +159,7 @@ def split_model(
         f"{applied.text}\n  grid: dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank){summary}"
         + (f"\n{strategy.layout_report}" if getattr(strategy, "layout_report", "") else "")
     )
-    return Split(
-        applied_plan=applied,
-        rng=rng,
-        partial_grads=[p for n, p in lm.named_parameters() if n in names],
-        split_params=split_params,
-    )
+    return split
 
 
 def unsplit_model(strategy: Any, everywhere: bool = True) -> None:

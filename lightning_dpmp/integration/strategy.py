@@ -295,7 +295,7 @@ class DPMPStrategy(GridStrategy):
         parallel = self._parallel
         if parallel is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        stepped = {id(p) for p in self.precision_plugin.main_params(optimizer)}
+        stepped = self.precision_plugin.main_params(optimizer)
         out = super().optimizer_step(optimizer, parallel.step_closure(closure, stepped), model, **kwargs)
         parallel.after_step()
         return out

@@ -87,7 +87,7 @@ def test_fitting_under_zero_shards_after_the_optimizers_and_counts_its_split_sha
     assert calls == MODEL_STEPS + ["setup_optimizers", "shard_dp", "install_step_hooks(dp_group=dp)"]
     assert parallel.engine is not None
     assert id(shard) in parallel.split_params  # the clip sums the engine's flat MP shards over MP too
-    closure = parallel.step_closure(lambda: "loss", set())
+    closure = parallel.step_closure(lambda: "loss", [])
     assert closure is not None
     parallel.after_step()
     assert parallel.engine.calls == ["after_step"]  # type: ignore[attr-defined]
@@ -117,7 +117,7 @@ def test_step_closure_sums_only_the_stepped_partial_gradients(monkeypatch: pytes
                         lambda closure, params, group: sums.append(list(params)) or closure)
     a, b = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
     parallel = Parallelized(SimpleNamespace(), None, frozenset(), [a, b], "mp")  # type: ignore[arg-type]
-    parallel.step_closure(lambda: None, {id(b)})
+    parallel.step_closure(lambda: None, [b])
     assert sums == [[b]]
-    assert parallel.step_closure(lambda: 1, set())() == 1  # nothing partial stepped: the closure as it is
+    assert parallel.step_closure(lambda: 1, [])() == 1  # nothing partial stepped: the closure as it is
     assert sums == [[b]]
