@@ -30,8 +30,10 @@ from torch.optim import Optimizer
 
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.sharding import (
+    Blocks,
     DenseGather,
     dense_meta,
+    dense_size,
     gather_to_first,
     shard_blocks,
     shard_dims,
@@ -60,7 +62,7 @@ class CheckpointMismatchError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------- gathering / slicing
 def gather_state_dict(
-    state: Mapping[str, Any], dims: Mapping[str, int], group: Any, blocks: Optional[Mapping[str, int]] = None
+    state: Mapping[str, Any], dims: Mapping[str, int], group: Any, blocks: Optional[Mapping[str, Blocks]] = None
 ) -> dict[str, Any]:
     """Dense ``state`` on the group's first rank (split entries gathered one by one); ``state`` unchanged elsewhere."""
     out = dict(state)
@@ -82,8 +84,9 @@ def optimizer_param_dims(optimizer: Optimizer, module: Any) -> list[Optional[int
     return [by_id.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
 
 
-def optimizer_param_blocks(optimizer: Optimizer, module: Any) -> list[int]:
-    """For each parameter in the optimizer's order, its fused block count (1 unless a fused projection)."""
+def optimizer_param_blocks(optimizer: Optimizer, module: Any) -> list[Blocks]:
+    """For each parameter in the optimizer's order, its fused blocks (1 unless a fused projection or a padded
+    vocabulary)."""
     blocks = shard_blocks(module)
     by_id = {id(p): blocks.get(name, 1) for name, p in module.named_parameters()}
     return [by_id.get(id(p), 1) for group in optimizer.param_groups for p in group["params"]]
@@ -97,14 +100,14 @@ def optimizer_param_names(optimizer: Optimizer, module: nn.Module) -> list[str]:
 
 
 def _map_state(
-    state: dict[str, Any], param_dims: list[Optional[int]], fn: Callable[[Tensor, int, int], Any],
-    param_blocks: Optional[list[int]] = None,
+    state: dict[str, Any], param_dims: list[Optional[int]], fn: Callable[[Tensor, int, Blocks], Any],
+    param_blocks: Optional[list[Blocks]] = None,
 ) -> dict[str, Any]:
     out = copy.copy(state)
     out["state"] = {}
     for idx, per_param in state.get("state", {}).items():
         dim = param_dims[idx] if idx < len(param_dims) else None
-        blocks = param_blocks[idx] if param_blocks and idx < len(param_blocks) else 1
+        blocks: Blocks = param_blocks[idx] if param_blocks and idx < len(param_blocks) else 1
         out["state"][idx] = {
             k: (fn(v, dim, blocks) if dim is not None and isinstance(v, Tensor) and v.dim() > dim else v)
             for k, v in per_param.items()
@@ -113,7 +116,7 @@ def _map_state(
 
 
 def consolidate_optimizer_state(
-    state: dict[str, Any], param_dims: list[Optional[int]], group: Any, param_blocks: Optional[list[int]] = None
+    state: dict[str, Any], param_dims: list[Optional[int]], group: Any, param_blocks: Optional[list[Blocks]] = None
 ) -> dict[str, Any]:
     """Gather the split per-parameter tensors of an optimizer ``state_dict`` onto the group's first rank.
 
@@ -126,7 +129,7 @@ def consolidate_optimizer_state(
 
 
 def shard_optimizer_state(
-    state: dict[str, Any], param_dims: list[Optional[int]], group: Any, param_blocks: Optional[list[int]] = None
+    state: dict[str, Any], param_dims: list[Optional[int]], group: Any, param_blocks: Optional[list[Blocks]] = None
 ) -> dict[str, Any]:
     """Keep this rank's slice of each split per-parameter tensor of a consolidated optimizer ``state_dict``."""
     n, r = group_size(group), group_rank(group)
@@ -136,19 +139,21 @@ def shard_optimizer_state(
 
 
 def shard_state_dict(
-    state: Mapping[str, Any], dims: Mapping[str, int], group: Any, blocks: Optional[Mapping[str, int]] = None
+    state: Mapping[str, Any], dims: Mapping[str, int], group: Any, blocks: Optional[Mapping[str, Blocks]] = None
 ) -> dict[str, Any]:
     """Slice the dense entries of a consolidated model ``state_dict`` for a parallelised module (no communication)."""
     n, r = group_size(group), group_rank(group)
     out = dict(state)
     for key, dim in dims.items():
-        if key in out and isinstance(out[key], Tensor) and out[key].shape[dim] % n == 0:
-            out[key] = shard_tensor(out[key], dim, n, r, (blocks or {}).get(key, 1))
+        b = (blocks or {}).get(key, 1)
+        if key in out and isinstance(out[key], Tensor) and (
+                out[key].shape[dim] % n == 0 if isinstance(b, int) else out[key].shape[dim] == sum(b)):
+            out[key] = shard_tensor(out[key], dim, n, r, b)
     return out
 
 
 def consolidate_optimizer(
-    optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], int]], group: Any,
+    optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], Blocks]], group: Any,
     gather: Optional[DenseGather] = None,
 ) -> None:
     """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate` made,
@@ -170,9 +175,9 @@ def consolidate_optimizer(
         pg["params"] = new_params
 
 
-def _dense_state(v: Tensor, dim: int, group: Any, blocks: int, gather: DenseGather) -> Tensor:
+def _dense_state(v: Tensor, dim: int, group: Any, blocks: Blocks, gather: DenseGather) -> Tensor:
     full = gather(v.detach(), dim, group, blocks)
-    return full if full is not None and gather.keep else dense_meta(v, dim, group)
+    return full if full is not None and gather.keep else dense_meta(v, dim, group, blocks)
 
 
 def optimizer_to_meta(optimizer: Optimizer, params: Mapping[int, nn.Parameter]) -> None:
@@ -194,13 +199,13 @@ def optimizer_to_meta(optimizer: Optimizer, params: Mapping[int, nn.Parameter]) 
 # ---------------------------------------------------------------------------------------------- validation
 def dense_shapes(module: nn.Module, group: Any) -> dict[str, tuple[int, ...]]:
     """Shape of every ``state_dict`` tensor of ``module`` as the dense model has it (split dims times the group)."""
-    dims, n = shard_dims(module), group_size(group)
+    dims, blocks, n = shard_dims(module), shard_blocks(module), group_size(group)
     out: dict[str, tuple[int, ...]] = {}
     for key, t in module.state_dict().items():
         if isinstance(t, Tensor):
             shape = list(t.shape)
             if key in dims:
-                shape[dims[key]] *= n
+                shape[dims[key]] = dense_size(blocks.get(key, 1), shape[dims[key]], n)
             out[key] = tuple(shape)
     return out
 

@@ -60,7 +60,14 @@ from lightning_dpmp.checkpoint.consolidated import (
 from lightning_dpmp.checkpoint.files import atomic_save, fsync_dir, replace_path
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import (
+    Blocks,
+    dense_size,
+    local_block_sizes,
+    shard_blocks,
+    shard_dims,
+    shard_tensor,
+)
 
 __all__ = [
     "LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"
@@ -131,13 +138,24 @@ def _mesh(grid: Grid, device_type: str) -> Any:
     return DeviceMesh.from_group([grid.dp_group, grid.mp_group], device_type, mesh=ranks, mesh_dim_names=("dp", "mp"))
 
 
-def _as_dcp(local: Tensor, dim: Optional[int], mesh: Any) -> Tensor:
-    """A split tensor becomes a DTensor (replicated over DP, sharded over MP along ``dim``); others stay plain."""
+def _as_dcp(local: Tensor, dim: Optional[int], mesh: Any, dense: Optional[int] = None) -> Tensor:
+    """A split tensor becomes a DTensor (replicated over DP, sharded over MP along ``dim``); others stay plain.
+
+    ``dense``: the size along ``dim`` when ``mp`` does not divide it (a padded vocabulary): ``local`` then holds
+    ``ceil(dense / mp)`` rows, and only the real ones are described, so the stored tensor has the dense shape.
+    """
     if dim is None or mesh is None:
         return local
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return DTensor.from_local(local, mesh, [Replicate(), Shard(dim)], run_check=False)
+    if dense is None or dense == local.shape[dim] * mesh.size(1):
+        return DTensor.from_local(local, mesh, [Replicate(), Shard(dim)], run_check=False)
+    real = min(max(dense - mesh.get_local_rank(1) * local.shape[dim], 0), local.shape[dim])
+    shape = list(local.shape)
+    shape[dim] = dense
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.narrow(dim, 0, real), mesh, [Replicate(), Shard(dim)], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -148,20 +166,32 @@ def _block_key(key: str, i: int) -> str:
     return f"{key}#block{i}"
 
 
-def _fused(fused: dict[str, Any], key: str) -> tuple[int, int]:
-    """(blocks, dim the blocks are stacked along) of a stored tensor; plain tensors are one block."""
+def _fused(fused: dict[str, Any], key: str) -> tuple[Blocks, int]:
+    """(blocks, dim the blocks are stacked along) of a stored tensor; plain tensors are one block. Blocks of
+    unequal or padded sizes are stored as the list of their dense sizes."""
     value = fused.get(key, 1)
-    return (value, 0) if isinstance(value, int) else (int(value[0]), int(value[1]))
+    if isinstance(value, int):
+        return value, 0
+    blocks = value[0]
+    return (blocks if isinstance(blocks, int) else tuple(int(b) for b in blocks)), int(value[1])
 
 
-def _put(flat: dict[str, Tensor], fused: dict[str, Any], key: str, local: Tensor, dim: Optional[int], blocks: int,
-         mesh: Any) -> None:
-    """Describe one local tensor to DCP: a fused one (``blocks > 1``, split block by block along ``dim``: dim 0 of a
-    Linear's q|k|v, dim 1 of GPT-2's ``Conv1D`` (in, out) weight) as one entry per block."""
-    if dim is not None and blocks > 1 and mesh is not None:
-        fused[key] = (blocks, dim)
-        for i, part in enumerate(local.chunk(blocks, dim=dim)):
-            flat[_block_key(key, i)] = _as_dcp(part.contiguous(), dim, mesh)
+def _count(blocks: Blocks) -> int:
+    return blocks if isinstance(blocks, int) else len(blocks)
+
+
+def _put(flat: dict[str, Tensor], fused: dict[str, Any], key: str, local: Tensor, dim: Optional[int],
+         blocks: Blocks, mesh: Any) -> None:
+    """Describe one local tensor to DCP: a fused one (``blocks``, split block by block along ``dim``: dim 0 of a
+    Linear's q|k|v, dim 1 of GPT-2's ``Conv1D`` (in, out) weight, or a padded vocabulary) as one entry per block,
+    each of its dense size."""
+    if dim is not None and blocks != 1 and mesh is not None:
+        fused[key] = (blocks if isinstance(blocks, int) else list(blocks), dim)
+        n = mesh.size(1)
+        parts = local.split(local_block_sizes(blocks, local.shape[dim], n), dim=dim)
+        for i, part in enumerate(parts):
+            size = None if isinstance(blocks, int) else blocks[i]
+            flat[_block_key(key, i)] = _as_dcp(part.contiguous(), dim, mesh, size)
     else:
         flat[key] = _as_dcp(local, dim, mesh)
 
@@ -172,7 +202,7 @@ def _logical_shapes(saved: dict[str, TensorStorageMetadata], fused: dict[str, An
     for key in fused:
         blocks, dim = _fused(fused, key)
         shape = list(saved[_block_key(key, 0)].size)
-        shape[dim] *= blocks
+        shape[dim] = sum(saved[_block_key(key, i)].size[dim] for i in range(_count(blocks)))
         out[key] = tuple(shape)
     return out
 
@@ -189,19 +219,21 @@ class _Reads:
         self.targets: dict[str, Tensor] = {}
         self.after: list[Any] = []
 
-    def add(self, key: str, local: Tensor, dim: Optional[int], blocks: int) -> None:
+    def add(self, key: str, local: Tensor, dim: Optional[int], blocks: Blocks) -> None:
         """Fill ``local`` (this rank's tensor: split along ``dim`` in ``blocks`` blocks, or whole) from ``key``."""
         stored, stored_dim = _fused(self.fused, key)
         if stored == 1 and blocks == 1:
             self.targets[key] = _as_dcp(local, dim, self.mesh)
             return
-        if stored == blocks and dim == stored_dim:
-            parts = [torch.empty_like(p) for p in local.chunk(blocks, dim=dim)]
+        if stored == blocks and dim == stored_dim and self.mesh is not None:
+            n = group_size(self.group)
+            parts = [torch.zeros_like(p) for p in local.split(local_block_sizes(blocks, local.shape[dim], n), dim=dim)]
             for i, part in enumerate(parts):
-                self.targets[_block_key(key, i)] = _as_dcp(part, dim, self.mesh)
+                size = None if isinstance(blocks, int) else blocks[i]
+                self.targets[_block_key(key, i)] = _as_dcp(part, dim, self.mesh, size)
             self.after.append(lambda: local.copy_(torch.cat(parts, dim=dim)))
             return
-        keys = [key] if stored == 1 else [_block_key(key, i) for i in range(stored)]
+        keys = [key] if stored == 1 else [_block_key(key, i) for i in range(_count(stored))]
         dense = [torch.empty(tuple(self.saved[k].size), dtype=self.saved[k].properties.dtype, device=local.device)
                  for k in keys]
         self.targets.update(zip(keys, dense))
@@ -331,7 +363,8 @@ def load_sharded(
                     continue
                 name = f"optim{i}/{names[idx]}/{key}"
                 size = shapes[name]
-                split = pdims[idx] is not None and size == dense_param_shape(params[idx], pdims[idx], grid)
+                split = pdims[idx] is not None and size == dense_param_shape(params[idx], pdims[idx], grid,
+                                                                             pblocks[idx])
                 dtype = saved[name if name in saved else _block_key(name, 0)].properties.dtype
                 local = torch.empty(params[idx].shape if split else size, dtype=dtype, device=params[idx].device)
                 state[idx][key] = local
@@ -345,11 +378,11 @@ def load_sharded(
     return meta
 
 
-def dense_param_shape(p: Tensor, dim: Optional[int], grid: Grid) -> tuple[int, ...]:
+def dense_param_shape(p: Tensor, dim: Optional[int], grid: Grid, blocks: Blocks = 1) -> tuple[int, ...]:
     """Dense shape of a (possibly split) parameter."""
     shape = list(p.shape)
     if dim is not None:
-        shape[dim] *= grid.mp
+        shape[dim] = dense_size(blocks, shape[dim], grid.mp)
     return tuple(shape)
 
 
@@ -372,7 +405,7 @@ def load_sharded_full(path: str) -> dict[str, Any]:
     fused = info.get("fused", {})
     for key in fused:  # fused tensors: their blocks stacked back in order, along the dim they were split on
         blocks, dim = _fused(fused, key)
-        targets[key] = torch.cat([targets.pop(_block_key(key, i)) for i in range(blocks)], dim=dim)
+        targets[key] = torch.cat([targets.pop(_block_key(key, i)) for i in range(_count(blocks))], dim=dim)
     state: dict[str, Any] = {k: targets[f"model/{k}"] for k in info["model_keys"]}
     state.update(info["model_extra"])
     opt_states = []

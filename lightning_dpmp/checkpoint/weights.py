@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from lightning_dpmp.checkpoint.consolidated import dense_shapes
 from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.sharding import MATERIALIZED_ATTR, shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import MATERIALIZED_ATTR, Blocks, shard_blocks, shard_dims, shard_tensor
 
 __all__ = [
     "DEFERRED_ATTR",
@@ -114,19 +114,33 @@ class WeightFiles:
         """The dense shape of ``key``."""
         return self._shapes[key]
 
-    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: int = 1) -> Tensor:
+    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: Blocks = 1) -> Tensor:
         """Part ``part`` of ``parts`` of ``key`` along ``dim`` (the whole tensor when ``dim`` is None); with
-        ``blocks > 1`` (fused q|k|v), that part of each block, concatenated, as
+        ``blocks`` (fused q|k|v, or a padded vocabulary), that part of each block, concatenated, as
         :func:`~lightning_dpmp.parallel.sharding.shard_tensor` cuts it. Only those elements are read."""
         shape = self._shapes[key]
-        ranges = [(0, shape[dim] if dim is not None else 0)]
+        ranges = [(0, shape[dim] if dim is not None else 0, 0)]  # (first, end, zero rows after: the padding)
         if dim is not None and parts > 1:
-            block, n = shape[dim] // blocks, shape[dim] // blocks // parts
-            if shape[dim] % (blocks * parts):
+            if isinstance(blocks, int) and shape[dim] % (blocks * parts):
                 raise ValueError(f"{key}: dim {dim} of size {shape[dim]} does not split into {blocks} block(s) x"
                                  f" mp={parts}.")
-            ranges = [(b * block + part * n, b * block + (part + 1) * n) for b in range(blocks)]
-        pieces = [self._read_range(key, dim, lo, hi) for lo, hi in ranges]
+            sizes = [shape[dim] // blocks] * blocks if isinstance(blocks, int) else list(blocks)
+            ranges, start = [], 0
+            for size in sizes:
+                each = -(-size // parts)
+                lo = min(part * each, size)
+                hi = min(lo + each, size)
+                ranges.append((start + lo, start + hi, each - (hi - lo)))
+                start += size
+        pieces = []
+        for lo, hi, pad in ranges:
+            piece = self._read_range(key, dim, lo, hi)
+            if pad:
+                assert dim is not None
+                zeros = list(piece.shape)
+                zeros[dim] = pad
+                piece = torch.cat([piece, piece.new_zeros(zeros)], dim=dim)
+            pieces.append(piece)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim if dim is not None else 0)
 
     def _read_range(self, key: str, dim: Optional[int], lo: int, hi: int) -> Tensor:
@@ -180,7 +194,7 @@ class ConvertedWeights:
         """The dense shape of the model's ``key``."""
         return self._shapes[key]
 
-    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: int = 1) -> Tensor:
+    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: Blocks = 1) -> Tensor:
         """As :meth:`WeightFiles.read`, under the model's name ``key``."""
         if key in self._renamed:
             return self.files.read(self._renamed[key], dim, parts, part, blocks)
@@ -257,7 +271,7 @@ class RankZeroWeights:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._meta[key][0]
 
-    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: int = 1) -> Tensor:
+    def read(self, key: str, dim: Optional[int] = None, parts: int = 1, part: int = 0, blocks: Blocks = 1) -> Tensor:
         shape, dtype = self._meta[key]
         if self._state is not None:
             full = self._state[key].detach().to(self._device)

@@ -1,7 +1,9 @@
 """Tensor-parallel drop-in replacements for ``nn.Embedding``, against an explicit process group.
 
 * :class:`VocabParallelEmbedding` holds vocabulary rows ``E[r*V/mp:(r+1)*V/mp]``: local lookup of the ids in
-  range, one all-reduce (or a reduce-scatter over the sequence with sequence parallelism).
+  range, one all-reduce (or a reduce-scatter over the sequence with sequence parallelism). A vocabulary ``mp``
+  does not divide is padded with zero rows to the next multiple (``ceil(V/mp)`` rows per rank, Megatron's
+  layout); no id reaches them, and gathers, checkpoints and exports strip them.
 * :class:`ColumnParallelEmbedding` holds columns ``E[:, r*D/mp:(r+1)*D/mp]`` (a per-head relative position bias):
   no communication.
 * :func:`vocab_parallel` splits any ``nn.Embedding`` by rows, subclasses included: a subclass whose ``forward``
@@ -20,7 +22,14 @@ from torch import Tensor, nn
 from typing_extensions import Self
 
 from lightning_dpmp.parallel.comm import group_rank, group_size, reduce_from_group, reduce_scatter_to_sequence
-from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, dense_template, divide, shard_tensor
+from lightning_dpmp.parallel.sharding import (
+    DenseGather,
+    ParallelLinear,
+    dense_template,
+    divide,
+    padded_blocks,
+    shard_tensor,
+)
 
 __all__ = ["ColumnParallelEmbedding", "VocabParallelEmbedding", "vocab_parallel"]
 
@@ -60,7 +69,8 @@ class VocabParallelEmbedding(ParallelLinear):
         self.sequence_dim = sequence_dim
         self.rng: Optional[Any] = None
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        local = divide(num_embeddings, self.mp, "num_embeddings")
+        self.blocks = padded_blocks(num_embeddings, self.mp)  # rows padded to a multiple of mp, never looked up
+        local = -(-num_embeddings // self.mp)
         self.start = self.mp_rank * local
         self.padding_idx = padding_idx
         self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
@@ -74,6 +84,7 @@ class VocabParallelEmbedding(ParallelLinear):
             pad = _local_pad(self.padding_idx, self.start, self.weight.shape[0])
             if pad is not None:
                 self.weight[pad].zero_()
+        self.zero_padding()
 
     @classmethod
     def from_dense(cls, emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = None) -> Self:  # type: ignore[override]
@@ -203,10 +214,11 @@ def vocab_parallel(emb: nn.Embedding, group: Any, sequence_dim: Optional[int] = 
     layer.__dict__.update({k: type(v)(v) if isinstance(v, dict) else v for k, v in emb.__dict__.items()})
     layer.in_features, layer.out_features = emb.num_embeddings, emb.embedding_dim  # ParallelLinear's sizes
     layer.group, layer.mp, layer.mp_rank = group, group_size(group), group_rank(group)
-    local = divide(emb.num_embeddings, layer.mp, "num_embeddings")
+    layer.blocks = padded_blocks(emb.num_embeddings, layer.mp)
+    local = -(-emb.num_embeddings // layer.mp)
     layer.start, layer.sequence_dim, layer.rng = layer.mp_rank * local, sequence_dim, rng
     layer.__dict__["_template"] = dense_template(emb)
     w = emb.weight
-    layer.weight = nn.Parameter(shard_tensor(w.detach(), 0, layer.mp, layer.mp_rank).clone(),
+    layer.weight = nn.Parameter(shard_tensor(w.detach(), 0, layer.mp, layer.mp_rank, layer.blocks).clone(),
                                 requires_grad=w.requires_grad)
     return layer

@@ -36,7 +36,7 @@ from torch import Tensor
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence, scatter_to_group
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
 from lightning_dpmp.parallel.overlap import linear_with_async_input_grad
-from lightning_dpmp.parallel.sharding import ParallelLinear, divide, gather_tensor
+from lightning_dpmp.parallel.sharding import Blocks, ParallelLinear, divide, gather_tensor, local_block_sizes, padded_blocks
 
 __all__ = ["ColumnParallelLinear", "EnteredLinear", "RowParallelLinear", "set_async_grad_allreduce"]
 
@@ -48,7 +48,9 @@ class ColumnParallelLinear(ParallelLinear):
     ``out_features / mp`` features, then, with ``gather_output``, an all-gather (backward: split).
 
     Args:
-        in_features, out_features, bias: as ``nn.Linear``; ``out_features`` must be divisible by the group size.
+        in_features, out_features, bias: as ``nn.Linear``; ``out_features`` must be divisible by the group size,
+            except for an LM head (``vocab_logits`` or ``gather_output``), whose vocabulary is padded with zero rows
+            to a multiple of it; the gathered logits are stripped of the padding, the sharded ones mask it.
         group: the MP process group (explicit; never a global).
         gather_output: return the full output (replicated) instead of this rank's shard.
         shared_input: a :class:`SharedInputCopy` shared with sibling layers reading the same input.
@@ -78,7 +80,7 @@ class ColumnParallelLinear(ParallelLinear):
         group: Any = None,
         gather_output: bool = False,
         shared_input: Optional[SharedInputCopy] = None,
-        blocks: int = 1,
+        blocks: Blocks = 1,
         vocab_logits: bool = False,
         vocab_mode: tuple[bool, bool] = (True, True),
         name: str = "",
@@ -93,8 +95,15 @@ class ColumnParallelLinear(ParallelLinear):
         self.out_dim = out_dim
         if out_dim == 1:  # weight stored (in, out): the output features are its columns
             self._shard_dims = {"weight": 1, "bias": 0}
-        per_block = divide(out_features, blocks, "out_features (fused blocks)")
-        local_out = divide(per_block, self.mp, "out_features") * blocks
+        if (vocab_logits or gather_output) and blocks == 1:  # a vocabulary mp does not divide is padded (Megatron)
+            blocks = padded_blocks(out_features, self.mp)
+        if isinstance(blocks, int):
+            per_block = divide(out_features, blocks, "out_features (fused blocks)")
+            local_out = divide(per_block, self.mp, "out_features") * blocks
+        elif sum(blocks) != out_features:
+            raise ValueError(f"fused blocks {blocks} do not add up to out_features={out_features}")
+        else:
+            local_out = sum(local_block_sizes(blocks, 0, self.mp))
         self.gather_output = gather_output
         self.shared_input = shared_input
         self.blocks = blocks
@@ -122,13 +131,13 @@ class ColumnParallelLinear(ParallelLinear):
         if self.vocab_logits:
             from lightning_dpmp.parallel.loss import VocabShardedLogits  # avoids an import cycle
 
-            return VocabShardedLogits.wrap(y, self.group, self.out_features, self.name)
+            return VocabShardedLogits.wrap(y, self.group, self.out_features, self.name)  # knows the padding
         if self.rng is not None:
             self.rng.enter_for(self.training)  # a sharded region starts: masks differ per MP rank until the row layer
         return y
 
     def extra_repr(self) -> str:
-        extra = f", blocks={self.blocks}" if self.blocks > 1 else ""
+        extra = f", blocks={self.blocks}" if self.blocks != 1 else ""
         vocab = ", vocab" if self.vocab_logits else ""
         return super().extra_repr() + f", gather_output={self.gather_output}{extra}{vocab}"
 

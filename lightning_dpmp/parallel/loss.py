@@ -36,12 +36,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """forward: per-row loss from vocab shards (all-reduce MAX, then SUM); backward: local softmax gradient."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, target: Tensor, group: Any, ignore_index: int, smoothing: float) -> Tensor:
+    def forward(ctx: Any, logits: Tensor, target: Tensor, group: Any, ignore_index: int, smoothing: float,
+                vocab: int) -> Tensor:
         n, rank = group_size(group), group_rank(group)
         local_v = logits.shape[-1]
-        vocab = local_v * n
         start = rank * local_v
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        real = min(max(vocab - start, 0), local_v)  # classes past the vocabulary pad it to a multiple of mp
+        padded = real < local_v
+        if padded:  # they take no part: exp(-inf) = 0 in the sum, never the max, never a target
+            logits = logits.masked_fill(torch.arange(local_v, device=logits.device) >= real, float("-inf"))
         row_max = logits.max(dim=-1).values
         if n > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -50,9 +54,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = target - start
         mine = (local_t >= 0) & (local_t < local_v) & ~ignored
         safe_t = torch.where(mine, local_t, torch.zeros_like(local_t))
-        picked = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1) * mine
+        picked = torch.where(mine, shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1), 0.0)  # (-inf * 0: nan)
         exp = shifted.exp()
-        stats = torch.stack([picked, exp.sum(-1), shifted.sum(-1)])  # one all-reduce for all three
+        real_shifted = shifted[..., :real] if padded else shifted
+        stats = torch.stack([picked, exp.sum(-1), real_shifted.sum(-1)])  # one all-reduce for all three
         all_reduce_sum(stats, group)
         picked, sum_exp, sum_shifted = stats
         log_z = sum_exp.log()
@@ -61,17 +66,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1 - smoothing) * loss + smoothing * (log_z - sum_shifted / vocab)
         loss = loss.masked_fill(ignored, 0.0)
         ctx.save_for_backward(exp, sum_exp, safe_t, mine, ignored)
-        ctx.smoothing, ctx.vocab, ctx.in_dtype = smoothing, vocab, logits.dtype
+        ctx.smoothing, ctx.vocab, ctx.in_dtype, ctx.real = smoothing, vocab, logits.dtype, real
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None, None]:
         exp, sum_exp, safe_t, mine, ignored = ctx.saved_tensors
         g = exp / sum_exp.unsqueeze(-1)
         onehot = torch.zeros_like(g).scatter_(-1, safe_t.unsqueeze(-1), 1.0) * mine.unsqueeze(-1)
-        g = g - (1 - ctx.smoothing) * onehot - ctx.smoothing / ctx.vocab
+        g = g - (1 - ctx.smoothing) * onehot
+        if ctx.smoothing:
+            g[..., :ctx.real] -= ctx.smoothing / ctx.vocab  # the padding classes get no gradient at all
         g = g * (grad * ~ignored).unsqueeze(-1)
-        return g, None, None, None, None
+        return g, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -81,16 +88,21 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    vocab: Optional[int] = None,
 ) -> Tensor:
     """``F.cross_entropy(full_logits, target, ...)`` computed from this rank's vocab shard ``logits`` (..., V/mp).
 
     Rank ``r`` holds classes ``[r*V/mp, (r+1)*V/mp)``. ``reduction`` is ``"mean"`` (over non-ignored targets, as
     torch does), ``"sum"`` or ``"none"``. Class weights are not supported (use the full logits for those).
+    ``vocab``: the number of classes when ``mp`` does not divide it; each rank then holds ``ceil(V/mp)`` columns and
+    those past ``V`` (the padding) are left out of the max, the sums and the gradient.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     flat = logits.reshape(-1, logits.shape[-1])
-    losses = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group, ignore_index, float(label_smoothing))
+    classes = vocab if vocab is not None else flat.shape[-1] * group_size(group)
+    losses = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), group, ignore_index, float(label_smoothing),
+                                              classes)
     if reduction == "none":
         return losses.view(target.shape).to(logits.dtype)
     total = losses.sum()
@@ -174,8 +186,9 @@ class VocabShardedLogits(torch.Tensor):
         return self.as_subclass(Tensor)
 
     def full(self) -> Tensor:
-        """The gathered full logits: a collective over the MP group, which every rank of it must call."""
-        return gather_from_group(self.as_subclass(Tensor), self._dpmp_group, -1)
+        """The gathered full logits: a collective over the MP group, which every rank of it must call (a padded
+        vocabulary's padding stripped)."""
+        return gather_from_group(self.as_subclass(Tensor), self._dpmp_group, -1).narrow(-1, 0, self._dpmp_vocab)
 
     # No gather: printing a shard must not be a collective. (mypy reads Tensor.__repr__'s keyword from torch's
     # stubs differently from its source; the signature is the source's.)
@@ -325,7 +338,7 @@ def _cross_entropy(args: tuple, kwargs: dict, meta: VocabShardedLogits) -> Tenso
         )
     return vocab_parallel_cross_entropy(
         _plain(logits), _plain(target), meta._dpmp_group, bound.get("ignore_index", -100),
-        bound.get("reduction", "mean"), bound.get("label_smoothing", 0.0),
+        bound.get("reduction", "mean"), bound.get("label_smoothing", 0.0), meta._dpmp_vocab,
     )
 
 

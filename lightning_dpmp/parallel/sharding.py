@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,19 +26,62 @@ from lightning_dpmp.parallel.comm import gather_from_group, group_rank, group_si
 
 __all__ = [
     "SHARDS_ATTR",
+    "Blocks",
     "DenseGather",
     "ParallelLinear",
     "dense_meta",
     "dense_template",
+    "dense_size",
     "divide",
     "gather_tensor",
     "gather_to_first",
     "interleave_blocks",
+    "local_block_sizes",
+    "padded_blocks",
     "params_to_meta",
     "shard_blocks",
     "shard_dims",
     "shard_tensor",
 ]
+
+
+# How a split dim is laid out. An int ``k``: ``k`` equal fused blocks (q|k|v is 3), each cut into ``mp`` equal parts.
+# A tuple: the dense sizes of its blocks, in order (``(V,)``: one block, a vocabulary that ``mp`` does not divide;
+# ``(q, kv, kv)``: fused blocks of unequal sizes). Each block is padded with zeros to a multiple of ``mp`` and cut
+# into ``mp`` equal parts, so every rank holds ``ceil(size / mp)`` of each (Megatron pads its vocabulary the same
+# way); the padding never leaves the rank: gathers strip it, and checkpoints and exports hold the dense sizes.
+Blocks = Union[int, tuple[int, ...]]
+
+
+def padded_blocks(size: int, mp: int) -> Blocks:
+    """The layout of one block of ``size`` split ``mp`` ways: ``1`` when ``mp`` divides it, else ``(size,)``.
+
+    Example:
+        >>> padded_blocks(50304, 2), padded_blocks(50257, 2)
+        (1, (50257,))
+    """
+    return 1 if size % mp == 0 else (size,)
+
+
+def local_block_sizes(blocks: Blocks, local: int, mp: int) -> list[int]:
+    """Sizes of a rank's pieces of each block, given its ``local`` total along the split dim."""
+    if isinstance(blocks, int):
+        return [local // blocks] * blocks
+    return [-(-s // mp) for s in blocks]
+
+
+def dense_size(blocks: Blocks, local: int, mp: int) -> int:
+    """The dense size along the split dim of a tensor whose rank pieces total ``local``.
+
+    Example:
+        >>> dense_size(3, 12, 2), dense_size((50257,), 25129, 2)
+        (24, 50257)
+    """
+    return local * mp if isinstance(blocks, int) else sum(blocks)
+
+
+def _dense_block_sizes(blocks: Blocks, dense: int) -> list[int]:
+    return [dense // blocks] * blocks if isinstance(blocks, int) else list(blocks)
 
 
 def divide(total: int, parts: int, what: str = "dimension") -> int:
@@ -64,8 +107,9 @@ class ParallelLinear(nn.Module):
         self.mp_rank = group_rank(group)
 
     # Fused projections (q|k|v in one weight) are split block by block, so that each rank holds the same heads
-    # of every block: weight rows viewed as (blocks, rows/blocks) are chunked along the second axis.
-    blocks: int = 1
+    # of every block: weight rows viewed as (blocks, rows/blocks) are chunked along the second axis. A tuple gives
+    # the blocks' dense sizes (a padded vocabulary, unequal fused blocks): see ``Blocks``.
+    blocks: Blocks = 1
 
     out_dim: int = 0  # dim of the stored weight holding the output features: 0 (out, in) or 1 (in, out)
 
@@ -148,6 +192,23 @@ class ParallelLinear(nn.Module):
             self.weight.uniform_(-bound, bound)
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound)
+        self.zero_padding()
+
+    def zero_padding(self) -> None:
+        """Zero the rows padding a block to a multiple of ``mp`` (see ``Blocks``): as ``from_dense`` leaves them."""
+        if isinstance(self.blocks, int):
+            return
+        with torch.no_grad():
+            for name, dim in self._shard_dims.items():
+                t = getattr(self, name, None)
+                if t is None or dim is None:
+                    continue
+                offset = 0
+                for size in self.blocks:
+                    each = -(-size // self.mp)
+                    real = min(max(size - self.mp_rank * each, 0), each)
+                    t.narrow(dim, offset + real, each - real).zero_()
+                    offset += each
 
     def to_dense(self, gather: Optional["DenseGather"] = None) -> nn.Module:
         """Gather the shards into the dense module (collective: every rank of the group must call it).
@@ -187,20 +248,36 @@ def dense_template(dense: nn.Module) -> nn.Module:
     return copy.deepcopy(dense, memo)
 
 
-def shard_tensor(full: Tensor, dim: int, mp: int, rank: int, blocks: int = 1) -> Tensor:
-    """This rank's slice of ``full`` along ``dim``; with ``blocks > 1``, the same slice of each of the blocks."""
+def shard_tensor(full: Tensor, dim: int, mp: int, rank: int, blocks: Blocks = 1) -> Tensor:
+    """This rank's slice of ``full`` along ``dim``; with ``blocks``, the same slice of each of the blocks, each
+    padded with zeros to a multiple of ``mp`` first (see ``Blocks``)."""
     if blocks == 1:
         return full.chunk(mp, dim=dim)[rank]
-    return torch.cat([b.chunk(mp, dim=dim)[rank] for b in full.chunk(blocks, dim=dim)], dim=dim)
+    pieces = []
+    for block in full.split(_dense_block_sizes(blocks, full.shape[dim]), dim=dim):
+        size = block.shape[dim]
+        each = -(-size // mp)
+        lo = min(rank * each, size)
+        piece = block.narrow(dim, lo, min(each, size - lo))
+        if piece.shape[dim] < each:  # the padding: rows no token id or class index ever reaches
+            pad = list(piece.shape)
+            pad[dim] = each - piece.shape[dim]
+            piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
+        pieces.append(piece)
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
 
-def gather_tensor(local: Tensor, dim: int, group: Any, blocks: int = 1) -> Tensor:
-    """Inverse of :func:`shard_tensor` (collective over ``group``)."""
-    if group_size(group) == 1:
+def gather_tensor(local: Tensor, dim: int, group: Any, blocks: Blocks = 1) -> Tensor:
+    """Inverse of :func:`shard_tensor` (collective over ``group``): the dense tensor, padding stripped."""
+    n = group_size(group)
+    if n == 1:
         return local
     if blocks == 1:
         return gather_from_group(local, group, dim)
-    return torch.cat([gather_from_group(b.contiguous(), group, dim) for b in local.chunk(blocks, dim=dim)], dim=dim)
+    mine = local.split(local_block_sizes(blocks, local.shape[dim], n), dim=dim)
+    sizes = _dense_block_sizes(blocks, local.shape[dim] * n)
+    return torch.cat([gather_from_group(b.contiguous(), group, dim).narrow(dim, 0, s) for b, s in zip(mine, sizes)],
+                     dim=dim)
 
 
 # A module that keeps its own class but holds some parameters split in place (experts, :mod:`.experts`) carries
@@ -241,15 +318,15 @@ def _with_aliases(module: nn.Module, by_name: dict[str, int]) -> dict[str, int]:
     return {**by_name, **{n: by_id[id(p)] for n, p in params.items() if id(p) in by_id}}
 
 
-def shard_blocks(module: nn.Module) -> dict[str, int]:
+def shard_blocks(module: nn.Module) -> dict[str, Blocks]:
     """Split parameters of fused layers (q|k|v in one weight) and their block count; others have one block.
 
     A fused parameter's shards do not concatenate to the dense tensor: use :func:`shard_tensor` and
     :func:`gather_tensor` (or :func:`interleave_blocks`) with this count.
     """
-    out: dict[str, int] = {}
+    out: dict[str, Blocks] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
-        if isinstance(mod, ParallelLinear) and mod.mp > 1 and mod.blocks > 1:
+        if isinstance(mod, ParallelLinear) and mod.mp > 1 and mod.blocks != 1:
             for name, dim in mod._shard_dims.items():  # only column-style layers are fused: every split is by blocks
                 if dim is not None and getattr(mod, name, None) is not None:
                     out[f"{prefix}.{name}" if prefix else name] = mod.blocks
@@ -259,7 +336,7 @@ def shard_blocks(module: nn.Module) -> dict[str, int]:
     return _with_aliases(module, out)
 
 
-def gather_to_first(t: Tensor, group: Any, dim: int, blocks: int = 1) -> Optional[Tensor]:
+def gather_to_first(t: Tensor, group: Any, dim: int, blocks: Blocks = 1) -> Optional[Tensor]:
     """Concatenate the group's shards of ``t`` along ``dim`` on the group's first rank, on CPU; ``None`` elsewhere.
 
     A ``gather`` rather than an ``all_gather``: the other ranks never hold the dense tensor.
@@ -290,7 +367,7 @@ class DenseGather:
     def __init__(self, to_first: bool = False, keep: bool = True, communicate: bool = True) -> None:
         self.to_first, self.keep, self.communicate = to_first, keep, communicate
 
-    def __call__(self, local: Tensor, dim: int, group: Any, blocks: int = 1) -> Optional[Tensor]:
+    def __call__(self, local: Tensor, dim: int, group: Any, blocks: Blocks = 1) -> Optional[Tensor]:
         if not self.communicate:
             return None
         if self.to_first:
@@ -299,10 +376,10 @@ class DenseGather:
         return gather_tensor(local, dim, group, blocks)
 
 
-def dense_meta(local: Tensor, dim: int, group: Any) -> Tensor:
+def dense_meta(local: Tensor, dim: int, group: Any, blocks: Blocks = 1) -> Tensor:
     """An empty meta tensor with the dense shape of ``local``, a shard along ``dim`` over ``group``."""
     shape = list(local.shape)
-    shape[dim] *= group_size(group)
+    shape[dim] = dense_size(blocks, shape[dim], group_size(group))
     return torch.empty(shape, dtype=local.dtype, device="meta")
 
 
@@ -320,9 +397,12 @@ def params_to_meta(module: nn.Module) -> dict[int, nn.Parameter]:
     return memo
 
 
-def interleave_blocks(parts: list[Tensor], dim: int, blocks: int) -> Tensor:
+def interleave_blocks(parts: list[Tensor], dim: int, blocks: Blocks) -> Tensor:
     """The dense tensor from per-rank shards ``parts`` (rank order) of a ``blocks``-fused parameter."""
     if blocks == 1:
         return torch.cat(parts, dim=dim)
-    chunks = [p.chunk(blocks, dim=dim) for p in parts]
-    return torch.cat([c[b] for b in range(blocks) for c in chunks], dim=dim)
+    n = len(parts)
+    chunks = [p.split(local_block_sizes(blocks, p.shape[dim], n), dim=dim) for p in parts]
+    sizes = _dense_block_sizes(blocks, parts[0].shape[dim] * n)
+    return torch.cat([torch.cat([c[b] for c in chunks], dim=dim).narrow(dim, 0, s) for b, s in enumerate(sizes)],
+                     dim=dim)

@@ -1,6 +1,7 @@
 """Shardedness propagation over a recorded step: where a column layer's output may stay split.
 
-Every candidate column layer (``out_features % mp == 0``) starts a *region*: its output is split on the last dim.
+Every candidate column layer starts a *region*: its output is split on the last dim. A layer whose width ``mp``
+does not divide may only end as a vocab-parallel head (its vocabulary padded to a multiple of ``mp``).
 Each recorded call either keeps a region's tensors split (element-wise ops; head reshapes ``(B, T, C) -> (B, T,
 H, d)`` that split whole heads; transposes; attention over split heads; chunks of fused projections), reads them
 as a row layer (the region's exit), reads them as a vocab-parallel cross-entropy (an LM head's exit), or breaks
@@ -114,6 +115,7 @@ class _Analysis(ValueRules, LayoutRules):
             a.scoped |= b.scoped
             a.attention |= b.attention
             a.params |= b.params
+            a.padded |= b.padded
         return keep
 
     def new_region(self, source: str) -> int:
@@ -149,6 +151,7 @@ class _Analysis(ValueRules, LayoutRules):
         self.state.pop(ev.output, None)
         if self.can_source(ev.name):
             self.state[ev.output] = Shard(self.new_region(ev.name), len(self.trace.shapes[ev.output]) - 1, ev.name)
+            self.regions[-1].padded = self.trace.shapes[ev.output][-1] % self.mp != 0
 
     def op(self, ev: OpCall) -> None:
         if ev.name == "size":  # a shape query: remember split-dim sizes the code reads (see Region.derived)
@@ -269,8 +272,8 @@ def analyse(
         plain = e is not None and e.max_norm is None and not e.sparse and not e.scale_grad_by_freq
         return plain and trace.embeddings.get(n, 0) == 1 and n not in forced and e.embedding_dim % mp == 0  # type: ignore[union-attr]
 
-    def can_source(n: str) -> bool:
-        return calls[n] == 1 and forced.get(n, "column") in ("column", "vocab") and linears[n].out_features % mp == 0
+    def can_source(n: str) -> bool:  # (an indivisible width can only end as a vocab-parallel head: padded)
+        return calls[n] == 1 and forced.get(n, "column") in ("column", "vocab")
 
     def can_sink(n: str) -> bool:
         return calls[n] == 1 and forced.get(n, "row") == "row" and linears[n].in_features % mp == 0
@@ -288,6 +291,9 @@ def analyse(
             flow.why.update((s, f"{kind} disabled after a failed verification") for s in reg.sources)
         elif not reg.sources - set(tables):
             continue  # a region fed only by embedding tables has nothing of its own to split
+        elif reg.padded and (reg.sinks or not reg.losses):
+            flow.why.update((s, f"out_features={linears[s].out_features} not divisible by mp={mp}")
+                            for s in reg.sources if s in linears and linears[s].out_features % mp)
         elif reg.losses and not reg.sinks and len(reg.sources) == 1 or reg.sinks and not reg.losses:
             candidates.append(reg)
     taken: dict[str, str] = {}  # layer -> the first layer of the region that gave it its role

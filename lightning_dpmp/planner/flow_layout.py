@@ -111,7 +111,7 @@ class LayoutRules(AnalysisState):
             return f"reshaped by '{ev.name}' in a way that does not match its fused blocks"
         else:
             raw = None if len(outs) > 1 or len(ins) > 1 else raw
-        if b[new] % self.mp:
+        if b[new] % self.mp and not self.regions[self.find(sh.region)].padded:  # (padded: a vocabulary dim)
             return f"reshaped to {b[new]} heads/groups at dim {new}, not divisible by mp={self.mp}"
         if ev.name in ("view", "reshape"):
             literal = [v for v in ev.values[1:]]

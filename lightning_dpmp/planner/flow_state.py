@@ -41,6 +41,7 @@ class Region:
     queried: set[int] = field(default_factory=set)  # split-dim sizes the code read from split tensors
     scoped: set[tuple[str, int, bool]] = field(default_factory=set)  # (module, literal, derived?) sizing a constant
     params: set[str] = field(default_factory=set)  # replicated parameters read together with split tensors
+    padded: bool = False  # a source's width is not divisible by mp: only a padded vocabulary (no sinks) may split
 
     def derived(self, value: int) -> bool:
         """Whether a reshape literal can come from a size the code read off a split tensor (``x.shape``): then

@@ -211,8 +211,6 @@ def _embedding_tables(
             reason = "max_norm/sparse embeddings stay whole"
         elif subclass:
             reason = subclass
-        elif e.num_embeddings % mp:
-            reason = f"num_embeddings={e.num_embeddings} not divisible by mp={mp}"
         elif "vocab" not in styles and not tied_linears and e.num_embeddings < largest:
             reason = "not the token table (smaller than the largest embedding)"
         else:
@@ -299,7 +297,7 @@ def _decide_linear(
         style, parallel_in, note = "row", False, "user plan said row; input is replicated, split locally"
     elif trace is not None and not own:
         style, note = "replicate", "not called through forward() in the traced step"
-    elif f.out_features % mp == 0:
+    elif f.out_features % mp == 0 or tied:  # (a head tied to a split token table: its vocabulary is padded)
         style = "column_gather"
         note = "called more than once per step" if len(own) > 1 else found.why.get(n, "")
     else:

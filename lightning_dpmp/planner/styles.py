@@ -200,7 +200,7 @@ class _Entry(Style):
     gather_output: ClassVar[bool] = False  # the output is all-gathered forward
 
     def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
-        out, inp = lp.out_features // mp, lp.in_features
+        out, inp = -(-lp.out_features // mp), lp.in_features  # (ceil: a vocabulary mp does not divide is padded)
         return (out, inp) if lp.out_dim == 0 else (inp, out)
 
     def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
@@ -296,7 +296,7 @@ class VocabEmbedding(Style):
     name, kind = "vocab", "embedding"
 
     def local_shape(self, lp: "LayerSpec", mp: int) -> tuple[int, int]:
-        return (lp.in_features // mp, lp.out_features)
+        return (-(-lp.in_features // mp), lp.out_features)  # (padded to a multiple of mp)
 
     def comm(self, lp: "LayerSpec", ctx: CommContext) -> list[Comm]:
         out = [(lp.name, "forward", ctx.exit_op)] * lp.calls

@@ -188,18 +188,13 @@ def user_styles(model: nn.Module, user_plan: UserPlan, mp: int, forms: Mapping[s
             if isinstance(mod, nn.Embedding):
                 if style not in ("vocab", "replicate"):
                     raise ValueError(f"plan gives the embedding {name!r} style {style!r}; use 'vocab' or 'replicate'.")
-                if style == "vocab" and mod.num_embeddings % mp:
-                    raise ValueError(
-                        f"plan forces {name!r} to 'vocab', but num_embeddings={mod.num_embeddings} is not divisible"
-                        f" by mp={mp}. Use 'replicate', or pad the vocabulary to a multiple of {mp}."
-                    )
                 forced.setdefault(name, style)
                 continue
             if style == "heads":
                 raise ValueError(f"plan gives {name!r} style 'heads', which is for nn.MultiheadAttention only.")
             forced.setdefault(name, style)
             f = forms[name]
-            if style in ("column", "column_gather", "vocab") and f.out_features % mp:
+            if style in ("column", "column_gather") and f.out_features % mp:  # (a vocabulary is padded)
                 raise ValueError(
                     f"plan forces {name!r} to {style!r}, but its out_features={f.out_features} is not divisible by"
                     f" mp={mp}. Use 'replicate' for it, or an mp that divides {f.out_features}."

@@ -53,8 +53,8 @@ class Probe(L.Callback):
             self.mode = None
 
     def on_train_end(self, trainer, pl_module):
-        dims = shard_dims(pl_module)  # parameter name -> (numel held here, split over MP)
-        self.local_params = {n: (p.numel(), n in dims) for n, p in pl_module.named_parameters()}
+        dims = shard_dims(pl_module)  # parameter name -> (numel held here, split over MP, the dim it is split on)
+        self.local_params = {n: (p.numel(), n in dims, dims.get(n)) for n, p in pl_module.named_parameters()}
         if self.save_to:  # a save while the model is still split: the gather path, not the consolidated teardown
             trainer.save_checkpoint(self.save_to)
         grid = trainer.strategy.grid

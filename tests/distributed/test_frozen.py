@@ -68,7 +68,7 @@ def test_frozen_attention_matches_single_process_stays_frozen_and_split(run, ref
             assert r["frozen_after_fit"] == sorted(frozen), "teardown must hand back frozen parameters frozen"
             assert r["consistent"] == {"dp_replicas_bitwise_equal": True, "mp_replicated_bitwise_equal": True}
             for key in frozen:  # the frozen layers are split all the same: 1/mp of q/k/v (and out's weight) per rank
-                numel, split = r["local_params"][key]
+                numel, split, _ = r["local_params"][key]
                 dense = init[key].numel()
                 row_bias = key.endswith("out_proj.bias")
                 assert (numel, split) == ((dense, False) if row_bias else (dense // mp, True)), (key, numel)

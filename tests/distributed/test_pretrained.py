@@ -38,8 +38,9 @@ pytest.importorskip("transformers")
 
 CASES = {
     (2, 2): ["llama", "llama_tied+sharded", "gpt2", "t5", "llama+again", "llama+z3", "llama+lora", "mixtral"],
-    (1, 2): ["llama", "gpt2", "t5", "llama@generate", "llama+lora", "llama+lora_all", "mixtral+sharded"],
-    (1, 4): ["llama_tied+sharded", "gpt2"],
+    (1, 2): ["llama", "gpt2", "t5", "llama@generate", "llama+lora", "llama+lora_all", "mixtral+sharded",
+             "gpt2_vocab67+sharded"],
+    (1, 4): ["llama_tied+sharded", "gpt2", "gpt2_vocab67"],
 }
 
 

@@ -105,5 +105,5 @@ def test_shared_token_table_is_split_under_every_name(run, model):
         for name in names:
             if name in r["styles"]:  # a second name of the same module object is not a layer of its own
                 assert r["styles"][name] == "vocab", (name, r["plan_text"])
-        assert r["local_params"][f"{names[0]}.weight"] == [32 * 32, True]  # 1/mp of the vocabulary rows
+        assert r["local_params"][f"{names[0]}.weight"][:2] == [32 * 32, True]  # 1/mp of the vocabulary rows
         print(r["plan_text"])

@@ -98,9 +98,12 @@ def test_megatron_layout_and_collectives(run, reference, model):
                 for n, s in layout.items()
             }
             assert layout and all(ok.values()), (model, layout)
-        # parameters held: exactly 1/mp of every split one, all of every replicated one
-        expected = sum(dense[n] // mp if split else dense[n] for n, (_, split) in r["local_params"].items())
-        assert sum(n for n, _ in r["local_params"].values()) == expected
+        # parameters held: exactly 1/mp of every split one (a vocabulary mp does not divide: ceil(V/mp) rows, the
+        # padding), all of every replicated one
+        shapes = {k: v.shape for k, v in reference[model]["state_dict"].items()}
+        expected = sum(dense[n] // shapes[n][dim] * -(-shapes[n][dim] // mp) if split else dense[n]
+                       for n, (_, split, dim) in r["local_params"].items())
+        assert sum(n for n, _, _ in r["local_params"].values()) == expected
         # collectives: exactly one all-reduce per sublayer each way (2 + 2 for attention + MLP), no all-gather,
         # and head-parallel attention
         for name, b in blocks.items():
@@ -119,3 +122,24 @@ def test_megatron_layout_and_collectives(run, reference, model):
         if gathers:  # outside the blocks only (e.g. BERT's MLM transform, read by a LayerNorm)
             expected["mp/all_gather"] = gathers
         assert counted == expected, (rank, model, counted, expected)
+
+
+@pytest.mark.slow
+def test_a_vocabulary_no_mp_divides_is_padded_and_leaves_no_trace(run, reference):
+    """GPT-2's real vocabulary (50,257, prime to every mp): the tied wte/lm_head is padded to a multiple of mp and
+    split, so each rank holds about 1/mp of the model; the consolidated checkpoint has the 50,257 rows and loads,
+    strict, into the plain transformers model (the parity test above checks its values)."""
+    from tests.support.real_models import GPT2_VOCAB, build_real
+
+    dp, mp, out, ranks = run
+    model = "hf_gpt2_vocab50257"
+    dense = sum(v.numel() for v in reference[model]["state_dict"].values())
+    for r in ranks:
+        held = sum(n for n, _, _ in r[f"{model}_64"]["local_params"].values())
+        print(f"{model} mp={mp}: {held:,} of {dense:,} parameters per rank ({held / dense:.1%})")
+        assert held / dense <= 1 / mp + 0.02, (mp, held, dense)
+    state = torch.load(out / f"{model}_64.ckpt", weights_only=True)["state_dict"]
+    assert state["net.lm_head.weight"].shape == (GPT2_VOCAB, 32)
+    plain, _ = build_real(model)
+    plain.load_state_dict(state, strict=True)
+    assert plain.net.lm_head.weight.shape[0] == plain.net.config.vocab_size == GPT2_VOCAB

@@ -18,6 +18,9 @@ from tests.support.models import make_lm_dataset
 from tests.support.real_models import SEQ, VOCAB, CausalLM, LabelsLM
 
 
+ODD_VOCAB = 67
+
+
 def _llama(tied: bool) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -26,10 +29,10 @@ def _llama(tied: bool) -> nn.Module:
         num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=tied))
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(vocab: int = VOCAB) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
                                       bos_token_id=0, eos_token_id=0))
 
 
@@ -55,6 +58,8 @@ PRETRAINED: dict[str, tuple[Callable[[], nn.Module], str, Callable[[nn.Module], 
     "llama": (lambda: _llama(False), "LlamaForCausalLM", CausalLM),
     "llama_tied": (lambda: _llama(True), "LlamaForCausalLM", LabelsLM),  # transformers' own labels= loss
     "gpt2": (_gpt2, "GPT2LMHeadModel", CausalLM),  # Conv1D, fused q|k|v
+    # a vocabulary no mp divides: each rank reads its rows of the file and pads them (67 -> 68 at mp=2, 68 at mp=4)
+    "gpt2_vocab67": (lambda: _gpt2(ODD_VOCAB), "GPT2LMHeadModel", lambda net: CausalLM(net, vocab=ODD_VOCAB)),
     "t5": (_t5, "T5ForConditionalGeneration", LabelsLM),  # one embedding under three names
     # save_pretrained writes the hub layout (experts.<i>.w1/w2/w3) that transformers stacks into
     # experts.gate_up_proj / down_proj when it loads: a converted layout

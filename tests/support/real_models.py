@@ -20,6 +20,7 @@ from torch import nn
 from tests.support.models import make_lm_dataset
 
 VOCAB, SEQ = 64, 16
+GPT2_VOCAB = 50257  # GPT-2's real vocabulary: no mp > 1 divides it
 
 
 class CausalLM(L.LightningModule):
@@ -339,6 +340,18 @@ def _gpt2() -> tuple[L.LightningModule, object]:
     return CausalLM(GPT2LMHeadModel(cfg)), make_lm_dataset(vocab=VOCAB, seq=SEQ)
 
 
+def _gpt2_real_vocab() -> tuple[L.LightningModule, object]:
+    """GPT-2 with its real vocabulary of 50,257 tokens (97% of this small model's parameters): the tied wte/lm_head is
+    padded to a multiple of mp (Megatron's layout) and split by vocabulary, the padding masked out of the loss."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=GPT2_VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return CausalLM(GPT2LMHeadModel(cfg), vocab=GPT2_VOCAB), make_lm_dataset(vocab=GPT2_VOCAB, seq=SEQ)
+
+
 class EncoderLM(L.LightningModule):
     """torch's own layers: nn.Embedding -> nn.TransformerEncoder (causal mask) -> nn.Linear head, shifted loss."""
 
@@ -363,8 +376,8 @@ class EncoderLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
-def _encoder(norm_first: bool) -> Callable[[], tuple[L.LightningModule, object]]:
-    return lambda: (EncoderLM(norm_first), make_lm_dataset(vocab=VOCAB, seq=SEQ))
+def _encoder(norm_first: bool, vocab: int = VOCAB) -> Callable[[], tuple[L.LightningModule, object]]:
+    return lambda: (EncoderLM(norm_first, vocab=vocab), make_lm_dataset(vocab=vocab, seq=SEQ))
 
 
 def _frozen_llama() -> tuple[L.LightningModule, object]:
@@ -393,6 +406,9 @@ REAL_MODELS: dict[str, RealModel] = {
     "hf_gpt2": RealModel(_gpt2, 2),
     "torch_encoder": RealModel(_encoder(False), 2),
     "torch_encoder_prenorm": RealModel(_encoder(True), 2),
+    # a prime vocabulary, an untied head with a bias: table, head weight and head bias padded to a multiple of mp
+    "torch_encoder_vocab61": RealModel(_encoder(False, vocab=61), 2, vocab=("embed", "lm_head")),
+    "hf_gpt2_vocab50257": RealModel(_gpt2_real_vocab, 2, vocab=("net.transformer.wte", "net.lm_head")),
 }
 
 

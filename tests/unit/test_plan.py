@@ -163,12 +163,9 @@ def test_tied_head_splits_with_its_embedding_and_attention_is_head_parallel(voca
     # nn.MultiheadAttention reads out_proj.weight without calling it: the attention itself is the plan entry
     assert styles["attn"] == "heads" and styles["attn.out_proj"] == "row"
     assert plan.layers["attn.out_proj"].note == "<- heads of attn"
-    if vocab == 32:  # split together: the head's logits are returned, so it gathers them
-        assert styles["emb"] == "vocab" and styles["head"] == "column_gather"
-    else:  # 33 rows cannot be split 2 ways: the tie keeps both whole
-        assert styles["emb"] == styles["head"] == "replicate"
-        assert "tied to emb.weight" in plan.layers["head"].note
-        assert "num_embeddings=33 not divisible by mp=2" in plan.layers["emb"].note
+    # split together: the head's logits are returned, so it gathers them; 33 rows are padded to 34 (17 per rank)
+    assert styles["emb"] == "vocab" and styles["head"] == "column_gather"
+    assert plan.layers["emb"].local_shape(2) == (-(-vocab // 2), 8)
 
 
 def test_lm_head_feeding_only_the_loss_is_vocab_parallel():
