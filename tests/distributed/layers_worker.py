@@ -26,6 +26,7 @@ from lightning_dpmp.parallel.entry import SharedInputCopy  # noqa: E402
 from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy  # noqa: E402
+from lightning_dpmp.parallel.sharding import gather_tensor, shard_tensor  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidated_state_dict  # noqa: E402
 from tests.support.pool import run_world  # noqa: E402
 
@@ -162,6 +163,53 @@ def check(group, mp: int, bias: bool) -> dict:
             errs.append(_err(local.grad, full.grad.chunk(mp, dim=-1)[rank]))
     out["vocab_ce_err"] = max(errs)
     out["vocab_ce_counts"] = [dict(c) for c in counts]
+    out.update(_padded_vocabulary(group, mp, bias))
+    return out
+
+
+def _padded_vocabulary(group, mp: int, bias: bool) -> dict:
+    """A vocabulary of 5 (no mp > 1 divides it; at mp=4 rank 3 holds only padding): the loss, the gathered head,
+    the table and the consolidated state against dense layers, and the padding rows at zero."""
+    torch.manual_seed(1)
+    vocab, rank, out, errs = 5, dist.get_rank(group), {}, []
+    logits = torch.randn(6, 4, vocab, dtype=torch.float64)
+    target = torch.randint(0, vocab, (6, 4))
+    target[1, 0] = -100
+    for smoothing in (0.0, 0.1):
+        full = logits.clone().requires_grad_(True)
+        ref = F.cross_entropy(full.view(-1, vocab), target.view(-1), label_smoothing=smoothing)
+        ref.backward()
+        local = shard_tensor(logits, -1, mp, rank, (vocab,)).clone().requires_grad_(True)
+        with CommCounter({"mp": group}) as cc:
+            ours = vocab_parallel_cross_entropy(local, target, group, label_smoothing=smoothing, vocab=vocab)
+            ours.backward()
+        errs += [_err(ours, ref), _err(local.grad, shard_tensor(full.grad, -1, mp, rank, (vocab,)))]
+        out["padded_ce_counts"] = {f"{g}/{op}": n for (g, op), n in cc.counts.items()}
+    head = nn.Linear(8, vocab, bias=bias).double()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    (head(x) * torch.arange(vocab)).sum().backward()
+    split = ColumnParallelLinear.from_dense(head, group, gather_output=True)
+    xs = x.detach().clone().requires_grad_(True)
+    y = split(xs)
+    (y * torch.arange(vocab)).sum().backward()
+    each = -(-vocab // mp)
+    errs += [_err(y, head(x)), _err(xs.grad, x.grad),
+             _err(gather_tensor(split.weight.grad, 0, group, (vocab,)), head.weight.grad)]
+    emb = nn.Embedding(vocab, 6).double()
+    ids = torch.tensor([[0, 4, 2], [3, 1, 4]])
+    (emb(ids) * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    table = vocab_parallel(emb, group)
+    ye = table(ids)
+    (ye * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    errs += [_err(ye, emb(ids)), _err(gather_tensor(table.weight.grad, 0, group, (vocab,)), emb.weight.grad)]
+    real = min(max(vocab - rank * each, 0), each)
+    out["padded_shapes"] = [list(split.weight.shape), list(table.weight.shape)]
+    out["padded_rows_zero"] = bool(split.weight[real:].eq(0).all() and table.weight[real:].eq(0).all()
+                                   and table.weight.grad[real:].eq(0).all())
+    state = consolidated_state_dict(nn.ModuleDict({"head": split, "emb": table}), group)
+    out["padded_state_equal"] = bool(torch.equal(state["head.weight"], head.weight)
+                                     and torch.equal(state["emb.weight"], emb.weight))
+    out["padded_err"] = max(errs)
     return out
 
 

@@ -30,13 +30,18 @@ def test_every_case_ran(results):
 def test_outputs_and_gradients_equal_dense(results):
     for rank, case, r in results:
         errs = {k: v for k, v in r.items() if k.endswith("_err")}
-        assert len(errs) >= (13 if case.endswith("bias1") else 12), errs
+        assert len(errs) >= (14 if case.endswith("bias1") else 13), errs
         bad = {k: v for k, v in errs.items() if v > TOL}
         assert not bad, f"rank {rank} {case}: {bad}"
         assert r["to_dense_equal"], f"rank {rank} {case}: to_dense() is not the original weight"
         assert r["fused_state_equal"], f"rank {rank} {case}: a fused layer's consolidated state is not the dense one"
         assert r["scaled_emb_class"] == ["VocabParallel_Scaled", "_Scaled", True], (rank, case)
         assert r["scaled_emb_to_dense_equal"], (rank, case)
+        # a vocabulary of 5 padded to a multiple of mp: ceil(5/mp) rows per rank, the padding zero and inert
+        each = -(-5 // int(case[2]))
+        assert r["padded_shapes"] == [[each, 8], [each, 6]], (rank, case)
+        assert r["padded_rows_zero"] and r["padded_state_equal"], (rank, case)
+        assert r["padded_ce_counts"] == {"mp/all_reduce": 2}, (rank, case)
 
 
 def test_collective_counts(results):
