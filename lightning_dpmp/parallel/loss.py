@@ -138,8 +138,11 @@ LAYOUT = frozenset({
 KEEP = frozenset({"float", "double", "half", "bfloat16", "to", "type_as", "type", "contiguous", "detach", "clone",
                   "requires_grad_", "detach_", "data"})
 # Queries answered from the local tensor as it is (autograd plumbing, memory layout).
+# (torch.compile's tracer asks the storage and view questions of every input tensor.)
 _PASSTHROUGH = frozenset({"is_contiguous", "element_size", "data_ptr", "stride", "storage_offset", "register_hook",
-                          "retain_grad", "backward", "get_device", "is_floating_point", "is_complex"})
+                          "retain_grad", "backward", "get_device", "is_floating_point", "is_complex", "_is_view",
+                          "untyped_storage", "_typed_storage", "is_shared", "is_pinned", "is_inference", "dim_order",
+                          "is_signed", "_is_zerotensor", "is_neg", "is_conj", "_nested_tensor_size"})
 # refused: they move or count the vocab
 _LAYOUT_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag", "nbytes"})
 _SIZED = frozenset({"view", "reshape", "expand", "broadcast_to"})  # their last size argument may be the vocab size
@@ -213,7 +216,7 @@ class VocabShardedLogits(torch.Tensor):
                 if prop in KEEP:  # .data
                     return _wrap_like(func(_plain(args[0])), meta)
                 if prop not in _LAYOUT_PROPERTIES:  # dtype, device, requires_grad, grad_fn, ndim, ...
-                    return func(*tree_map(_plain, args))
+                    return func(*args)  # of this very tensor: an alias (as_subclass) has a grad_fn of its own
                 name = prop
             return _dispatch(func, name, args, kwargs, meta)
 
@@ -229,8 +232,8 @@ def _dispatch(func: Any, name: str, args: tuple, kwargs: dict, meta: VocabSharde
         if name == "size":
             return full if len(args) < 2 and "dim" not in kwargs else full[args[1] if len(args) > 1 else kwargs["dim"]]
         return {"numel": full.numel(), "nelement": full.numel(), "__len__": full[0] if full else 0}.get(name, len(full))
-    if name in _PASSTHROUGH:
-        return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+    if name in _PASSTHROUGH:  # on this very tensor (subclass dispatch is off): a hook on an alias would never run
+        return func(*args, **kwargs)
     if func is F.cross_entropy:
         return _cross_entropy(args, kwargs, meta)
     if mine and name in KEEP:

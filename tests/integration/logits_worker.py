@@ -4,7 +4,8 @@ Usage: python tests/integration/logits_worker.py OUT_DIR
   1. the ``mlp_digits`` experiment (composed from conf/, float64, 10 steps, validated with torchmetrics accuracy)
      with the automatic plan (its 10-class head stays whole) and with the head forced to ``vocab``;
   2. the tied GPT whose ``validation_step`` computes argmax / softmax / top-k of the logits on rank 0 only
-     (after a vocab-parallel training step), with a sanity check and a validation run.
+     (after a vocab-parallel training step), with a sanity check and a validation run; torch's CommDebugMode and
+     FlopCounterMode in training steps, and a full backward hook on the split head.
 Each rank writes ``rank<r>.json``; rank 0 also writes the tensors it inspected and the trained weights (``.pt``).
 """
 
@@ -21,10 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
+from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
 from tests.support.models import LMModule, build, make_lm_dataset  # noqa: E402
 
 DP, MP = 2, 2
@@ -79,6 +83,62 @@ class RankZeroInspect(LMModule):
         self.log("val_acc", self.acc, on_step=False, on_epoch=True)
 
 
+class ToolsInspect(RankZeroInspect):
+    """torch's own tools on vocab-parallel training steps, entered the way users enter them: ``CommDebugMode``
+    around the third step's forward and loss (in ``training_step``) and around its backward (Lightning's backward
+    hooks), the project's ``CommCounter`` inside it each time; ``FlopCounterMode`` around the fourth step's forward
+    and loss; and a full backward hook on the split LM head."""
+
+    def __init__(self, net) -> None:
+        super().__init__(net)
+        self.tools: dict = {"hook_calls": 0, "torch_counts": {}, "our_counts": {}}
+        self.modes: list = []
+
+    def on_train_start(self):
+        def hook(module, grad_input, grad_output):
+            self.tools["hook_calls"] += 1
+            self.tools["hook_grad_shape"] = list(grad_output[0].shape)
+
+        self.net.lm_head.register_full_backward_hook(hook)
+
+    def _enter(self) -> None:
+        grid = self.trainer.strategy.grid
+        self.modes = [CommDebugMode(), CommCounter({"mp": grid.mp_group, "dp": grid.dp_group})]
+        for mode in self.modes:
+            mode.__enter__()
+
+    def _exit(self) -> None:
+        for mode in reversed(self.modes):
+            mode.__exit__(None, None, None)
+        torch_comm, ours = self.modes
+        for key, n in torch_comm.get_comm_counts().items():
+            self.tools["torch_counts"][str(key)] = self.tools["torch_counts"].get(str(key), 0) + n
+        for (g, op), n in ours.counts.items():
+            self.tools["our_counts"][f"{g}/{op}"] = self.tools["our_counts"].get(f"{g}/{op}", 0) + n
+        self.modes = []
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            self._enter()
+            loss = super().training_step(batch, batch_idx)
+            self._exit()
+            return loss
+        if batch_idx == 3:
+            with FlopCounterMode(display=False) as flops:
+                loss = super().training_step(batch, batch_idx)
+            self.tools["flops"] = flops.get_total_flops()
+            return loss
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss):
+        if self.trainer.global_step == 2:
+            self._enter()
+
+    def on_after_backward(self):
+        if self.modes:
+            self._exit()
+
+
 def main(out: str) -> None:
     res: dict = {}
     for key, plan in (("auto", None), ("vocab", {"net.head": "vocab"})):
@@ -96,7 +156,7 @@ def main(out: str) -> None:
 
     L.seed_everything(0)
     base, ds = build("gpt")
-    model = RankZeroInspect(base.net).double()
+    model = ToolsInspect(base.net).double()
     val = DataLoader(make_lm_dataset(n=32, seed=99), batch_size=VAL_BATCH)
     timing: dict = {}
 
@@ -120,7 +180,7 @@ def main(out: str) -> None:
     t.fit(model, DataLoader(ds, batch_size=GPT_BATCH), val)
     res["gpt"] = {"styles": {n: lp.style for n, lp in t.strategy.applied_plan.plan.layers.items()},
                   "acc": float(t.callback_metrics["val_acc"]), "validation_s": timing["validation_s"],
-                  "fit_s": time.perf_counter() - started, "inspected": len(model.inspected)}
+                  "fit_s": time.perf_counter() - started, "inspected": len(model.inspected), "tools": model.tools}
     if dist.get_rank() == 0:
         torch.save({"inspected": model.inspected, "state_dict": model.state_dict()}, os.path.join(out, "gpt.pt"))
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:

@@ -68,6 +68,13 @@ def test_rank_zero_only_logits_code_in_validation_finishes_with_single_process_v
         assert g["styles"]["net.lm_head"] == "vocab" and g["styles"]["net.wte"] == "vocab"
         assert g["validation_s"] < 20, g  # no collective waits for rank 0 (a hang would end at the 30 s timeout)
     assert ranks[0]["gpt"]["inspected"] == 3 and ranks[1]["gpt"]["inspected"] == 0  # sanity batch + 2 val batches
+    for r in ranks:  # torch's own tools accept the sharded logits and see what the project's counter sees
+        tools = r["gpt"]["tools"]
+        ours = sum(n for k, n in tools["our_counts"].items() if k.endswith("/all_reduce"))
+        assert ours > 0 and tools["torch_counts"] == {"c10d.allreduce_": ours}, tools
+        assert tools["flops"] > 0 and tools["flops"] == ranks[0]["gpt"]["tools"]["flops"], tools
+        # the hook ran once per training step, with this rank's shard of the logits' gradient (64 classes / 2)
+        assert tools["hook_calls"] == LW.GPT_STEPS and tools["hook_grad_shape"][-1] == 64 // LW.MP, tools
 
     L.seed_everything(0)
     base, ds = build("gpt")

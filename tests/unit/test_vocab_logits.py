@@ -155,3 +155,40 @@ def test_traced_mode_is_recorded_and_a_small_head_stays_whole():
         model.eval()
         trace_eval = trace_step(model, lambda: F.cross_entropy(model(x), y))
     assert make_plan(model, 2, trace_eval, {"head": "vocab"}).layers["head"].mode == (False, False)
+
+
+def test_module_hooks_dispatch_modes_and_compile_accept_the_shard():
+    """torch's own tools see the sharded logits as a tensor: a module's full backward hook (which wraps its output
+    in an autograd function and reads ``grad_fn``), ``register_hook``/``retain_grad`` on the logits themselves, a
+    dispatch mode around the step (``FlopCounterMode``; ``CommDebugMode`` is checked at mp=2 in test_logits.py)
+    and ``torch.compile`` of a loss function."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, V, dtype=torch.float64)
+
+        def forward(self, h):
+            return VocabShardedLogits.wrap(self.lin(h), None, V, "head")
+
+    torch.manual_seed(0)
+    head, h, t = Head(), torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True), torch.randint(0, V, (10,))
+    calls: list = []
+    head.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(tuple(grad_out[0].shape)))
+    with FlopCounterMode(display=False) as flops:
+        logits = head(h)
+        logits.retain_grad()
+        seen: list = []
+        logits.register_hook(lambda g: seen.append(tuple(g.shape)))
+        loss = F.cross_entropy(logits.reshape(-1, V), t)
+    loss.backward()
+    assert calls == [(2, 5, V)] and seen == [(2, 5, V)] and logits.grad is not None
+    assert flops.get_total_flops() == 2 * 10 * 3 * V  # the head's matmul
+    ref = F.cross_entropy(head.lin(h).reshape(-1, V), t)
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target)
+
+    compiled = torch.compile(loss_fn, backend="eager")(head(h), t)
+    torch.testing.assert_close(compiled, ref, rtol=0, atol=1e-12)
