@@ -35,6 +35,7 @@ from torch import Tensor
 
 from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_sequence, scatter_to_group
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
+from lightning_dpmp.parallel.fused import FusedOutput
 from lightning_dpmp.parallel.overlap import linear_with_async_input_grad
 from lightning_dpmp.parallel.sharding import Blocks, ParallelLinear, divide, gather_tensor, local_block_sizes, padded_blocks
 
@@ -134,6 +135,8 @@ class ColumnParallelLinear(ParallelLinear):
             return VocabShardedLogits.wrap(y, self.group, self.out_features, self.name)  # knows the padding
         if self.rng is not None:
             self.rng.enter_for(self.training)  # a sharded region starts: masks differ per MP rank until the row layer
+        if isinstance(self.blocks, tuple) and len(self.blocks) > 1 and self.mp > 1:
+            return FusedOutput.wrap(y, self.blocks, self.mp)  # the code's cuts into blocks are read per rank
         return y
 
     def extra_repr(self) -> str:

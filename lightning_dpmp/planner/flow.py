@@ -15,7 +15,8 @@ are in :mod:`lightning_dpmp.planner.flow_values` (element-wise, reductions, loss
 
 Example:
     >>> import torch
-    >>> from lightning_dpmp.planner.trace import trace_step
+    >>> from lightning_dpmp.parallel.sharding import Blocks
+from lightning_dpmp.planner.trace import trace_step
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
     >>> trace = trace_step(model, lambda: model(torch.randn(2, 4)).sum())
     >>> flow = analyse(trace, {"0": model[0], "2": model[2]}, mp=2, forced={})
@@ -64,7 +65,7 @@ class Flow:
     roles: dict[str, str] = field(default_factory=dict)  # "column" | "row" | "vocab"
     partners: dict[str, set[str]] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
-    blocks: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, Blocks] = field(default_factory=dict)
     literals: dict[str, set[int]] = field(default_factory=dict)  # per paired source: fixed sizes to adjust
     scoped: dict[str, set[tuple[str, int, bool]]] = field(default_factory=dict)  # per source: (module, size, derived?)
     simple: dict[str, bool] = field(default_factory=dict)
@@ -89,7 +90,7 @@ class _Analysis(ValueRules, LayoutRules):
         self.parent: list[int] = []
         self.regions: list[Region] = []
         self.state: dict[int, Shard] = {}
-        self.blocks: dict[str, int] = {}
+        self.blocks: dict[str, Blocks] = {}
         self.whole_reads: set[str] = set()  # parameters some op reads with no split tensor (full gradients)
 
     # ---- regions
@@ -123,7 +124,9 @@ class _Analysis(ValueRules, LayoutRules):
         self.regions.append(Region({source}))
         return len(self.parent) - 1
 
-    def need_blocks(self, sh: Shard, k: int) -> bool:
+    def need_blocks(self, sh: Shard, k: Blocks) -> bool:
+        """Whether the raw output of ``sh``'s source can be read as ``k`` fused blocks (an int: equal ones; a
+        tuple: their sizes), recording it; every reader of that output must see the same blocks."""
         if sh.raw is None:
             return k == 1
         return self.blocks.setdefault(sh.raw, k) == k

@@ -25,12 +25,46 @@ class LayoutRules(AnalysisState):
         """Indexing and slicing keep the split when the split dim is taken whole (``x[..., :d // 2]`` on the
         head dim of rotary embeddings, ``logits[:, :-1]``); an index into the split dim breaks it."""
         new = _index_target(ev.index, sh.dim, shape)
+        if new == "sliced along the split dim":
+            return self._slice_blocks(ev, sh, shape)
         if isinstance(new, str):
             return f"{new} by '{ev.name}'"
         out_shape = self._shape(ev.outputs[0])
         if new >= len(out_shape) or out_shape[new] != shape[sh.dim]:
             return f"indexed by '{ev.name}' in a way that moves the split dim"
         return [(new, sh.raw)]
+
+    def _slice_blocks(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
+        """Slices of a fused projection's raw output by bounds the code computes (Phi-3's ``qkv[..., :q_pos]``,
+        ``qkv[..., q_pos:q_pos + kv]``, ``qkv[..., q_pos + kv:]``): when the slices of that tensor along the split
+        dim cut it into consecutive pieces each divisible by mp, the pieces are its fused blocks, each split evenly,
+        and the bounds are read per rank at run time (:class:`~lightning_dpmp.parallel.fused.FusedOutput`)."""
+        sizes = self._partition(ev.inputs[0], sh.dim, shape)  # type: ignore[arg-type]
+        if sizes is None or len(sizes) < 2 or any(s % self.mp for s in sizes) or not self.need_blocks(sh, sizes):
+            return f"sliced along the split dim by '{ev.name}' in a way that does not cut it into its fused blocks"
+        return [(sh.dim, None)]
+
+    def _partition(self, node: int, dim: int, shape: tuple) -> Optional[tuple[int, ...]]:
+        """The sizes of the consecutive pieces the slices of ``node`` along ``dim`` cut it into, or ``None``
+        when they overlap, leave gaps or step."""
+        spans: set[tuple[int, int]] = set()
+        for e in self._consumers.get(node, []):
+            if e.name != "__getitem__" or _index_target(e.index, dim, shape) != "sliced along the split dim":
+                continue
+            item = _dim_item(e.index, dim, len(shape))
+            if item is None or item[0] != "slice" or (item[3] or 1) != 1:
+                return None
+            kept = range(shape[dim])[slice(item[1], item[2])]  # (normalises None and negative bounds)
+            if not len(kept):
+                return None
+            spans.add((kept.start, len(kept)))
+        pieces = sorted(spans)
+        at = 0
+        for start, size in pieces:
+            if start != at:
+                return None
+            at += size
+        return tuple(size for _, size in pieces) if at == shape[dim] else None
 
     def _concat(self, ev: OpCall, ins: list[tuple[int, Shard]]) -> Union[str, list]:
         """``cat``/``stack`` along another dim (rotary halves, a KV cache growing along the sequence): every
@@ -163,11 +197,16 @@ class LayoutRules(AnalysisState):
             return [(sh.dim - (dim < sh.dim), None)] * len(ev.outputs)
         if dim != sh.dim:
             return [(sh.dim, sh.raw)] * len(ev.outputs)
+        pieces = len(ev.outputs)
+        sizes = tuple(self.trace.shapes[n][dim] for n in ev.outputs)
+        if len(set(sizes)) > 1:  # split([q, kv, kv]): fused blocks of unequal sizes, the sizes read per rank at run
+            # time (lightning_dpmp.parallel.fused), so they are no literal to adjust
+            if any(s % self.mp for s in sizes) or not self.need_blocks(sh, sizes):
+                return f"split by '{ev.name}' into parts {list(sizes)} that are not its fused blocks split by mp"
+            return [(sh.dim, None)] * pieces
         if ev.name == "split" and len(ints) == 2:  # split(size, dim): a fixed size becomes per-rank
             self.regions[self.find(sh.region)].literals.add(int(ints[0]))
-        pieces = len(ev.outputs)
-        sizes = {self.trace.shapes[n][dim] for n in ev.outputs}
-        if len(sizes) != 1 or not self.need_blocks(sh, pieces) or sizes.pop() % self.mp:
+        if not self.need_blocks(sh, pieces) or sizes[0] % self.mp:
             return f"split by '{ev.name}' into unequal or indivisible parts along the split dim"
         return [(sh.dim, None)] * pieces
 
@@ -187,6 +226,21 @@ def _split_dim(ev: OpCall, ndim: int) -> int:
     if ev.name == "unbind":
         return (ints[0] if ints else 0) % ndim
     return (ints[-1] if len(ints) >= 2 else 0) % ndim
+
+
+def _dim_item(index: tuple, dim: int, ndim: int) -> Optional[tuple]:
+    """The subscript item of ``x[index]`` that applies to input dim ``dim`` (basic indexing only)."""
+    if any(it[0] == "tensor" for it in index):
+        return None
+    consumed = sum(1 for it in index if it[0] not in ("none", "ellipsis"))
+    items: list[tuple] = []
+    for it in index:
+        if it[0] == "ellipsis":
+            items.extend([("slice", None, None, None)] * (ndim - consumed))
+        elif it[0] != "none":
+            items.append(it)
+    items.extend([("slice", None, None, None)] * (ndim - len(items)))
+    return items[dim] if dim < len(items) else None
 
 
 def _index_target(index: tuple, dim: int, shape: tuple) -> Union[int, str]:

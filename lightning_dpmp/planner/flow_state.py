@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from lightning_dpmp.parallel.sharding import Blocks
 from lightning_dpmp.planner.trace import Trace
 
 __all__ = ["AnalysisState", "Region", "Shard"]
@@ -56,5 +57,5 @@ class AnalysisState:
     mp: int
     regions: list[Region]
     find: Callable[[int], int]
-    need_blocks: Callable[[Shard, int], bool]
+    need_blocks: Callable[[Shard, Blocks], bool]
     _shape: Callable[[Optional[int]], tuple]

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_dpmp.parallel.sharding import Blocks
 from lightning_dpmp.planner.styles import CommContext, Style, style_of
 
 __all__ = ["LayerPlan", "Plan", "block_of"]
@@ -54,7 +55,7 @@ class LayerPlan:
     entry: int = -1
     entered: bool = False
     input_requires_grad: bool = True
-    blocks: int = 1
+    blocks: Blocks = 1
     kind: str = "linear"
     note: str = ""
     attention: bool = False

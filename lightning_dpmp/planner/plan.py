@@ -28,7 +28,8 @@ layer stores its weight, and it is split in that layout.
 
 Example:
     >>> import torch
-    >>> from lightning_dpmp.planner.trace import trace_step
+    >>> from lightning_dpmp.parallel.sharding import Blocks
+from lightning_dpmp.planner.trace import trace_step
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
     >>> run = lambda: model(torch.randn(2, 4)).sum()                   # one step, e.g. lm.training_step(batch, 0)
     >>> plan = make_plan(model, mp=2, trace=trace_step(model, run))
@@ -161,7 +162,7 @@ class _Roles:
 
     roles: dict[str, str] = field(default_factory=dict)
     partners: dict[str, set[str]] = field(default_factory=dict)
-    blocks: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, Blocks] = field(default_factory=dict)
     attention: set[str] = field(default_factory=set)  # column/row layers of attention-like regions
     why: dict[str, str] = field(default_factory=dict)
     calls: dict[str, list[LinearCall]] = field(default_factory=dict)

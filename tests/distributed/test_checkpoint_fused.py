@@ -1,9 +1,10 @@
 """Sharded (DCP) checkpoints of fused projections (q|k|v in one weight, split block by block).
 
-Five layouts of fused blocks: FusedLM's q|k|v Linear (blocks along dim 0), GPT-2's ``Conv1D`` c_attn (weight
+Six layouts of fused blocks: FusedLM's q|k|v Linear (blocks along dim 0), GPT-2's ``Conv1D`` c_attn (weight
 stored (in, out): blocks along dim 1), the experts' stacked gate|up (E, 2I, H) (blocks along dim 1),
 ``nn.MultiheadAttention``'s packed ``in_proj_weight`` (blocks along dim 0), and a vocabulary no mp divides (61
-rows, padded per layout: one block of dense size 61, stored without its padding). Each model
+rows, padded per layout: one block of dense size 61, stored without its padding), and q|k|v blocks of unequal
+sizes (32 | 16 | 16). Each model
 trains 10 steps at (1, 2) (float64, AdamW + LR warm-up, norm clipping) and saves sharded and consolidated in
 ``on_train_end``; both resume to 20 steps at (1, 4) (the same blocks, split 4 ways), (2, 1) (nothing split: the
 blocks are read dense) and on one device with plain Lightning (the converted folder). The oracle is the same
@@ -43,6 +44,8 @@ MODELS = {  # model -> (a fused DCP key, its (blocks, dim))
     "torch_encoder": ("model/encoder.layers.0.self_attn.in_proj_weight", (3, 0)),
     # a vocabulary of 61: padded to 62 rows at mp=2 and to 64 at mp=4; stored with its 61 dense rows
     "torch_encoder_vocab61": ("model/embed.weight", ([61], 0)),
+    # q|k|v of unequal sizes (8 query, 4 key/value heads of 4): blocks 32 | 16 | 16
+    "sized_qkv_split": ("model/net.blocks.0.attn.qkv.weight", ([32, 16, 16], 0)),
 }
 
 

@@ -464,3 +464,20 @@ def test_a_projection_fused_per_kv_group_splits_by_groups():
     # rank, one contiguous slice of the rows (a (B, T, 3, H, d) view is split inside each of its 3 blocks instead)
     assert styles == {"qkv": "column", "out": "row"}
     assert plan.layers["qkv"].blocks == 1
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+def test_fused_qkv_cut_by_computed_sizes_is_split_by_its_blocks(mp):
+    """DBRX clamps its fused Wqkv and splits it by sizes computed in forward (``[hidden, kv*hd, kv*hd]``): the cut
+    pieces are the layer's blocks (32 | 16 | 16), each split evenly; attention stays head-parallel. (Its
+    experts are not split yet: see the design notes.)"""
+    pytest.importorskip("transformers")
+    from tests.support.real_models import build_real
+
+    module, data = build_real("hf_dbrx")
+    ids = data.tensors[0][:2]
+    styles, plan = plan_of(module, ids, mp, step=lambda: module.training_step((ids, None), 0))
+    for i in range(2):
+        attn = f"net.transformer.blocks.{i}.norm_attn_norm.attn"
+        assert (styles[f"{attn}.Wqkv"], styles[f"{attn}.out_proj"]) == ("column", "row"), plan.layers[f"{attn}.Wqkv"]
+        assert plan.layers[f"{attn}.Wqkv"].blocks == (32, 16, 16) and plan.layers[f"{attn}.Wqkv"].attention
