@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional
 
-import torch
+import torch  # noqa: F401  (the examples above use it)
 from torch import Tensor
 
 import lightning_dpmp.compat as compat

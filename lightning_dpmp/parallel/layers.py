@@ -37,7 +37,14 @@ from lightning_dpmp.parallel.comm import reduce_from_group, reduce_scatter_to_se
 from lightning_dpmp.parallel.entry import SharedInputCopy, enter_region
 from lightning_dpmp.parallel.fused import FusedOutput
 from lightning_dpmp.parallel.overlap import linear_with_async_input_grad
-from lightning_dpmp.parallel.sharding import Blocks, ParallelLinear, divide, gather_tensor, local_block_sizes, padded_blocks
+from lightning_dpmp.parallel.sharding import (
+    Blocks,
+    ParallelLinear,
+    divide,
+    gather_tensor,
+    local_block_sizes,
+    padded_blocks,
+)
 
 __all__ = ["ColumnParallelLinear", "EnteredLinear", "RowParallelLinear", "set_async_grad_allreduce"]
 

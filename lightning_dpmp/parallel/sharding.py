@@ -310,7 +310,7 @@ def shard_dims(module: nn.Module) -> dict[str, int]:
     return _with_aliases(module, out)
 
 
-def _with_aliases(module: nn.Module, by_name: dict[str, int]) -> dict[str, int]:
+def _with_aliases(module: nn.Module, by_name: dict[str, Any]) -> dict[str, Any]:
     """``by_name`` extended to every other name a listed parameter is registered under (a bias held by both a
     layer and its parent), so that state_dict keys and deduplicated parameter names all find their entry."""
     params = dict(module.named_parameters(remove_duplicate=False))

@@ -15,8 +15,7 @@ are in :mod:`lightning_dpmp.planner.flow_values` (element-wise, reductions, loss
 
 Example:
     >>> import torch
-    >>> from lightning_dpmp.parallel.sharding import Blocks
-from lightning_dpmp.planner.trace import trace_step
+    >>> from lightning_dpmp.planner.trace import trace_step
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
     >>> trace = trace_step(model, lambda: model(torch.randn(2, 4)).sum())
     >>> flow = analyse(trace, {"0": model[0], "2": model[2]}, mp=2, forced={})
@@ -33,6 +32,7 @@ from typing import Callable, Optional, Union
 
 from torch import nn
 
+from lightning_dpmp.parallel.sharding import Blocks
 from lightning_dpmp.planner.flow_layout import LayoutRules
 from lightning_dpmp.planner.flow_state import Region, Shard
 from lightning_dpmp.planner.flow_values import ValueRules

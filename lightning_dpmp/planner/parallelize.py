@@ -18,7 +18,14 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
 from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts
-from lightning_dpmp.parallel.sharding import DenseGather, ParallelLinear, gather_tensor, shard_blocks, shard_dims
+from lightning_dpmp.parallel.sharding import (
+    Blocks,
+    DenseGather,
+    ParallelLinear,
+    gather_tensor,
+    shard_blocks,
+    shard_dims,
+)
 from lightning_dpmp.planner.plan import Plan
 from lightning_dpmp.planner.styles import BuildContext
 
@@ -153,7 +160,7 @@ def restore(model: nn.Module, originals: dict[str, Union[nn.Module, ExpertsShard
 
 
 def consolidate(model: nn.Module, gather: Optional[DenseGather] = None
-                ) -> dict[int, tuple[nn.Parameter, Optional[int], int]]:
+                ) -> dict[int, tuple[nn.Parameter, Optional[int], Blocks]]:
     """Replace every parallel layer by its dense module holding the gathered weights (collective over MP).
 
     ``gather`` (default: all-gathered, every rank dense) can gather onto the MP group's first rank only: the others
@@ -162,7 +169,7 @@ def consolidate(model: nn.Module, gather: Optional[DenseGather] = None
     Returns ``{id(shard parameter): (dense parameter, split dim or None, fused blocks)}`` so that optimizers can follow
     (:func:`lightning_dpmp.checkpoint.consolidated.consolidate_optimizer`).
     """
-    moved: dict[int, tuple[nn.Parameter, Optional[int], int]] = {}
+    moved: dict[int, tuple[nn.Parameter, Optional[int], Blocks]] = {}
     done: list[str] = []
     for mod, names in _modules_with_names(model):
         name = names[0]

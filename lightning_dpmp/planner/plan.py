@@ -28,8 +28,7 @@ layer stores its weight, and it is split in that layout.
 
 Example:
     >>> import torch
-    >>> from lightning_dpmp.parallel.sharding import Blocks
-from lightning_dpmp.planner.trace import trace_step
+    >>> from lightning_dpmp.planner.trace import trace_step
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
     >>> run = lambda: model(torch.randn(2, 4)).sum()                   # one step, e.g. lm.training_step(batch, 0)
     >>> plan = make_plan(model, mp=2, trace=trace_step(model, run))
@@ -50,6 +49,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_dpmp.parallel.sharding import Blocks
 from lightning_dpmp.planner.attention import decide_attention
 from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.flow import analyse

@@ -9,7 +9,10 @@ Example:
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
+import textwrap
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -88,7 +91,69 @@ def resolve_literals(model: nn.Module, flow, mp: int) -> tuple[dict[str, dict[st
                 continue
             module_name, attrs = found
             adjust.setdefault(module_name, {}).update({a: (v, v // mp) for a in attrs})
+    _follow_ratios(model, adjust, broken, flow, mp)
     return adjust, broken
+
+
+def _follow_ratios(model: nn.Module, adjust: dict[str, dict[str, tuple[int, int]]], broken: dict[str, str],
+                   flow: Any, mp: int) -> None:
+    """Attributes the code divides by (or into) an adjusted one are adjusted with it, so every size derived from
+    the pair stays what it was: ``dim_head = self.inner_dim // self.heads`` in forward keeps 4 when ``heads`` goes
+    8 -> 4 only if ``inner_dim`` goes 32 -> 16. Read from the module's code (its ``self.X / self.Y`` expressions),
+    never from the names."""
+    for module_name, attrs in list(adjust.items()):
+        module = model.get_submodule(module_name) if module_name else model
+        for other in sorted(_ratio_partners(type(module), set(attrs))):
+            value = vars(module).get(other)
+            if other in attrs or type(value) is not int:
+                continue
+            if value % mp:
+                why = (f"'{module_name}' divides {other}={value} by an attribute set per rank"
+                       f" ({', '.join(sorted(attrs))}), and {value} is not divisible by mp={mp}")
+                for src in flow.literals:
+                    if _owner(model, {src} | flow.partners.get(src, set())) == module_name:
+                        broken[src] = why
+                continue
+            attrs[other] = (value, value // mp)
+
+
+def _ratio_partners(cls: type, attrs: set[str]) -> set[str]:
+    """Names ``X`` such that the class's own methods compute ``self.X / self.A``, ``self.X // self.A`` (or with the
+    two swapped) for an ``A`` in ``attrs``."""
+    out: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch."):
+            break
+        for name, fn in vars(klass).items():
+            if name.startswith("__") or name == "extra_repr":  # run at construction or printing, not in the step
+                continue
+            tree = _parsed(fn)
+            if tree is None:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.FloorDiv)):
+                    left, right = _self_attr(node.left), _self_attr(node.right)
+                    if left and right and (left in attrs) != (right in attrs):
+                        out.add(right if left in attrs else left)
+    return out
+
+
+def _parsed(fn: Any) -> Optional[ast.AST]:
+    if not inspect.isfunction(fn):
+        return None
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):  # no source (a C extension, an interactive session)
+        return None
+
+
+def _self_attr(node: ast.AST) -> Optional[str]:
+    """``X`` for the expression ``self.X`` (or ``int(self.X)``)."""
+    if isinstance(node, ast.Call) and len(node.args) == 1 and isinstance(node.func, ast.Name):
+        node = node.args[0]
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
 
 
 def _attr_up(model: nn.Module, scope: str, value: int) -> Optional[tuple[str, list[str]]]:

@@ -42,6 +42,7 @@ from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, vocab_pa
 from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
 from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, EnteredLinear, RowParallelLinear
+from lightning_dpmp.parallel.sharding import Blocks
 
 __all__ = ["STYLES", "BuildContext", "CommContext", "Comm", "LayerSpec", "Style", "style_of"]
 
@@ -71,7 +72,7 @@ class LayerSpec(Protocol):
     @property
     def input_requires_grad(self) -> bool: ...
     @property
-    def blocks(self) -> int: ...
+    def blocks(self) -> Blocks: ...
     @property
     def kind(self) -> str: ...
     @property

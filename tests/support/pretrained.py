@@ -17,7 +17,6 @@ from torch import nn
 from tests.support.models import make_lm_dataset
 from tests.support.real_models import SEQ, VOCAB, CausalLM, LabelsLM
 
-
 ODD_VOCAB = 67
 
 

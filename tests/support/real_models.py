@@ -206,6 +206,62 @@ class SizedLM(nn.Module):
         return types.SimpleNamespace(logits=self.head(h))
 
 
+class EinopsAttention(nn.Module):
+    """Attention written the einops way (lucidrains' x-transformers): heads given to ``rearrange`` through an
+    attribute (``h=self.heads``), a fused k|v chunked in two, partial rotary on the first ``rot_dim`` features of
+    each head, ``einsum`` for the scores and the values."""
+
+    def __init__(self, dim: int = 32, heads: int = 8, dim_head: int = 4, rot_dim: int = 2) -> None:
+        super().__init__()
+        self.heads, self.inner_dim, self.rot_dim = heads, heads * dim_head, rot_dim
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, 2 * heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+
+    def rotary(self, t: torch.Tensor, dim_head: int) -> torch.Tensor:
+        # rotary on the first rot_dim features of each head, scaled by the head width the code derives
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, self.rot_dim, 2, dtype=t.dtype, device=t.device) / dim_head)
+        freqs = torch.einsum("i,j->ij", torch.arange(t.shape[-2], dtype=t.dtype, device=t.device), inv_freq)
+        freqs = torch.cat((freqs, freqs), dim=-1)
+        rot, rest = t[..., :self.rot_dim], t[..., self.rot_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rot = rot * freqs.cos() + torch.cat((-x2, x1), dim=-1) * freqs.sin()
+        return torch.cat((rot, rest), dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        dim_head = self.inner_dim // self.heads  # a size derived from two attributes
+        self.scale = dim_head**-0.5
+        q, (k, v) = self.to_q(x), self.to_kv(x).chunk(2, dim=-1)
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
+        q, k = self.rotary(q, dim_head), self.rotary(k, dim_head)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        attn = sim.masked_fill(causal, float("-inf")).softmax(dim=-1)
+        out = torch.einsum("b h i j, b h j d -> b h i d", attn, v)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+
+class EinopsLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"norm": nn.LayerNorm(d), "attn": EinopsAttention(d), "norm2": nn.LayerNorm(d),
+                           "mlp": nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))})
+            for _ in range(2)
+        )
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        for b in self.blocks:
+            h = h + b["attn"](b["norm"](h))
+            h = h + b["mlp"](b["norm2"](h))
+        return types.SimpleNamespace(logits=self.head(h))
+
+
 class GroupedAttention(nn.Module):
     """Grouped-query attention fused per kv group, as Falcon's new decoder architecture lays it out: one projection
     whose output is ``groups`` runs of ``[q_1 .. q_n, k, v]``, viewed as ``(B, T, groups, n + 2, head_dim)`` and
@@ -466,6 +522,7 @@ REAL_MODELS: dict[str, RealModel] = {
     "sized_qkv_split": RealModel(lambda: (CausalLM(SizedLM(slices=False)), make_lm_dataset(vocab=VOCAB, seq=SEQ)), 2),
     "sized_qkv_slices": RealModel(lambda: (CausalLM(SizedLM(slices=True)), make_lm_dataset(vocab=VOCAB, seq=SEQ)), 2),
     "hf_phi3": RealModel(_phi3, 2),
+    "einops_attention": RealModel(lambda: (CausalLM(EinopsLM()), make_lm_dataset(vocab=VOCAB, seq=SEQ)), 2),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),
