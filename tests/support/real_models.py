@@ -187,25 +187,6 @@ class SizedQKV(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class SizedLM(nn.Module):
-    def __init__(self, slices: bool, vocab: int = VOCAB, d: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict({"norm": nn.LayerNorm(d), "attn": SizedQKV(d, slices=slices), "norm2": nn.LayerNorm(d),
-                           "mlp": nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))})
-            for _ in range(2)
-        )
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, input_ids):
-        h = self.embed(input_ids)
-        for b in self.blocks:
-            h = h + b["attn"](b["norm"](h))
-            h = h + b["mlp"](b["norm2"](h))
-        return types.SimpleNamespace(logits=self.head(h))
-
-
 class EinopsAttention(nn.Module):
     """Attention written the einops way (lucidrains' x-transformers): heads given to ``rearrange`` through an
     attribute (``h=self.heads``), a fused k|v chunked in two, partial rotary on the first ``rot_dim`` features of
@@ -243,25 +224,6 @@ class EinopsAttention(nn.Module):
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
 
-class EinopsLM(nn.Module):
-    def __init__(self, vocab: int = VOCAB, d: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict({"norm": nn.LayerNorm(d), "attn": EinopsAttention(d), "norm2": nn.LayerNorm(d),
-                           "mlp": nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))})
-            for _ in range(2)
-        )
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, input_ids):
-        h = self.embed(input_ids)
-        for b in self.blocks:
-            h = h + b["attn"](b["norm"](h))
-            h = h + b["mlp"](b["norm2"](h))
-        return types.SimpleNamespace(logits=self.head(h))
-
-
 class GroupedAttention(nn.Module):
     """Grouped-query attention fused per kv group, as Falcon's new decoder architecture lays it out: one projection
     whose output is ``groups`` runs of ``[q_1 .. q_n, k, v]``, viewed as ``(B, T, groups, n + 2, head_dim)`` and
@@ -283,12 +245,15 @@ class GroupedAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class GroupedLM(nn.Module):
-    def __init__(self, vocab: int = VOCAB, d: int = 32) -> None:
+class AttentionLM(nn.Module):
+    """Two pre-norm blocks around any attention module (``attention()`` builds one), a GELU MLP each, a token
+    table and an LM head: the own models whose attention is the pattern under test."""
+
+    def __init__(self, attention: Callable[[], nn.Module], vocab: int = VOCAB, d: int = 32) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(
-            nn.ModuleDict({"norm": nn.LayerNorm(d), "attn": GroupedAttention(d), "norm2": nn.LayerNorm(d),
+            nn.ModuleDict({"norm": nn.LayerNorm(d), "attn": attention(), "norm2": nn.LayerNorm(d),
                            "mlp": nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))})
             for _ in range(2)
         )
@@ -302,8 +267,8 @@ class GroupedLM(nn.Module):
         return types.SimpleNamespace(logits=self.head(h))
 
 
-def _grouped_qkv() -> tuple[L.LightningModule, object]:
-    return CausalLM(GroupedLM()), make_lm_dataset(vocab=VOCAB, seq=SEQ)
+def _own_attention(attention: Callable[[], nn.Module]) -> Callable[[], tuple[L.LightningModule, object]]:
+    return lambda: (CausalLM(AttentionLM(attention)), make_lm_dataset(vocab=VOCAB, seq=SEQ))
 
 
 def _bert() -> tuple[L.LightningModule, object]:
@@ -518,11 +483,11 @@ REAL_MODELS: dict[str, RealModel] = {
     "hf_llama": RealModel(_llama, 2),
     "hf_qwen3": RealModel(_qwen3, 2),
     "hf_gemma": RealModel(_gemma, 2, vocab=("net.model.embed_tokens", "net.lm_head")),
-    "grouped_qkv": RealModel(_grouped_qkv, 2),
-    "sized_qkv_split": RealModel(lambda: (CausalLM(SizedLM(slices=False)), make_lm_dataset(vocab=VOCAB, seq=SEQ)), 2),
-    "sized_qkv_slices": RealModel(lambda: (CausalLM(SizedLM(slices=True)), make_lm_dataset(vocab=VOCAB, seq=SEQ)), 2),
+    "grouped_qkv": RealModel(_own_attention(GroupedAttention), 2),
+    "sized_qkv_split": RealModel(_own_attention(lambda: SizedQKV(slices=False)), 2),
+    "sized_qkv_slices": RealModel(_own_attention(lambda: SizedQKV(slices=True)), 2),
     "hf_phi3": RealModel(_phi3, 2),
-    "einops_attention": RealModel(lambda: (CausalLM(EinopsLM()), make_lm_dataset(vocab=VOCAB, seq=SEQ)), 2),
+    "einops_attention": RealModel(_own_attention(EinopsAttention), 2),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),
