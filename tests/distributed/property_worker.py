@@ -23,13 +23,13 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_dpmp.parallel.sharding import shard_dims
+from lightning_dpmp.parallel.sharding import Blocks, shard_dims, shard_tensor
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}
 
 
-def _shard(t: Tensor, dim: int, group: Any) -> Tensor:
-    return t.chunk(group_size(group), dim=dim)[group_rank(group)]
+def _shard(t: Tensor, dim: int, group: Any, blocks: Blocks = 1) -> Tensor:
+    return shard_tensor(t, dim, group_size(group), group_rank(group), blocks)
 
 
 def _err(a: Tensor, b: Tensor) -> float:
@@ -56,13 +56,15 @@ def _layer_case(c: dict, group: Any) -> dict:
     xp = xin.clone().requires_grad_(True)
     y = layer(xp)
     (y * (_shard(upstream, -1, group) if out_sharded else upstream)).sum().backward()
+    blocks = layer.blocks  # a gathered column layer pads a width mp does not divide (zero rows, stripped on gather)
     errs = {
         "out": _err(y, _shard(y_ref, -1, group) if out_sharded else y_ref),
         "input_grad": _err(xp.grad, _shard(xr.grad, -1, group) if in_sharded else xr.grad),
-        "weight_grad": _err(layer.weight.grad, _shard(dense.weight.grad, 0 if column else 1, group)),
+        "weight_grad": _err(layer.weight.grad, _shard(dense.weight.grad, 0 if column else 1, group, blocks)),
     }
     if c["bias"]:
-        errs["bias_grad"] = _err(layer.bias.grad, _shard(dense.bias.grad, 0, group) if column else dense.bias.grad)
+        errs["bias_grad"] = _err(layer.bias.grad,
+                                 _shard(dense.bias.grad, 0, group, blocks) if column else dense.bias.grad)
     return {"max_err": max(errs.values()), "errs": errs}
 
 
