@@ -14,7 +14,8 @@ import torch
 from tests.conftest import run_ranks
 from tests.support.reference import max_weight_diff, reference_run
 
-MODELS = ("gpt", "gpt_untied", "llama", "fused", "gpt+sp", "gpt_untied+sp")
+# gpt_vocab61+sp: a vocabulary no mp divides (padded) under sequence parallelism
+MODELS = ("gpt", "gpt_untied", "llama", "fused", "gpt+sp", "gpt_untied+sp", "gpt_vocab61+sp")
 LAYOUTS = [(1, 2), (2, 2), (1, 4)]
 TOL = {"64": 1e-8, "32": 1e-4}
 N_LAYERS = 2

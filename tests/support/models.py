@@ -368,7 +368,7 @@ def freeze_attention(module: nn.Module) -> nn.Module:
 
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
-    gpt_frozen (gpt_untied with frozen attention), moe_list (ResMLP with top-1 ModuleList experts),
+    gpt_frozen (gpt_untied with frozen attention), gpt_vocab61 (gpt with 61 tokens), moe_list (ResMLP with top-1 ModuleList experts),
     layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under torch.utils.checkpoint), moe_ckpt
     (moe_list so), llama_gc (transformers' Llama with gradient checkpointing)."""
     if name == "resmlp":
@@ -387,12 +387,13 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         module, data = build_real("hf_llama")
         module.net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return module, data
-    if name in ("gpt", "gpt_untied", "gpt_frozen"):
+    if name in ("gpt", "gpt_untied", "gpt_frozen", "gpt_vocab61"):
         from examples.models.gpt import GPT
 
-        net = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0,
-                  tie_embeddings=name == "gpt")
-        return LMModule(freeze_attention(net) if name == "gpt_frozen" else net), make_lm_dataset()
+        vocab = 61 if name == "gpt_vocab61" else 64  # 61: no mp > 1 divides it (the tied table and head are padded)
+        net = GPT(vocab_size=vocab, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0,
+                  tie_embeddings=name in ("gpt", "gpt_vocab61"))
+        return LMModule(freeze_attention(net) if name == "gpt_frozen" else net), make_lm_dataset(vocab=vocab)
     if name == "llama":
         return LMModule(TinyLlama()), make_lm_dataset()
     if name == "aliased":
