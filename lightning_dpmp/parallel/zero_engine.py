@@ -57,9 +57,10 @@ __all__ = ["ZeroEngine", "find_units"]
 
 
 def find_units(module: nn.Module, branches: tuple[str, ...] = ()) -> list[tuple[str, nn.Module]]:
-    """The outermost children of ``nn.ModuleList``/``nn.Sequential`` containers that own parameters, in order;
-    not those of a container called from a module (named in ``branches``, ``""`` the root) whose forward branched
-    on the data, or from inside one: a step may skip them on one rank."""
+    """The outermost children of ``nn.ModuleList``/``nn.Sequential`` containers that own parameters, in order (a
+    child without a forward of its own, an ``nn.ModuleDict`` block, gives its members instead: they are what is
+    called); not those of a container called from a module (named in ``branches``, ``""`` the root) whose forward
+    branched on the data, or from inside one: a step may skip them on one rank."""
     units: list[tuple[str, nn.Module]] = []
     inside: set[int] = set()
 
@@ -67,14 +68,22 @@ def find_units(module: nn.Module, branches: tuple[str, ...] = ()) -> list[tuple[
         parent = container.rpartition(".")[0]
         return any(b == "" or b == parent or parent.startswith(f"{b}.") for b in branches)
 
+    def add(full: str, child: nn.Module) -> None:
+        if type(child).forward is nn.Module.forward:  # a ModuleDict block is never called, its members are
+            for name, member in child.named_children():
+                if any(True for _ in member.parameters()):
+                    add(f"{full}.{name}", member)
+            return
+        units.append((full, child))
+        inside.update(id(m) for m in child.modules())
+
     def walk(prefix: str, mod: nn.Module) -> None:
         for name, child in mod.named_children():
             full = f"{prefix}{name}"
             if isinstance(mod, (nn.ModuleList, nn.Sequential)) and id(mod) not in inside and any(
                 True for _ in child.parameters()
             ) and not may_skip(prefix[:-1]):
-                units.append((full, child))
-                inside.update(id(m) for m in child.modules())
+                add(full, child)
                 continue
             walk(f"{full}.", child)
 

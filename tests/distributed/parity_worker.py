@@ -58,7 +58,11 @@ class Probe(L.Callback):
         if self.save_to:  # a save while the model is still split: the gather path, not the consolidated teardown
             trainer.save_checkpoint(self.save_to)
         grid = trainer.strategy.grid
-        dims = shard_dims(pl_module)
+        with trainer.strategy.parallelized.whole():  # zero=3: the parameters hold their values only inside
+            self.consistent = self._replicas_equal(pl_module, grid, dims)
+
+    @staticmethod
+    def _replicas_equal(pl_module, grid, dims) -> dict:
         dp_ok = mp_ok = True
         for name, p in pl_module.named_parameters():
             for group, size, check in ((grid.dp_group, grid.dp, True), (grid.mp_group, grid.mp, name not in dims)):
@@ -71,7 +75,7 @@ class Probe(L.Callback):
                     dp_ok &= same
                 else:
                     mp_ok &= same
-        self.consistent = {"dp_replicas_bitwise_equal": dp_ok, "mp_replicated_bitwise_equal": mp_ok}
+        return {"dp_replicas_bitwise_equal": dp_ok, "mp_replicated_bitwise_equal": mp_ok}
 
 
 def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
@@ -81,7 +85,8 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     probe = Probe()
     strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2),
                             sequence_parallel=variant in ("sp", "sp_nosync"),
-                            verify_plan=variant != "noverify", zero=int(variant == "zero"))
+                            verify_plan=variant != "noverify", compile=variant == "compile",
+                            zero=int(variant[4:] or 1) if variant.startswith("zero") else 0)  # +zero, +zero3
     if variant == "sp_nosync":  # the bug sequence parallelism invites: never summing the partial gradients
         probe.drop_sequence_sync = True
     trainer = L.Trainer(

@@ -145,3 +145,14 @@ def test_storage_bytes_counts_a_dtensors_local_shard(world1):
     dt = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
     assert storage_bytes([dt]) == 6 * 4 * 4
     assert storage_bytes([dt, dt.to_local()]) == 6 * 4 * 4  # one storage, counted once
+
+
+def test_a_block_without_a_forward_gives_its_called_members_as_units():
+    """A ModuleDict block (``b["attn"](b["norm"](h))``) is never called itself: its members are the units, so each
+    is gathered by its own forward at zero=3."""
+    from torch import nn
+
+    blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(4), "act": nn.GELU(), "mlp": nn.Linear(4, 4)})
+                           for _ in range(2))
+    model = nn.ModuleDict({"blocks": blocks, "head": nn.Linear(4, 2)})
+    assert [n for n, _ in find_units(model)] == ["blocks.0.norm", "blocks.0.mlp", "blocks.1.norm", "blocks.1.mlp"]
