@@ -107,13 +107,14 @@ def _follow_ratios(model: nn.Module, adjust: dict[str, dict[str, tuple[int, int]
             value = vars(module).get(other)
             if other in attrs or type(value) is not int:
                 continue
-            if value % mp:
+            if value % mp:  # the pair cannot both be per rank: that attention stays whole, its module untouched
                 why = (f"'{module_name}' divides {other}={value} by an attribute set per rank"
                        f" ({', '.join(sorted(attrs))}), and {value} is not divisible by mp={mp}")
                 for src in flow.literals:
                     if _owner(model, {src} | flow.partners.get(src, set())) == module_name:
                         broken[src] = why
-                continue
+                del adjust[module_name]
+                break
             attrs[other] = (value, value // mp)
 
 

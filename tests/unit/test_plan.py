@@ -481,3 +481,21 @@ def test_fused_qkv_cut_by_computed_sizes_is_split_by_its_blocks(mp):
         attn = f"net.transformer.blocks.{i}.norm_attn_norm.attn"
         assert (styles[f"{attn}.Wqkv"], styles[f"{attn}.out_proj"]) == ("column", "row"), plan.layers[f"{attn}.Wqkv"]
         assert plan.layers[f"{attn}.Wqkv"].blocks == (32, 16, 16) and plan.layers[f"{attn}.Wqkv"].attention
+
+
+def test_an_attribute_divided_by_a_per_rank_one_is_set_per_rank_with_it():
+    """einops attention whose forward derives the head width as ``self.inner_dim // self.heads``: ``inner_dim`` is
+    set per rank with ``heads``; when it cannot be (33 is odd), the attention stays whole and says why."""
+    pytest.importorskip("einops")
+    from tests.support.real_models import EinopsAttention
+
+    torch.manual_seed(0)
+    attn, x = EinopsAttention(32), torch.randn(2, 5, 32)
+    styles, plan = plan_of(attn, x, 2)
+    assert styles["to_q"] == styles["to_kv"] == "column" and styles["to_out"] == "row"
+    assert plan.adjust == {"": {"heads": (8, 4), "inner_dim": (32, 16)}}
+    attn.inner_dim = 33  # the same head width (33 // 8 == 4), but no per-rank value keeps it
+    styles, plan = plan_of(attn, x, 2)
+    assert styles["to_q"] != "column" and not plan.adjust
+    assert "divides inner_dim=33 by an attribute set per rank (heads), and 33 is not divisible by mp=2" in (
+        plan.layers["to_q"].note), plan.layers["to_q"].note
