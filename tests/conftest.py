@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,16 @@ def run_layout(worker: str, dp: int, mp: int, out: Path, timeout: float = 420) -
     proc = run_ranks(dp * mp, [worker, str(dp), str(mp), str(out)], timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return proc, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
+
+
+def run_parity_worker(dp: int, mp: int, out: Path, models: Sequence[str], precisions: str = "64-true",
+                      timeout: float = 600) -> list[dict]:
+    """Train ``models`` (names of ``tests.support.models.build``, with ``+variant`` suffixes) at ``(dp, mp)`` in one
+    pool launch of ``tests/distributed/parity_worker.py``; fail on a non-zero exit; each rank's ``rank<r>.json``."""
+    proc = run_ranks(dp * mp, ["tests/distributed/parity_worker.py", str(dp), str(mp), str(out), ",".join(models)],
+                     timeout=timeout, env={"PRECISIONS": precisions})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * mp)]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -5,12 +5,10 @@ members). Each against single-process training: float64 within 1e-8, replicas bi
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.conftest import run_ranks
+from tests.conftest import run_parity_worker
 from tests.support.reference import max_weight_diff, reference_run
 
 pytest.importorskip("transformers")
@@ -21,10 +19,7 @@ CASES = ("gpt_vocab61+zero3", "gpt_vocab61+compile", "sized_qkv_split+zero3")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("combinations")
-    proc = run_ranks(4, ["tests/distributed/parity_worker.py", "2", "2", str(out), ",".join(CASES)], timeout=900,
-                     env={"PRECISIONS": "64-true"})
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return out, run_parity_worker(2, 2, out, CASES, timeout=900)
 
 
 @pytest.mark.slow

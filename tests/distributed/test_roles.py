@@ -10,12 +10,10 @@ alias key kept in checkpoints.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.conftest import run_ranks
+from tests.conftest import run_parity_worker
 from tests.support.reference import max_weight_diff, reference_run
 
 CHAINS = ("chain2", "chain3", "chain4", "chain5", "chain4+noverify")
@@ -29,10 +27,7 @@ ALIASES = {  # every name of the one token table, and the LM head tied to it
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("roles")
-    proc = run_ranks(2, ["tests/distributed/parity_worker.py", "1", "2", str(out), ",".join(MODELS)], timeout=600,
-                     env={"PRECISIONS": "64-true"})
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out, run_parity_worker(1, 2, out, MODELS)
 
 
 @pytest.fixture(scope="module")
