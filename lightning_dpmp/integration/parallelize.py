@@ -84,6 +84,7 @@ class ParallelConfig:
     zero: int = 0
     compile: bool = False
     async_grad_allreduce: Optional[bool] = None  # None: on for CUDA, off on CPU/gloo
+    mixed_precision: Optional[Any] = None  # zero >= 2: torch's MixedPrecisionPolicy (param_dtype, reduce_dtype)
 
 
 @dataclass
@@ -184,12 +185,12 @@ def wrap_dp(strategy: Any, conditional: bool) -> None:
     strategy.configure_ddp()
 
 
-def shard_dp(strategy: Any, split: Split, zero: int) -> Optional[ZeroEngine]:
+def shard_dp(strategy: Any, split: Split, zero: int, mixed_precision: Optional[Any] = None) -> Optional[ZeroEngine]:
     """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild the strategy's optimizers over the shards (their LR
-    schedulers re-pointed); ``None`` when there is nothing to shard."""
+    schedulers re-pointed), with ``mixed_precision`` (zero >= 2); ``None`` when there is nothing to shard."""
     optimizers, engine = shard_optimizers(strategy.lightning_module, strategy.optimizers,
                                           strategy.lr_scheduler_configs, zero, strategy.grid, split.split_params,
-                                          split.partial_grads, split.applied_plan)
+                                          split.partial_grads, split.applied_plan, mixed_precision)
     strategy.optimizers = optimizers
     return engine
 
@@ -221,7 +222,7 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
             wrap_dp(strategy, bool(split.applied_plan.conditional))
         strategy.setup_optimizers(trainer)
         if grid.dp > 1 and config.zero >= 1:
-            engine = shard_dp(strategy, split, config.zero)
+            engine = shard_dp(strategy, split, config.zero, config.mixed_precision)
     # the engine's flat shards of MP-split parameters are MP shards too
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())

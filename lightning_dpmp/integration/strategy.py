@@ -107,6 +107,10 @@ class DPMPStrategy(GridStrategy):
             none; :mod:`lightning_dpmp.parallel.compiled`): no graph break inside a block, same parameter names.
         async_grad_allreduce: overlap a column layer's input-gradient all-reduce with its weight gradient
             (:mod:`lightning_dpmp.parallel.overlap`); ``None`` (default): on for CUDA, off on CPU/gloo.
+        mixed_precision: with zero=2/3 (dp > 1), torch's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)``, as FSDP2 takes it: parameters gathered and computed with in
+            ``param_dtype``, gradients reduced in ``reduce_dtype``, the optimizer stepping (and checkpoints holding)
+            the parameters' own dtype.
         process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
         start_method: ``"popen"`` (default, Lightning's script launcher), ``"spawn"``, ``"fork"``.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``static_graph=True``).
@@ -134,6 +138,7 @@ class DPMPStrategy(GridStrategy):
         zero: int = 0,
         compile: bool = False,
         async_grad_allreduce: Optional[bool] = None,
+        mixed_precision: Optional[Any] = None,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -153,6 +158,7 @@ class DPMPStrategy(GridStrategy):
         self._mp_batch = mp_batch
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
+        validate.check_mixed_precision(mixed_precision, zero, dp)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -166,7 +172,7 @@ class DPMPStrategy(GridStrategy):
         )
         # parsed and checked once, here; what setup's parallelize pipeline follows
         self._config = ParallelConfig(overrides, bool(verify_plan), bool(sequence_parallel), zero, compile,
-                                      async_grad_allreduce)
+                                      async_grad_allreduce, mixed_precision)
         self._consolidate_on_teardown = consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
         self._parallel: Optional[Parallelized] = None  # set by setup's parallelize
@@ -268,6 +274,7 @@ class DPMPStrategy(GridStrategy):
             self.model_to_device()
         if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
             self._choose_layout(trainer, meta)
+        validate.check_mixed_precision(self._config.mixed_precision, self.zero, self.dp)  # (dp chosen by now)
         # No module-state sync from rank 0 outside fitting (DDPStrategy's): the split broadcast rank 0's dense
         # weights before splitting, and a sync now would overwrite each rank's MP shards with rank 0's.
         self._parallel = parallelize(self, trainer, self._config, meta)

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
@@ -130,6 +131,27 @@ def check_zero_without_ddp(zero: int, ddp_kwargs: Mapping[str, Any]) -> None:
             f" got {sorted(ddp_kwargs)}. Drop them (parameters a step may leave out are found from the traced step),"
             " or use zero=0."
         )
+
+
+def check_mixed_precision(policy: Any, zero: int, dp: Any) -> None:
+    """``mixed_precision`` is the ZeRO engine's (zero >= 2, dp > 1): refuse it anywhere it would be ignored, and
+    refuse a policy whose dtypes are not floating-point (or ``None``: the parameters' own)."""
+    if policy is None:
+        return
+    if zero < 2 or dp == 1:
+        raise ValueError(
+            f"mixed_precision= is applied by the ZeRO-2/3 engine, which shards over data-parallel ranks; got"
+            f" zero={zero} and dp={dp}. Use zero=2 or 3 with dp > 1, or precision='bf16-mixed' (autocast) for"
+            " every layout."
+        )
+    for field in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(policy, field, None)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"mixed_precision.{field} must be a floating-point torch.dtype or None, got {dtype!r}.")
+    for field in ("output_dtype",):
+        if getattr(policy, field, None) is not None:
+            raise ValueError(f"mixed_precision.{field} is not supported (outputs keep the compute dtype); leave it"
+                             " None.")
 
 
 def check_speed_flags(compile: Any = False, async_grad_allreduce: Any = None) -> None:

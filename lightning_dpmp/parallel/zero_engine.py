@@ -91,6 +91,17 @@ def find_units(module: nn.Module, branches: tuple[str, ...] = ()) -> list[tuple[
     return units
 
 
+def _cast_inputs(dtype: torch.dtype) -> Any:
+    """A forward pre-hook casting a module's floating-point tensor arguments to ``dtype`` (mixed precision: the
+    compute dtype of the parameters it reads)."""
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+    return hook
+
+
 def _on_output_grads(out: Any, hook: Any) -> None:
     """``hook(grad)`` on each tensor of a module's output that autograd records: it runs when the backward
     reaches that module."""
@@ -137,12 +148,18 @@ class ZeroEngine:
         split: ``id()`` of the parameters that are MP shards; ``partial``: of the sequence-parallel partial ones.
         conditional: a step may leave parameters out (see the module's docstring); ``branches`` the modules whose
             forward branched on the data in the traced step (``""`` the root's).
+        mixed_precision: torch's ``MixedPrecisionPolicy`` (or anything with ``param_dtype``/``reduce_dtype``): the
+            parameters are gathered and computed with in ``param_dtype`` (each module's floating inputs cast to
+            it), gradients reduce-scattered in ``reduce_dtype``, and the shards the optimizer steps, checkpoints and
+            teardown keep the parameters' own dtype (FSDP2's semantics).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[Optimizer], level: int, dp_group: Any,
                  split: set[int], partial: set[int], conditional: bool = False,
-                 branches: tuple[str, ...] = ()) -> None:
+                 branches: tuple[str, ...] = (), mixed_precision: Optional[Any] = None) -> None:
         self.level, self.group, self.conditional = level, dp_group, conditional
+        param_dtype = getattr(mixed_precision, "param_dtype", None)
+        reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
         self.dp, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.sync = True
         self._queued = False
@@ -167,7 +184,9 @@ class ZeroEngine:
                 continue  # zero=2 leaves parameters nobody steps as they are
             own = id(p) if conditional and kind != "frozen" else 0  # its own shard: its own optimizer state
             keyed.setdefault((unit_of.get(id(p), -1), key_opt, kind, p.dtype, p.device, own), []).append(p)
-        self.buckets = [Bucket(ps, key[2], key[0], key[1], dp_group, self.dp, self.rank) for key, ps in keyed.items()]
+        self.buckets = [Bucket(ps, key[2], key[0], key[1], dp_group, self.dp, self.rank,
+                               param_dtype if ps[0].is_floating_point() else None, reduce_dtype)
+                        for key, ps in keyed.items()]
         self.by_unit: dict[int, list[Bucket]] = {}
         for b in self.buckets:
             self.by_unit.setdefault(b.unit, []).append(b)
@@ -196,6 +215,11 @@ class ZeroEngine:
                 self._handles.append(mod.register_forward_hook(self._post_forward(u)))
             for b in self.buckets:
                 b.free()
+        mixed = {id(p): b.full.dtype for b in self.buckets if b.mixed for p in b.params}
+        for mod in module.modules():  # mixed precision: each module computing with its parameters gets their dtype
+            dtype = next((mixed[id(p)] for p in mod.parameters(recurse=False) if id(p) in mixed), None)
+            if dtype is not None:
+                self._handles.append(mod.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
 
     # ------------------------------------------------------------------ setup helpers
     def _assign_units(self, module: nn.Module) -> dict[int, int]:
@@ -382,16 +406,22 @@ class ZeroEngine:
         """The module's parameters whole for the duration (zero=3 gathers and frees again); ``write_back`` copies
         what was written into them back into the shards (a checkpoint load)."""
         was = [b.gathered for b in self.buckets]
-        gather_buckets(self.buckets, self.group, async_op=False)
+        plain = [b for b in self.buckets if not b.mixed]
+        gather_buckets(plain, self.group, async_op=False)
+        for b in self.buckets:
+            if b.mixed:
+                b.use_master()  # the master values, not their compute-dtype copies
         try:
             yield
         finally:
-            if write_back:
-                for b in self.buckets:
+            for b in self.buckets:
+                if b.mixed:
+                    b.use_compute(write_back)
+                elif write_back:
                     b.params_to_shard()
             if self.level == 3:
                 for b, w in zip(self.buckets, was):
-                    if not w:
+                    if not w and not b.mixed:
                         b.free()
 
     # ------------------------------------------------------------------ optimizer state as without ZeRO
@@ -431,7 +461,10 @@ class ZeroEngine:
         self._handles.clear()
         with torch.no_grad():
             for b in self.buckets:
-                b.gather()
+                if b.mixed:
+                    b.use_master()  # whole again in the parameters' own dtype (the master values)
+                else:
+                    b.gather()
                 for p in b.params:
                     p.data = p.data.clone()
         self.buckets = []

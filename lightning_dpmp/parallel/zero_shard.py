@@ -128,21 +128,34 @@ class Bucket:
     """
 
     def __init__(self, params: list[nn.Parameter], kind: str, unit: int, opt_key: Optional[tuple[int, int]],
-                 group: Any, dp: int, rank: int) -> None:
+                 group: Any, dp: int, rank: int, param_dtype: Optional[torch.dtype] = None,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.params, self.kind, self.unit, self.opt_key = params, kind, unit, opt_key
         self.group, self.dp, self.rank = group, dp, rank
         self.layout = FlatLayout.of([p.numel() for p in params], dp)
         p0 = params[0]
-        self.full = torch.zeros(self.layout.total, dtype=p0.dtype, device=p0.device)
+        master = torch.zeros(self.layout.total, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
             for p, off in zip(params, self.layout.offsets):
-                self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        # Mixed precision (MixedPrecisionPolicy): the shard the optimizer steps keeps the parameters' own dtype (the
+        # master copy); the gathered buffer the module computes with is in param_dtype; gradients are reduced in
+        # reduce_dtype. Without a policy all three are the parameters' dtype and the buffer is the master itself.
+        self.full = master if param_dtype in (None, p0.dtype) else master.to(param_dtype)
+        self.mixed = self.full.dtype != p0.dtype
+        self.reduce_dtype = reduce_dtype or self.full.dtype
+        with torch.no_grad():
+            for p, off in zip(params, self.layout.offsets):
                 # The parameter keeps its object (and attributes) but now lives in the flat buffer.
                 p.data = self.full[off : off + p.numel()].view(p.shape)
+        # (kept: a view cannot be made again while zero=3 has the buffer's storage freed)
+        self._views = [p.data for p in params]
         lo, hi = self.layout.owned(rank)
-        self.shard = nn.Parameter(self.full[lo:hi].clone(), requires_grad=self.trainable)
+        self.shard = nn.Parameter(master[lo:hi].clone(), requires_grad=self.trainable)
         self.gathered = True
         self._gather_work: Any = None
+        self._gather_src: Optional[Tensor] = None  # the cast shard an asynchronous gather reads (kept alive)
+        self._master: Optional[Tensor] = None  # mixed precision: the master-dtype buffer of use_master
         self._rs: Optional[tuple[Any, Tensor, Tensor]] = None  # (work, out, flat input kept alive)
         self.fired: set[int] = set()
         self.used_here = False  # whether this rank had any of the parameters' gradients at the last reduce-scatter
@@ -159,8 +172,16 @@ class Bucket:
                 self.wait_gather()
             return
         with torch.no_grad():
-            work = all_gather_flat(self.full, self.shard.detach(), self.group, async_op)
+            work = all_gather_flat(self.full, self.gather_source(), self.group, async_op)
         self._gather_work = work if async_op else None
+
+    def gather_source(self) -> Tensor:
+        """What this rank contributes to a gather: its shard, in the compute dtype under mixed precision."""
+        src = self.shard.detach()
+        if self.mixed:
+            src = src.to(self.full.dtype)
+            self._gather_src = src
+        return src
 
     def begin_gather(self) -> bool:
         """Allocate the full buffer for a gather the caller issues (:func:`gather_buckets`); False if it holds
@@ -175,6 +196,31 @@ class Bucket:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+        self._gather_src = None
+
+    def use_master(self) -> None:
+        """Mixed precision: point the parameters at a master-dtype buffer gathered from the shards (collective over
+        DP), so that checkpoints and teardown see the master values, not their compute-dtype copies."""
+        self._master = torch.empty(self.layout.total, dtype=self.shard.dtype, device=self.shard.device)
+        with torch.no_grad():
+            all_gather_flat(self._master, self.shard.detach(), self.group, async_op=False)
+        for p, off in zip(self.params, self.layout.offsets):
+            p.data = self._master[off : off + p.numel()].view(p.shape)
+
+    def use_compute(self, write_back: bool) -> None:
+        """Undo :meth:`use_master`; ``write_back``: what was written into the parameters goes into the shard first
+        (a checkpoint load), and the compute buffer is gathered again from it when it is next needed."""
+        assert self._master is not None
+        lo, hi = self.layout.owned(self.rank)
+        if write_back:
+            with torch.no_grad():
+                self.shard.copy_(self._master[lo:hi])
+        for p, view in zip(self.params, self._views):
+            p.data = view
+        self._master = None
+        if write_back and self.gathered:
+            self.gathered = False
+            self.gather()
 
     def free(self) -> None:
         """Release the full buffer's storage (ZeRO-3): the module's parameters become empty views until gathered."""
@@ -202,7 +248,7 @@ class Bucket:
         flattened into ``flat`` (absent ones are zero) and freed; ``None`` if one is already under way."""
         if self._rs is not None:
             return None
-        flat = torch.zeros(self.layout.total, dtype=self.full.dtype, device=self.full.device)
+        flat = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.full.device)
         self.used_here = False
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
@@ -222,6 +268,7 @@ class Bucket:
         if not used:
             return
         out.div_(self.dp)  # SUM / dp: DDP's average
+        out = out.to(self.shard.dtype)  # (mixed precision: reduced in reduce_dtype, stepped in the master dtype)
         if self.shard.grad is None:
             self.shard.grad = out
         else:
@@ -273,12 +320,12 @@ def gather_buckets(buckets: list[Bucket], group: Any, async_op: bool) -> None:
     todo = [b for b in buckets if b.begin_gather()]
     if len(todo) == 1:
         with torch.no_grad():
-            work = all_gather_flat(todo[0].full, todo[0].shard.detach(), group, async_op)
+            work = all_gather_flat(todo[0].full, todo[0].gather_source(), group, async_op)
         todo[0]._gather_work = work if async_op else None
     elif todo:
         with torch.no_grad(), compat.coalesced_collectives(group, todo[0].full.device, async_op) as cm:
             for b in todo:
-                all_gather_flat(b.full, b.shard.detach(), group, async_op=False)
+                all_gather_flat(b.full, b.gather_source(), group, async_op=False)
         work = _WaitOnce(cm)
         for b in todo:
             b._gather_work = work if async_op else None

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
@@ -31,7 +32,7 @@ class Probe(L.Callback):
     """Counts MP collectives of one whole training step and checks replicas bit for bit at the end."""
 
     def __init__(self, step: int = 3) -> None:
-        self.step, self.mode, self.counts, self.consistent = step, None, {}, {}
+        self.step, self.mode, self.counts, self.bytes, self.consistent = step, None, {}, {}, {}
         self.drop_sequence_sync = False
         self.save_to = ""
         self.local_params: dict = {}
@@ -50,6 +51,7 @@ class Probe(L.Callback):
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.counts = {f"{g}/{op}": n for (g, op), n in self.mode.counts.items()}
+            self.bytes = {f"{g}/{op}": n for (g, op), n in self.mode.bytes.items()}
             self.mode = None
 
     def on_train_end(self, trainer, pl_module):
@@ -83,10 +85,13 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     base, _, variant = name.partition("+")
     model, dataset = build(base)
     probe = Probe()
+    zero, _, dtype = variant.partition("_")  # +zero, +zero3, +zero3_bf16: mixed precision (compute, reduce)
+    policy = {"bf16": (torch.bfloat16, torch.float32), "fp32": (torch.float32, torch.float64)}.get(dtype)
     strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=2),
                             sequence_parallel=variant in ("sp", "sp_nosync"),
                             verify_plan=variant != "noverify", compile=variant == "compile",
-                            zero=int(variant[4:] or 1) if variant.startswith("zero") else 0)  # +zero, +zero3
+                            zero=int(zero[4:] or 1) if zero.startswith("zero") else 0,
+                            mixed_precision=MixedPrecisionPolicy(*policy) if policy else None)
     if variant == "sp_nosync":  # the bug sequence parallelism invites: never summing the partial gradients
         probe.drop_sequence_sync = True
     trainer = L.Trainer(
@@ -108,6 +113,7 @@ def run(dp: int, mp: int, precision: str, out: str, name: str) -> dict:
     return {
         "plan_text": strategy.applied_plan.text,
         "counts": probe.counts,
+        "bytes": probe.bytes,
         "analytic": plan.comm_per_step(),
         "partial": plan.partial_params,
         "per_block": plan.per_block(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import torch
 
 from lightning_dpmp import DPMPStrategy
 from lightning_dpmp.integration.layout import Layout, resolve_layout
@@ -95,3 +96,17 @@ def test_every_lightning_hook_the_strategy_overrides_is_written_out_and_marked()
             func = getattr(func, "__wrapped__", func)  # @contextmanager
             assert getattr(func, "__override__", False), f"{cls.__name__}.{name} overrides Lightning without @override"
             assert func.__qualname__ == f"{cls.__name__}.{name}", f"{cls.__name__}.{name} is generated elsewhere"
+
+
+def test_mixed_precision_is_refused_where_the_zero_engine_would_ignore_it():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    DPMPStrategy(dp=2, mp=2, zero=3, mixed_precision=bf16)  # accepted
+    for kwargs in ({"zero": 1}, {"zero": 0}, {"zero": 3, "dp": 1}):
+        with pytest.raises(ValueError, match=r"ZeRO-2/3 engine.*got zero=\d and dp=\S+"):
+            DPMPStrategy(**{"dp": 2, "mp": 2, **kwargs, "mixed_precision": bf16})
+    with pytest.raises(TypeError, match="param_dtype must be a floating-point"):
+        DPMPStrategy(dp=2, mp=2, zero=3, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.int8))
+    with pytest.raises(ValueError, match="output_dtype is not supported"):
+        DPMPStrategy(dp=2, mp=2, zero=3, mixed_precision=MixedPrecisionPolicy(output_dtype=torch.float32))
