@@ -215,11 +215,15 @@ class ZeroEngine:
                 self._handles.append(mod.register_forward_hook(self._post_forward(u)))
             for b in self.buckets:
                 b.free()
-        mixed = {id(p): b.full.dtype for b in self.buckets if b.mixed for p in b.params}
-        for mod in module.modules():  # mixed precision: each module computing with its parameters gets their dtype
-            dtype = next((mixed[id(p)] for p in mod.parameters(recurse=False) if id(p) in mixed), None)
-            if dtype is not None:
-                self._handles.append(mod.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
+        if any(b.mixed for b in self.buckets):
+            # mixed precision: each module that computes with parameters gets their compute dtype as its inputs'
+            # (parameters no bucket holds, frozen ones at zero=2, compute in their own dtype)
+            compute = {id(p): b.full.dtype for b in self.buckets for p in b.params}
+            for mod in module.modules():
+                own = [p for p in mod.parameters(recurse=False) if p.is_floating_point()]
+                if own:
+                    dtype = compute.get(id(own[0]), own[0].dtype)
+                    self._handles.append(mod.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
 
     # ------------------------------------------------------------------ setup helpers
     def _assign_units(self, module: nn.Module) -> dict[int, int]:

@@ -4,7 +4,8 @@
   optimizer steps float64 masters, so the weights end within float32's rounding of single-process float64
   training (not equal to it), and the checkpoint holds float64;
 - ``param_dtype=bfloat16, reduce_dtype=float32`` under ``"32-true"``: within bfloat16's rounding of single-process
-  float32 training, float32 checkpoint;
+  float32 training, float32 checkpoint; also with the attention frozen at zero=2 (frozen parameters stay outside
+  the buckets and compute in float32 between bfloat16 layers);
 - either way the DP all-gather moves half the bytes of the same run without a policy, the reduce-scatter the same
   bytes (the reduce dtype), and replicas stay bitwise equal.
 """
@@ -17,7 +18,8 @@ import torch
 from tests.conftest import run_parity_worker
 from tests.support.reference import max_weight_diff, reference_run
 
-CASES = ("gpt+zero3", "gpt+zero3_fp32", "gpt+zero2_fp32", "gpt+zero3_bf16")
+# gpt_frozen: its attention frozen, which zero=2 leaves outside the buckets (it computes in its own dtype)
+CASES = ("gpt+zero3", "gpt+zero3_fp32", "gpt+zero2_fp32", "gpt+zero3_bf16", "gpt_frozen+zero2_bf16")
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +34,12 @@ def run(tmp_path_factory):
     ("gpt+zero3_fp32", "64", 1e-9, 1e-4),  # float32 compute: off by its rounding, never by more
     ("gpt+zero2_fp32", "64", 1e-9, 1e-4),
     ("gpt+zero3_bf16", "32", 1e-5, 5e-2),  # bfloat16 compute
+    ("gpt_frozen+zero2_bf16", "32", 1e-5, 5e-2),
 ])
 def test_weights_follow_the_compute_dtype_and_masters_keep_theirs(run, case, bits, low, high, tmp_path):
     out, ranks = run
     ckpt = torch.load(out / f"{case}_{bits}.ckpt", weights_only=True)
-    ref = reference_run("gpt", f"{bits}-true", tmp_path / "ref.ckpt")
+    ref = reference_run(case.split("+")[0], f"{bits}-true", tmp_path / "ref.ckpt")
     worst = max_weight_diff(ckpt, ref)
     print(f"{case} float{bits}: max |w - w_ref| = {worst:.2e}")
     assert low <= worst <= high, (case, worst)
