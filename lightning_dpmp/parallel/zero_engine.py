@@ -220,9 +220,9 @@ class ZeroEngine:
             # (parameters no bucket holds, frozen ones at zero=2, compute in their own dtype)
             compute = {id(p): b.full.dtype for b in self.buckets for p in b.params}
             for mod in module.modules():
-                own = [p for p in mod.parameters(recurse=False) if p.is_floating_point()]
-                if own:
-                    dtype = compute.get(id(own[0]), own[0].dtype)
+                floating = [p for p in mod.parameters(recurse=False) if p.is_floating_point()]
+                if floating:
+                    dtype = compute.get(id(floating[0]), floating[0].dtype)
                     self._handles.append(mod.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
 
     # ------------------------------------------------------------------ setup helpers
