@@ -62,6 +62,7 @@ from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.sharding import (
     Blocks,
+    block_piece,
     dense_size,
     local_block_sizes,
     shard_blocks,
@@ -150,7 +151,7 @@ def _as_dcp(local: Tensor, dim: Optional[int], mesh: Any, dense: Optional[int] =
 
     if dense is None or dense == local.shape[dim] * mesh.size(1):
         return DTensor.from_local(local, mesh, [Replicate(), Shard(dim)], run_check=False)
-    real = min(max(dense - mesh.get_local_rank(1) * local.shape[dim], 0), local.shape[dim])
+    _, real, _ = block_piece(dense, mesh.size(1), mesh.get_local_rank(1))
     shape = list(local.shape)
     shape[dim] = dense
     stride = torch.empty(shape, device="meta").stride()

@@ -33,7 +33,14 @@ from torch import Tensor, nn
 from lightning_dpmp.checkpoint.consolidated import dense_shapes
 from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.sharding import MATERIALIZED_ATTR, Blocks, shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.sharding import (
+    MATERIALIZED_ATTR,
+    Blocks,
+    block_piece,
+    shard_blocks,
+    shard_dims,
+    shard_tensor,
+)
 
 __all__ = [
     "DEFERRED_ATTR",
@@ -127,10 +134,8 @@ class WeightFiles:
             sizes = [shape[dim] // blocks] * blocks if isinstance(blocks, int) else list(blocks)
             ranges, start = [], 0
             for size in sizes:
-                each = -(-size // parts)
-                lo = min(part * each, size)
-                hi = min(lo + each, size)
-                ranges.append((start + lo, start + hi, each - (hi - lo)))
+                first, real, each = block_piece(size, parts, part)
+                ranges.append((start + first, start + first + real, each - real))
                 start += size
         pieces = []
         for lo, hi, pad in ranges:

@@ -148,10 +148,9 @@ def check_mixed_precision(policy: Any, zero: int, dp: Any) -> None:
         dtype = getattr(policy, field, None)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"mixed_precision.{field} must be a floating-point torch.dtype or None, got {dtype!r}.")
-    for field in ("output_dtype",):
-        if getattr(policy, field, None) is not None:
-            raise ValueError(f"mixed_precision.{field} is not supported (outputs keep the compute dtype); leave it"
-                             " None.")
+    if getattr(policy, "output_dtype", None) is not None:
+        raise ValueError("mixed_precision.output_dtype is not supported (outputs keep the compute dtype); leave it"
+                         " None.")
 
 
 def check_speed_flags(compile: Any = False, async_grad_allreduce: Any = None) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "ParallelLinear",
     "dense_meta",
     "dense_template",
+    "block_piece",
     "dense_size",
     "divide",
     "gather_tensor",
@@ -68,6 +69,19 @@ def local_block_sizes(blocks: Blocks, local: int, mp: int) -> list[int]:
     if isinstance(blocks, int):
         return [local // blocks] * blocks
     return [-(-s // mp) for s in blocks]
+
+
+def block_piece(size: int, mp: int, rank: int) -> tuple[int, int, int]:
+    """Where ``rank``'s piece of a block of ``size`` split ``mp`` ways lies: its first dense row, how many real rows
+    it holds, and its length (``ceil(size / mp)``, the rest padding).
+
+    Example:
+        >>> block_piece(5, 4, 2), block_piece(5, 4, 3)   # 2 rows per rank: rank 2 holds 1 real row, rank 3 none
+        ((4, 1, 2), (5, 0, 2))
+    """
+    each = -(-size // mp)
+    first = min(rank * each, size)
+    return first, min(each, size - first), each
 
 
 def dense_size(blocks: Blocks, local: int, mp: int) -> int:
@@ -205,8 +219,7 @@ class ParallelLinear(nn.Module):
                     continue
                 offset = 0
                 for size in self.blocks:
-                    each = -(-size // self.mp)
-                    real = min(max(size - self.mp_rank * each, 0), each)
+                    _, real, each = block_piece(size, self.mp, self.mp_rank)
                     t.narrow(dim, offset + real, each - real).zero_()
                     offset += each
 
@@ -255,13 +268,11 @@ def shard_tensor(full: Tensor, dim: int, mp: int, rank: int, blocks: Blocks = 1)
         return full.chunk(mp, dim=dim)[rank]
     pieces = []
     for block in full.split(_dense_block_sizes(blocks, full.shape[dim]), dim=dim):
-        size = block.shape[dim]
-        each = -(-size // mp)
-        lo = min(rank * each, size)
-        piece = block.narrow(dim, lo, min(each, size - lo))
-        if piece.shape[dim] < each:  # the padding: rows no token id or class index ever reaches
+        first, real, each = block_piece(block.shape[dim], mp, rank)
+        piece = block.narrow(dim, first, real)
+        if real < each:  # the padding: rows no token id or class index ever reaches
             pad = list(piece.shape)
-            pad[dim] = each - piece.shape[dim]
+            pad[dim] = each - real
             piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
         pieces.append(piece)
     return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
