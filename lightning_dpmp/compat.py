@@ -54,6 +54,7 @@ __all__ = [
     "ddp_timeout",
     "default_store",
     "compile_backend",
+    "dcp_chunk_protocol",
     "disable_torch_function_subclass",
     "dynamo_without_ddp_split",
     "distributed_is_initialized",
@@ -78,10 +79,16 @@ __all__ = [
     "set_rng_states",
     "start_method",
     "tensor_version",
+    "storage_alignment",
+    "storage_record",
+    "tensor_rebuild_call",
+    "typed_storage",
     "tree_leaves",
     "tree_map",
     "unwrap_optimizer",
     "uses_distributed_sampler",
+    "wrapper_tensor",
+    "zip_file_writer",
 ]
 
 
@@ -118,6 +125,71 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     "end of this backward" signal (FSDP and DDP use it too); it must be called from inside a backward (a hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def zip_file_writer(path: str) -> Any:
+    """The writer ``torch.save`` writes its zip archive with, for a checkpoint streamed record by record.
+
+    Relies on: ``torch._C.PyTorchFileWriter(path, crc32, alignment)`` with ``write_record(name, data, nbytes)``
+    (``data`` bytes, str or an ``UntypedStorage``) and ``write_end_of_file()``, and the two settings
+    ``torch.serialization`` reads for it (``get_crc32_options``, ``_get_storage_alignment``), torch 2.13. The
+    public ``torch.save`` needs every tensor's data in memory at once; a streamed writer is what lets a rank hold
+    one dense tensor at a time.
+    """
+    from torch import serialization
+
+    return torch._C.PyTorchFileWriter(path, serialization.get_crc32_options(), storage_alignment())
+
+
+def storage_alignment() -> int:
+    """``torch.serialization._get_storage_alignment()``: the alignment ``torch.save`` records (torch 2.13)."""
+    from torch import serialization
+
+    return int(serialization._get_storage_alignment())
+
+
+def wrapper_tensor(cls: type, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+    """``torch.Tensor._make_wrapper_subclass(cls, shape, dtype=..., device=...)``: an instance of the tensor subclass
+    ``cls`` with a shape, dtype and device and no storage (how ``DTensor`` describes a tensor it holds chunks of),
+    torch 2.13. ``cls`` must define ``__torch_dispatch__``."""
+    return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+
+
+def typed_storage(storage: Any, dtype: torch.dtype) -> Any:
+    """``torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)``: the typed view a tensor
+    pickles its data as (``_internal`` keeps the class's deprecation warning quiet), torch 2.13."""
+    return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+
+def storage_record(x: Any) -> Optional[tuple[Any, Any, int, int]]:
+    """What ``torch.save``'s ``persistent_id`` records of a storage met while pickling a tensor: ``(untyped
+    storage, storage class, numel, identity)``, or ``None`` for anything else. Relies on ``TypedStorage``'s
+    ``_untyped_storage``, ``_size()`` and ``_pickle_storage_type()`` and on ``UntypedStorage._cdata`` (the identity
+    torch.save keys storages by), torch 2.13."""
+    if isinstance(x, torch.storage.TypedStorage):
+        return x._untyped_storage, getattr(torch, x._pickle_storage_type()), x._size(), x._untyped_storage._cdata
+    if torch.is_storage(x):
+        return x, torch.UntypedStorage, x.nbytes(), x._cdata
+    return None
+
+
+def tensor_rebuild_call(storage: Any, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[Any, tuple]:
+    """The reduce tuple ``torch.save`` pickles a contiguous tensor as: ``torch._utils._rebuild_tensor_v2(storage,
+    0, shape, stride, False, OrderedDict())``, which ``weights_only`` loading accepts (torch 2.13)."""
+    import collections
+
+    return torch._utils._rebuild_tensor_v2, (storage, 0, shape, stride, False, collections.OrderedDict())
+
+
+def dcp_chunk_protocol() -> tuple[Any, ...]:
+    """``(WriteItem, WriteItemType, TensorWriteData, ChunkStorageMetadata, TensorProperties, MetadataIndex)``:
+    what an object returns from the hooks ``torch.distributed.checkpoint`` calls on a tensor that describes its
+    own chunks (``__create_write_items__(fqn, obj)``, ``__create_chunk_list__()``, ``__get_tensor_shard__(index)``,
+    the protocol ``DTensor`` implements), torch 2.13. The classes are public; the hooks are not documented."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    return WriteItem, WriteItemType, TensorWriteData, ChunkStorageMetadata, TensorProperties, MetadataIndex
 
 
 def tensor_version(x: Tensor) -> int:

@@ -1,11 +1,11 @@
 """Sharded checkpoints: a folder written in parallel with ``torch.distributed.checkpoint`` (DCP), read into any layout.
 
-Each rank writes only what it holds: a split parameter (and its AdamW moments) is described to DCP as a ``DTensor``
-on the ``(dp, mp)`` mesh with placements ``[Replicate(), Shard(dim)]``, so DCP stores each MP shard once (DP
-replicas are deduplicated) and records the dense shape; replicated tensors are stored once, by one rank. Nothing is
-gathered: no rank holds more than its own shards. Loading asks DCP for this rank's slice of the dense tensors under
-the *current* layout, which reshards ``(2, 2) -> (1, 4)`` or into a dense model
-(:mod:`lightning_dpmp.checkpoint.convert`).
+Each rank writes only what it holds: each tensor is described to DCP by the rectangular chunks of the dense tensor
+this rank holds (an MP shard is one chunk at its offset; ZeRO's flat DP slices, which may cut rows, are up to
+``2·ndim - 1`` chunks each), so DCP stores every element once (replicas are deduplicated) and records the dense
+shape. Nothing is gathered: no rank holds more than its own shards. Loading asks DCP for this rank's chunks of
+the dense tensors under the *current* layout (into its ZeRO slices directly), which reshards ``(2, 2) -> (1, 4)``
+or into a dense model (:mod:`lightning_dpmp.checkpoint.convert`).
 
 The folder::
 
@@ -39,7 +39,8 @@ import uuid
 import warnings
 from collections.abc import Sequence
 from itertools import zip_longest
-from typing import Any, Optional
+from math import prod
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ from lightning_dpmp.checkpoint.consolidated import (
     optimizer_param_names,
 )
 from lightning_dpmp.checkpoint.files import atomic_save, fsync_dir, replace_path
+from lightning_dpmp.checkpoint.held import Held, Piece, flat_boxes, held, held_of
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.sharding import (
@@ -71,7 +73,8 @@ from lightning_dpmp.parallel.sharding import (
 )
 
 __all__ = [
-    "LOCAL_LAYOUT_KEY", "META_FILE", "is_sharded_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"
+    "LOCAL_LAYOUT_KEY", "META_FILE", "Holdings", "is_sharded_checkpoint", "load_sharded", "load_sharded_full",
+    "save_sharded",
 ]
 
 META_FILE = "dpmp_meta.pt"
@@ -131,36 +134,57 @@ def _tensor_meta(path: str) -> dict[str, TensorStorageMetadata]:
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-# ---------------------------------------------------------------------------------------------- layout helpers
-def _mesh(grid: Grid, device_type: str) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
+# ---------------------------------------------------------------------------------------------- chunks
+class _Chunks(Tensor):
+    """A stored tensor (its dense shape and dtype) of which this rank holds rectangular chunks, each a view into
+    what it holds: DCP writes each chunk from, and reads each chunk into, that view. The protocol is the one
+    ``DTensor`` implements (:func:`lightning_dpmp.compat.dcp_chunk_protocol`); a rank may hold any number of
+    chunks, so ZeRO's flat DP slices, which cut rows, are written and read without gathering anything."""
 
-    ranks = torch.arange(grid.dp * grid.mp).view(grid.dp, grid.mp)
-    return DeviceMesh.from_group([grid.dp_group, grid.mp_group], device_type, mesh=ranks, mesh_dim_names=("dp", "mp"))
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], Tensor]]
+
+    @staticmethod
+    def of(shape: tuple[int, ...], dtype: torch.dtype, chunks: list[tuple[tuple[int, ...], tuple[int, ...], Tensor]],
+           device: torch.device) -> _Chunks:
+        out = compat.wrapper_tensor(_Chunks, shape, dtype, device)
+        out.chunks = chunks
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        raise NotImplementedError(f"a checkpoint's chunk list has no data of its own ({func} called on it)")
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        WriteItem, WriteItemType, TensorWriteData, Chunk, TensorProperties, MetadataIndex = compat.dcp_chunk_protocol()
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=Chunk(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                                                      properties=TensorProperties(dtype=self.dtype),
+                                                      size=torch.Size(self.shape)))
+                for offsets, sizes, _ in self.chunks]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        Chunk = compat.dcp_chunk_protocol()[3]
+        return [Chunk(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z, _ in self.chunks]
+
+    def __get_tensor_shard__(self, index: Any) -> Tensor:
+        for offsets, _, view in self.chunks:
+            if tuple(offsets) == tuple(index.offset):
+                return _own_storage(view)
+        raise ValueError(f"no chunk of {index.fqn} at {tuple(index.offset)} on this rank")
 
 
-def _as_dcp(local: Tensor, dim: Optional[int], mesh: Any, dense: Optional[int] = None) -> Tensor:
-    """A split tensor becomes a DTensor (replicated over DP, sharded over MP along ``dim``); others stay plain.
+def _own_storage(view: Tensor) -> Tensor:
+    """``view`` aliased by a tensor whose storage is exactly its own bytes (no copy), where it is contiguous.
 
-    ``dense``: the size along ``dim`` when ``mp`` does not divide it (a padded vocabulary): ``local`` then holds
-    ``ceil(dense / mp)`` rows, and only the real ones are described, so the stored tensor has the dense shape.
+    DCP's writer keeps every tensor it wrote to a file until the file is closed, and clones one whose storage is
+    larger than itself first: a chunk of a flat ZeRO shard would be copied, and all the copies held, a second copy
+    of everything the rank holds. A storage slice shares the shard's memory and is exactly the chunk's size.
     """
-    if dim is None or mesh is None:
-        return local
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if dense is None or dense == local.shape[dim] * mesh.size(1):
-        return DTensor.from_local(local, mesh, [Replicate(), Shard(dim)], run_check=False)
-    _, real, _ = block_piece(dense, mesh.size(1), mesh.get_local_rank(1))
-    shape = list(local.shape)
-    shape[dim] = dense
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local.narrow(dim, 0, real), mesh, [Replicate(), Shard(dim)], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    if view.numel() == 0 or not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    start = view.storage_offset() * view.element_size()
+    part = view.untyped_storage()[start : start + view.nbytes]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(part, 0, view.shape, view.stride())
 
 
 def _block_key(key: str, i: int) -> str:
@@ -181,20 +205,56 @@ def _count(blocks: Blocks) -> int:
     return blocks if isinstance(blocks, int) else len(blocks)
 
 
-def _put(flat: dict[str, Tensor], fused: dict[str, Any], key: str, local: Tensor, dim: Optional[int],
-         blocks: Blocks, mesh: Any) -> None:
-    """Describe one local tensor to DCP: a fused one (``blocks``, split block by block along ``dim``: dim 0 of a
-    Linear's q|k|v, dim 1 of GPT-2's ``Conv1D`` (in, out) weight, or a padded vocabulary) as one entry per block,
-    each of its dense size."""
-    if dim is not None and blocks != 1 and mesh is not None:
-        fused[key] = (blocks if isinstance(blocks, int) else list(blocks), dim)
-        n = mesh.size(1)
-        parts = local.split(local_block_sizes(blocks, local.shape[dim], n), dim=dim)
-        for i, part in enumerate(parts):
-            size = None if isinstance(blocks, int) else blocks[i]
-            flat[_block_key(key, i)] = _as_dcp(part.contiguous(), dim, mesh, size)
-    else:
-        flat[key] = _as_dcp(local, dim, mesh)
+def _entries(key: str, shape: tuple[int, ...], dim: Optional[int], blocks: Blocks, mp: int, rank: int
+             ) -> list[tuple[str, int, int, int, tuple[int, ...]]]:
+    """Where an MP-local tensor of ``shape`` (split along ``dim`` in ``blocks``) lies in what is stored: per stored
+    tensor, ``(key, first local row along dim, real rows, its first row there, its dense shape)``. A fused tensor
+    (q|k|v in one weight, split block by block; or a padded vocabulary) is stored block by block, each block of its
+    dense size (padding rows are not stored)."""
+    if dim is None:
+        return [(key, 0, 0, 0, shape)]
+    local = shape[dim]
+
+    def dense(size: int) -> tuple[int, ...]:
+        return shape[:dim] + (size,) + shape[dim + 1:]
+
+    if blocks == 1:
+        return [(key, 0, local, rank * local, dense(local * mp))]
+    out, at = [], 0
+    for i, each in enumerate(local_block_sizes(blocks, local, mp)):
+        if isinstance(blocks, int):
+            out.append((_block_key(key, i), at, each, rank * each, dense(each * mp)))
+        else:
+            first, real, _ = block_piece(blocks[i], mp, rank)
+            out.append((_block_key(key, i), at, real, first, dense(blocks[i])))
+        at += each
+    return out
+
+
+def _chunk_map(key: str, shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], dim: Optional[int],
+               blocks: Blocks, mp: int, rank: int, device: torch.device) -> dict[str, _Chunks]:
+    """The stored tensors an MP-local tensor's ``pieces`` (flat ranges this rank holds) fall into, each with this
+    rank's chunks of it as views into the pieces."""
+    entries = _entries(key, shape, dim, blocks, mp, rank)
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], Tensor]]] = {e[0]: [] for e in entries}
+    for lo, hi, data in pieces:
+        for offsets, sizes, start in flat_boxes(shape, lo, hi):
+            view = data[start - lo : start - lo + prod(sizes)].view(sizes)
+            for name, first, real, there, _ in entries:
+                if dim is None:
+                    chunks[name].append((offsets, sizes, view))
+                    continue
+                a, b = max(offsets[dim], first), min(offsets[dim] + sizes[dim], first + real)
+                if a < b:
+                    at = offsets[:dim] + (there + a - first,) + offsets[dim + 1:]
+                    size = sizes[:dim] + (b - a,) + sizes[dim + 1:]
+                    chunks[name].append((at, size, view.narrow(dim, a - offsets[dim], b - a)))
+    return {name: _Chunks.of(dense, dtype, chunks[name], device) for name, _, _, _, dense in entries}
+
+
+def _whole(t: Tensor) -> list[Piece]:
+    """A tensor held whole, as pieces (one flat range)."""
+    return [(0, t.numel(), t.detach().contiguous().view(-1))] if t.numel() else []
 
 
 def _logical_shapes(saved: dict[str, TensorStorageMetadata], fused: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -209,40 +269,38 @@ def _logical_shapes(saved: dict[str, TensorStorageMetadata], fused: dict[str, An
 
 
 class _Reads:
-    """What one ``dcp.load`` asks for, and how each answer becomes this rank's local tensor afterwards.
+    """What one ``dcp.load`` asks for, and how each answer becomes what this rank holds afterwards.
 
     A logical tensor stored as it will be held (plain, or fused with the same blocks split the same way) is read
-    straight into its local slices; any other pairing reads the dense tensor (or its dense blocks) and slices it.
+    straight into the pieces this rank holds (its local tensor, or its flat ZeRO slices); any other pairing reads
+    the dense tensor (or its dense blocks), slices it, and copies the pieces out.
     """
 
-    def __init__(self, saved: dict[str, TensorStorageMetadata], fused: dict[str, Any], mesh: Any, group: Any) -> None:
-        self.saved, self.fused, self.mesh, self.group = saved, fused, mesh, group
+    def __init__(self, saved: dict[str, TensorStorageMetadata], fused: dict[str, Any], group: Any) -> None:
+        self.saved, self.fused, self.group = saved, fused, group
+        self.mp, self.rank = group_size(group), group_rank(group)
         self.targets: dict[str, Tensor] = {}
         self.after: list[Any] = []
 
-    def add(self, key: str, local: Tensor, dim: Optional[int], blocks: Blocks) -> None:
-        """Fill ``local`` (this rank's tensor: split along ``dim`` in ``blocks`` blocks, or whole) from ``key``."""
+    def add(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece], dim: Optional[int],
+            blocks: Blocks, device: torch.device) -> None:
+        """Fill ``pieces`` (flat ranges of this rank's tensor of ``shape``: split along ``dim`` in ``blocks``
+        blocks, or whole) from ``key``."""
         stored, stored_dim = _fused(self.fused, key)
-        if stored == 1 and blocks == 1:
-            self.targets[key] = _as_dcp(local, dim, self.mesh)
-            return
-        if stored == blocks and dim == stored_dim and self.mesh is not None:
-            n = group_size(self.group)
-            parts = [torch.zeros_like(p) for p in local.split(local_block_sizes(blocks, local.shape[dim], n), dim=dim)]
-            for i, part in enumerate(parts):
-                size = None if isinstance(blocks, int) else blocks[i]
-                self.targets[_block_key(key, i)] = _as_dcp(part, dim, self.mesh, size)
-            self.after.append(lambda: local.copy_(torch.cat(parts, dim=dim)))
+        if (stored == 1 and blocks == 1) or (stored == blocks and dim == stored_dim):
+            self.targets.update(_chunk_map(key, shape, dtype, pieces, dim, blocks, self.mp, self.rank, device))
             return
         keys = [key] if stored == 1 else [_block_key(key, i) for i in range(_count(stored))]
-        dense = [torch.empty(tuple(self.saved[k].size), dtype=self.saved[k].properties.dtype, device=local.device)
+        dense = [torch.empty(tuple(self.saved[k].size), dtype=self.saved[k].properties.dtype, device=device)
                  for k in keys]
         self.targets.update(zip(keys, dense))
 
         def finish() -> None:
             full = torch.cat(dense, dim=stored_dim)
-            n, r = group_size(self.group), group_rank(self.group)
-            local.copy_(full if dim is None else shard_tensor(full, dim, n, r, blocks))
+            local = full if dim is None else shard_tensor(full, dim, self.mp, self.rank, blocks)
+            flat = local.reshape(-1)
+            for lo, hi, data in pieces:
+                data.copy_(flat[lo:hi])
 
         self.after.append(finish)
 
@@ -265,14 +323,24 @@ def save_sharded(
     checkpoint untouched. Needs a filesystem that every rank sees at ``path``.
     """
     dims, blocks = shard_dims(module), shard_blocks(module)
-    mesh = _mesh(grid, device_type) if dims and grid is not None else None
+    mp, rank = (group_size(grid.mp_group), group_rank(grid.mp_group)) if grid is not None else (1, 0)
     flat: dict[str, Tensor] = {}
     fused: dict[str, Any] = {}  # DCP key -> (blocks, dim), for tensors stored block by block
+
+    def put(key: str, value: Tensor, dim: Optional[int], b: Blocks) -> None:
+        info = held_of(value)  # ZeRO: this rank's flat slices; else the tensor, whole
+        shape = tuple(info.local_shape or value.shape) if info is not None else tuple(value.shape)
+        pieces = info.pieces if info is not None else _whole(value)
+        device = pieces[0][2].device if pieces else torch.device(device_type if device_type != "meta" else "cpu")
+        if dim is not None and b != 1 and mp > 1:
+            fused[key] = (b if isinstance(b, int) else list(b), dim)
+        flat.update(_chunk_map(key, shape, value.dtype, pieces, dim if mp > 1 else None, b, mp, rank, device))
+
     state = checkpoint.pop("state_dict", {})
     model_keys, model_extra = [], {}
     for key, value in state.items():
         if isinstance(value, Tensor):
-            _put(flat, fused, f"model/{key}", value.detach(), dims.get(key), blocks.get(key, 1), mesh)
+            put(f"model/{key}", value, dims.get(key), blocks.get(key, 1))
             model_keys.append(key)
         else:
             model_extra[key] = value
@@ -287,8 +355,10 @@ def save_sharded(
             entries = []
             for key, value in per.items():
                 if isinstance(value, Tensor):
-                    dim = pdims[idx] if value.shape == params[idx].shape else None
-                    _put(flat, fused, f"optim{i}/{names[idx]}/{key}", value.detach(), dim, pblocks[idx], mesh)
+                    info = held_of(value)
+                    shape = tuple(info.local_shape or value.shape) if info is not None else tuple(value.shape)
+                    split = shape == tuple(params[idx].shape) and pdims[idx] is not None
+                    put(f"optim{i}/{names[idx]}/{key}", value, pdims[idx] if split else None, pblocks[idx])
                     entries.append((key, True, None))
                 else:
                     entries.append((key, False, value))
@@ -318,13 +388,27 @@ def save_sharded(
 
 
 # ---------------------------------------------------------------------------------------------- load
+class Holdings(Protocol):
+    """Where this rank holds tensors in slices of its own (ZeRO's flat DP shards): a load reads straight into them."""
+
+    def param_pieces(self, param: Tensor) -> Optional[list[Piece]]:
+        """The pieces of ``param`` (the module's parameter object) this rank holds, or ``None`` if held whole."""
+
+    def state_pieces(self, optimizer: int, param: Tensor, key: str, dtype: torch.dtype) -> Optional[list[Piece]]:
+        """The pieces of optimizer ``optimizer``'s state ``key`` for ``param``, allocated (zeros of ``dtype``) if
+        absent; ``None`` if that optimizer holds its state whole."""
+
+
 def load_sharded(
     path: str, module: nn.Module, optimizers: Sequence[Any], grid: Grid, strict: bool = True, device_type: str = "cpu",
+    holdings: Optional[Holdings] = None,
 ) -> dict[str, Any]:
     """Read this rank's slices of a sharded folder for the module's current layout (collective over the world).
 
     Returns a Lightning checkpoint dict whose ``state_dict`` and ``optimizer_states`` hold local shards, marked
-    with :data:`LOCAL_LAYOUT_KEY`. Raises :class:`CheckpointMismatchError` before reading any tensor if the
+    with :data:`LOCAL_LAYOUT_KEY`. What ``holdings`` holds in slices (ZeRO) is read in place, into those slices,
+    and stands in the dict as a held tensor (:mod:`lightning_dpmp.checkpoint.held`) saying so: no rank ever holds
+    more than its own slices. Raises :class:`CheckpointMismatchError` before reading any tensor if the
     checkpoint's names or dense shapes do not fit ``module``.
     """
     meta = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=True)
@@ -335,13 +419,24 @@ def load_sharded(
     saved_model = {k[len("model/"):]: v for k, v in shapes.items() if k.startswith("model/")}
     check_state_matches(dense_shapes(module, grid.mp_group), saved_model, strict)
     dims, blocks = shard_dims(module), shard_blocks(module)
-    mesh = _mesh(grid, device_type) if dims else None
-    reads = _Reads(saved, fused, mesh, grid.mp_group)
+    reads = _Reads(saved, fused, grid.mp_group)
+
+    def read(key: str, like: Tensor, shape: tuple[int, ...], dtype: torch.dtype, pieces: Optional[list[Piece]],
+             dim: Optional[int], b: Blocks) -> Tensor:
+        """Ask for ``key``: into ``pieces`` (returned as a held tensor saying so), or into a new local tensor."""
+        if pieces is not None:
+            reads.add(key, shape, dtype, pieces, dim, b, like.device)
+            return held(shape, dtype, Held(pieces=pieces, local_shape=shape))
+        local = torch.zeros(shape, dtype=dtype, device=like.device)  # (zeros: padding rows are not stored)
+        reads.add(key, shape, dtype, _whole(local), dim, b, like.device)
+        return local
+
     local_state: dict[str, Any] = dict(info["model_extra"])
-    for key, t in module.state_dict().items():
+    for key, t in module.state_dict(keep_vars=True).items():
         if isinstance(t, Tensor) and key in saved_model:
-            local_state[key] = torch.empty_like(t)
-            reads.add(f"model/{key}", local_state[key], dims.get(key), blocks.get(key, 1))
+            pieces = holdings.param_pieces(t) if holdings is not None else None
+            local_state[key] = read(f"model/{key}", t, tuple(t.shape), t.dtype, pieces, dims.get(key),
+                                    blocks.get(key, 1))
     opt_states = []
     for i, (opt, oinfo) in enumerate(zip(optimizers, info["optimizers"])):
         inner = compat.unwrap_optimizer(opt)
@@ -358,18 +453,21 @@ def load_sharded(
         state: dict[int, dict[str, Any]] = {}
         for idx, entries in oinfo["layout"].items():
             state[idx] = {}
+            p = params[idx]
             for key, is_tensor, value in entries:
                 if not is_tensor:
                     state[idx][key] = value
                     continue
                 name = f"optim{i}/{names[idx]}/{key}"
                 size = shapes[name]
-                split = pdims[idx] is not None and size == dense_param_shape(params[idx], pdims[idx], grid,
-                                                                             pblocks[idx])
+                dense_p = dense_param_shape(p, pdims[idx], grid, pblocks[idx])
+                split = pdims[idx] is not None and size == dense_p
                 dtype = saved[name if name in saved else _block_key(name, 0)].properties.dtype
-                local = torch.empty(params[idx].shape if split else size, dtype=dtype, device=params[idx].device)
-                state[idx][key] = local
-                reads.add(name, local, pdims[idx] if split else None, pblocks[idx] if split else 1)
+                shape = tuple(p.shape) if split else tuple(size)
+                element_wise = size == dense_p  # shaped like the parameter: held as the parameter is
+                pieces = holdings.state_pieces(i, p, key, dtype) if holdings is not None and element_wise else None
+                state[idx][key] = read(name, p, shape, dtype, pieces, pdims[idx] if split else None,
+                                       pblocks[idx] if split else 1)
         opt_states.append({"state": state, "param_groups": oinfo["param_groups"]})
     reads.load(path)
     meta["state_dict"] = local_state

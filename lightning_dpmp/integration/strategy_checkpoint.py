@@ -1,15 +1,18 @@
 """DPMPStrategy's checkpoint collaborator: consolidated and sharded saves, loads into any layout.
 
-Consolidated (default): dense tensors under the dense names, gathered parameter by parameter onto rank 0, which
-writes one file atomically (:mod:`lightning_dpmp.checkpoint.consolidated`). Sharded: every rank writes its own
-shards into a folder (:mod:`lightning_dpmp.checkpoint.sharded`). Both load after setup, into the parallelised model,
-so each rank reads only its slices. The strategy owns one :class:`StrategyCheckpointer` and delegates its checkpoint
-hooks to it.
+Consolidated (default): dense tensors under the dense names in one file that rank 0 writes tensor by tensor
+(:mod:`lightning_dpmp.checkpoint.streamed`), each gathered only when it is written. Sharded: every rank writes the
+chunks it holds into a folder (:mod:`lightning_dpmp.checkpoint.sharded`). Both load after setup, into the
+parallelised model, so each rank reads only its slices. The strategy owns one :class:`StrategyCheckpointer` and
+delegates its checkpoint hooks to it.
 
-ZeRO-2/3: every hook sees the model as it is without ZeRO (:meth:`StrategyCheckpointer._plain`): parameters
-gathered over DP into the MP-local ones, and a plain optimizer over them holding the per-parameter state gathered
-from the shards; a load goes into that plain view, then back into the shards. Both formats therefore resume into
-any (dp, mp, zero).
+Memory: the checkpoint dict Lightning builds holds *held tensors* (:mod:`lightning_dpmp.checkpoint.held`) wherever
+the value needs communication or lives in ZeRO's flat DP shards, so nothing is gathered while it is built. A
+consolidated save gathers one bucket (one unit) over DP at a time and one dense tensor over MP onto rank 0; a
+sharded save writes each rank's chunks of its shards as they are; loads copy each tensor's slices straight into
+the shards (a sharded folder is read into them in place). No rank holds more than its shards plus one unit's
+gathered copy and one dense tensor. Under ZeRO, checkpoints hold the state as without ZeRO (per-parameter AdamW
+moments under the dense names), so both formats resume into any (dp, mp, zero).
 
 Example:
     >>> trainer.save_checkpoint("last.ckpt")                  # collective; rank 0 writes  # doctest: +SKIP
@@ -18,13 +21,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -33,21 +36,19 @@ from torch.optim import Optimizer
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import (
     check_state_matches,
-    consolidate_optimizer_state,
     dense_shapes,
-    gather_state_dict,
     optimizer_param_blocks,
     optimizer_param_dims,
     shard_optimizer_state,
     shard_state_dict,
 )
 from lightning_dpmp.checkpoint.files import (
-    atomic_save,
     load_file,
     make_weights_only_safe,
     recover_path,
     write_on_rank_zero,
 )
+from lightning_dpmp.checkpoint.held import Gathered, Held, held, held_of, resolve_held
 from lightning_dpmp.checkpoint.hf_export import (
     TensorEntry,
     floating_dtype,
@@ -57,7 +58,9 @@ from lightning_dpmp.checkpoint.hf_export import (
 )
 from lightning_dpmp.checkpoint.integrity import load_checked
 from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
-from lightning_dpmp.parallel.sharding import gather_to_first, shard_blocks, shard_dims
+from lightning_dpmp.checkpoint.streamed import stream_save
+from lightning_dpmp.parallel.sharding import dense_meta, gather_to_first, shard_blocks, shard_dims, shard_tensor
+from lightning_dpmp.parallel.zero_shard import all_gather_flat
 
 __all__ = ["StrategyCheckpointer"]
 
@@ -77,6 +80,8 @@ class StrategyCheckpointer:
         # Any, not DPMPStrategy: the strategy module imports this one, and a typing import back would close a circle.
         self.strategy = strategy
         self.distributed = distributed
+        # one Gathered per (bucket, flat source) of the save being built: its members fetch from one gather
+        self._bucket_gathers: dict[tuple[int, int], Gathered] = {}
 
     def gathers(self) -> bool:
         """Whether this rank gathers MP shards into dense tensors: consolidated saves, on each MP group of DP rank 0."""
@@ -86,40 +91,131 @@ class StrategyCheckpointer:
     def _engine(self) -> Any:
         return getattr(self.strategy, "zero_engine", None)
 
-    def _plain(self, optimizer: Any, with_state: bool) -> Any:
-        """``optimizer`` as without ZeRO-2/3 (a plain optimizer over the module's parameters; collective over DP
-        ``with_state``), or ``optimizer`` itself when it is not a ZeRO-2/3 one."""
+    def _plain(self, optimizer: Any) -> Any:
+        """``optimizer`` as without ZeRO (the same class over the module's parameters, without state: for the
+        parameter order and names), or ``optimizer`` itself when it is not a ZeRO one."""
         engine, inner = self._engine(), compat.unwrap_optimizer(optimizer)
         if engine is None or not any(inner is o for o in engine.optimizers):
             return optimizer
-        return engine.plain_optimizer(next(i for i, o in enumerate(engine.optimizers) if o is inner), with_state)
+        return engine.plain_optimizer(self._engine_index(optimizer), with_state=False)
 
     def module_state_dict(self) -> dict[str, Any]:
-        """The module's state: dense on the ranks that write a consolidated file, local shards elsewhere."""
+        """The module's state as held tensors where producing it needs communication or this rank holds slices.
+
+        * ZeRO: a parameter a bucket holds is a held tensor: its DP slices (sharded format), or its dense value
+          fetched while the file is written, its bucket gathered once for all its members (consolidated).
+        * Consolidated: a split tensor is a held tensor gathered over MP onto rank 0 while the file is written.
+        * Everything else is the tensor itself. Nothing is gathered here (see :mod:`lightning_dpmp.checkpoint.held`).
+        """
         lm = self.strategy.lightning_module
         assert lm is not None
-        engine = self._engine()
-        if engine is not None:
-            with engine.gathered():  # zero=3: freed again after, so keep copies
-                state = {k: v.clone() if isinstance(v, Tensor) else v for k, v in lm.state_dict().items()}
-        else:
-            state = lm.state_dict()
-        dims = shard_dims(lm)
-        if not dims or not self.gathers():
-            return state  # local shards: sharded saves write them as they are, and DP ranks > 0 do not write
-        return gather_state_dict(state, dims, self.strategy.grid.mp_group, shard_blocks(lm))
+        self._bucket_gathers.clear()  # a new save
+        engine, dims, blocks = self._engine(), shard_dims(lm), shard_blocks(lm)
+        grid = self.strategy.grid_or_none
+        state = lm.state_dict(keep_vars=True)  # parameters themselves: the engine knows them by identity
+        made: dict[int, Tensor] = {}  # tied or aliased parameters: one held tensor under each of their keys
+        out: dict[str, Any] = {}
+        for key, v in state.items():
+            if not isinstance(v, Tensor):
+                out[key] = v
+                continue
+            if id(v) not in made:
+                made[id(v)] = self._held_tensor(v, engine, dims.get(key), blocks.get(key, 1), grid, None)
+            out[key] = made[id(v)]
+        return out
+
+    def _held_tensor(self, v: Tensor, engine: Any, dim: Optional[int], blocks: Any, grid: Any,
+                     state: Optional[tuple[int, str, Tensor]]) -> Tensor:
+        """``v`` (a parameter; with ``state = (optimizer, key, value)``, that optimizer state of it) as this save
+        holds it: a held tensor, or the tensor itself (see :meth:`module_state_dict`)."""
+        found = engine.locate(v) if engine is not None else None
+        value = state[2] if state is not None else v
+        if found is None:
+            if self.distributed or dim is None or grid is None:
+                return value.detach()
+            return held(dense_meta(value, dim, grid.mp_group, blocks).shape, value.dtype,
+                        Held(fetch=self._dense(lambda: value.detach(), dim, blocks)))
+        bucket, index = found
+        off, n, shape = bucket.layout.offsets[index], v.numel(), tuple(v.shape)
+        source = bucket.shard if state is None else value  # the flat DP slice: the master values
+        if self.distributed:
+            pieces = (engine.param_pieces(v) if state is None else engine.state_pieces(state[0], v, state[1]))
+            return held(shape, source.dtype, Held(pieces=pieces, local_shape=shape))
+        dense_shape = shape if dim is None or grid is None else tuple(dense_meta(v, dim, grid.mp_group, blocks).shape)
+        if state is None and bucket.gathered and not bucket.mixed and engine.level < 3:
+            # zero=1/2: the parameter is whole and current already; only MP gathers it
+            return held(dense_shape, v.dtype, Held(fetch=self._dense(lambda: v.detach(), dim, blocks)))
+        gathered = self._bucket_gathers.get((id(bucket), id(source)))
+        if gathered is None:
+            gathered = self._bucket_gathers[(id(bucket), id(source))] = Gathered(self._gather_flat(bucket, source))
+        def local() -> Tensor:  # (valid while the bucket is open: between Gathered.open and close)
+            assert gathered.full is not None
+            return gathered.full[off : off + n].view(shape)
+
+        return held(dense_shape, source.dtype, Held(fetch=self._dense(local, dim, blocks), gathered=gathered))
+
+    def _dense(self, local: Callable[[], Tensor], dim: Optional[int], blocks: Any) -> Callable[[], Optional[Tensor]]:
+        """Fetch the dense tensor onto global rank 0 from each rank's MP-local ``local()`` (collective over DP row
+        0's MP group; nothing elsewhere)."""
+        st = self.strategy
+
+        def fetch() -> Optional[Tensor]:
+            if not self.gathers():
+                return None
+            if dim is None:
+                return local().detach().cpu().clone() if st.mp_rank == 0 else None
+            return gather_to_first(local(), st.grid.mp_group, dim, blocks)
+
+        return fetch
+
+    def _gather_flat(self, bucket: Any, source: Tensor) -> Callable[[], Tensor]:
+        """All-gather a bucket's DP slices of ``source`` (its shard, or an optimizer state of it) into one flat
+        buffer: the MP-local values of all its parameters (collective over DP)."""
+        def gather() -> Tensor:
+            full = torch.empty(bucket.layout.total, dtype=source.dtype, device=source.device)
+            with torch.no_grad():
+                all_gather_flat(full, source.detach().contiguous(), bucket.group, async_op=False)
+            return full
+        return gather
 
     def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
-        """The optimizer's state (``default``: Lightning's), consolidated to dense shapes where :meth:`gathers`."""
-        optimizer = self._plain(optimizer, with_state=True)
-        state = default(optimizer)
-        if not self.gathers() or self.strategy.mp == 1:
-            return state
-        inner = compat.unwrap_optimizer(optimizer)
-        lm = self.strategy.lightning_module
-        return consolidate_optimizer_state(
-            state, optimizer_param_dims(inner, lm), self.strategy.grid.mp_group, optimizer_param_blocks(inner, lm)
-        )
+        """The optimizer's state (``default``: Lightning's) as without ZeRO, its tensors held tensors as in
+        :meth:`module_state_dict` (nothing gathered here)."""
+        st, engine = self.strategy, self._engine()
+        plain = self._plain(optimizer)
+        inner = compat.unwrap_optimizer(plain)
+        params = [p for g in inner.param_groups for p in g["params"]]
+        layout = dict(zip(map(id, params), zip(optimizer_param_dims(inner, st.lightning_module),
+                                               optimizer_param_blocks(inner, st.lightning_module))))
+        if plain is not optimizer:  # ZeRO: each parameter's state from its bucket's shard state
+            i = self._engine_index(optimizer)
+            for p in params:
+                if engine.locate(p) is None:
+                    continue  # frozen at zero<3: never stepped, no state (as without ZeRO)
+                bucket, _ = engine.locate(p)
+                inner.state[p] = {
+                    k: (self._held_tensor(p, engine, *layout[id(p)], st.grid, (i, k, v))
+                        if isinstance(v, Tensor) and v.shape == bucket.shard.shape
+                        else v.clone() if isinstance(v, Tensor) else v)
+                    for k, v in engine.optimizers[i].state.get(bucket.shard, {}).items()
+                }
+                if not inner.state[p]:
+                    del inner.state[p]  # never stepped: no state, as without ZeRO
+        state = default(plain)
+        if plain is optimizer and not self.distributed:  # consolidated: split state tensors gathered over MP
+            # (new per-parameter dicts: state_dict() hands out the optimizer's own)
+            state = {**state, "state": {idx: dict(per) for idx, per in state.get("state", {}).items()}}
+            for idx, per in state["state"].items():
+                p = params[idx]
+                dim, blocks = layout[id(p)]
+                for k, v in per.items():
+                    if isinstance(v, Tensor) and dim is not None and v.shape == p.shape:
+                        per[k] = self._held_tensor(p, None, dim, blocks, st.grid_or_none, (0, k, v))
+        return state
+
+    def _engine_index(self, optimizer: Any) -> int:
+        engine, inner = self._engine(), compat.unwrap_optimizer(optimizer)
+        return next(i for i, o in enumerate(engine.optimizers) if o is inner)
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` atomically: one file from rank 0, or a folder from all ranks (collective)."""
@@ -140,15 +236,24 @@ class StrategyCheckpointer:
                 raise TypeError("DPMPStrategy(save_distributed_checkpoint=True) does not take `storage_options`.")
             checkpoint["dpmp"]["format"] = "sharded"
             assert st.lightning_module is not None
-            optimizers = [self._plain(o, with_state=False) for o in st.optimizers]  # for the parameter names
-            save_sharded(checkpoint, path, st.lightning_module, optimizers, st.grid_or_none, st.root_device.type)
+            optimizers = [self._plain(o) for o in st.optimizers]  # for the parameter names
+            try:
+                save_sharded(checkpoint, path, st.lightning_module, optimizers, st.grid_or_none, st.root_device.type)
+            finally:
+                self._bucket_gathers.clear()
             return
-        if "://" in path or type(st.checkpoint_io) is not TorchCheckpointIO:
-            write = lambda: st.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)  # noqa: E731
-        else:
-            write = lambda: atomic_save(checkpoint, path)  # noqa: E731
-        # The others wait for rank 0 with a long timeout of their own, not at a barrier bound by `timeout`.
-        write_on_rank_zero(write, max(st.timeout, timedelta(hours=1)))
+        try:
+            if "://" in path or type(st.checkpoint_io) is not TorchCheckpointIO:
+                # another writer needs the whole checkpoint in memory: fetch every held tensor first
+                whole = resolve_held(checkpoint)
+                write = lambda: st.checkpoint_io.save_checkpoint(whole, path, storage_options=storage_options)  # noqa: E731
+                # The others wait for rank 0 with a long timeout of their own, not at a barrier bound by `timeout`.
+                write_on_rank_zero(write, max(st.timeout, timedelta(hours=1)))
+            else:
+                # every rank takes part in the fetches; rank 0 writes each dense tensor as it arrives
+                stream_save(checkpoint, path, write=st.is_global_zero)
+        finally:
+            self._bucket_gathers.clear()
 
     def load(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a consolidated file (``weights_only=True``, memory-mapped) or this rank's slices of a sharded folder."""
@@ -168,8 +273,14 @@ class StrategyCheckpointer:
         lm = st.lightning_module
         assert lm is not None
         if is_sharded_checkpoint(found):
-            optimizers = [self._plain(o, with_state=False) for o in st.optimizers]  # for the parameter names
-            return load_sharded(found, lm, optimizers, st.grid, lm.strict_loading, st.root_device.type)
+            optimizers = [self._plain(o) for o in st.optimizers]  # for the parameter names
+            engine = self._engine()
+            holdings = _ZeroHoldings(engine, [self._engine_index(o) if p is not o else None
+                                              for o, p in zip(st.optimizers, optimizers)]) if engine else None
+            loaded = load_sharded(found, lm, optimizers, st.grid, lm.strict_loading, st.root_device.type, holdings)
+            if engine is not None:
+                engine.refresh()  # ZeRO slices were read in place: gather again what is kept whole
+            return loaded
         if "://" in found or not os.path.exists(found):
             return st.checkpoint_io.load_checkpoint(found, weights_only=True)
         return load_checked(found, load_file)  # a truncated file: named, and said to be incomplete
@@ -179,27 +290,48 @@ class StrategyCheckpointer:
         Hugging Face folder: safetensors under its own names plus its config (collective over the world).
 
         Each split tensor is gathered onto global rank 0 over DP row 0's MP group, written, and freed before the
-        next one, so no rank ever holds more than its shards and one dense tensor; rank 0 writes, the others
-        return once the folder is complete.
+        next one; under ZeRO each bucket is gathered over DP once for its run of tensors (the masters, under mixed
+        precision), so no rank ever holds more than its shards, one unit and one dense tensor; rank 0 writes, the
+        others return once the folder is complete.
         """
         st = self.strategy
         grid = st.grid_or_none
         engine = self._engine()
-        gathered = engine.gathered() if engine is not None else contextlib.nullcontext()
-        with gathered:  # zero=3: the MP-local parameters exist only inside
-            state = module.state_dict(keep_vars=True)  # tied weights are one object: written once
-            dims, blocks = shard_dims(module), shard_blocks(module)  # empty unless split, hence a grid
-            mp_group = grid.mp_group if grid is not None else None
-            entries = state_entries(state, dense_shapes(module, mp_group))
+        state = module.state_dict(keep_vars=True)  # tied weights are one object: written once
+        dims, blocks = shard_dims(module), shard_blocks(module)  # empty unless split, hence a grid
+        mp_group = grid.mp_group if grid is not None else None
+        # a parameter the engine holds is written in its master dtype (its shard's), whatever it computes in
+        masters = {id(t): torch.empty(t.shape, dtype=found[0].shard.dtype, device="meta") for t in state.values()
+                   if isinstance(t, Tensor) and (found := engine.locate(t) if engine is not None else None)}
+        entries = state_entries({k: masters.get(id(t), t) for k, t in state.items()}, dense_shapes(module, mp_group))
+        current: list[Any] = [None, None]  # (bucket, Gathered) open now
 
-            def fetch(e: TensorEntry) -> Optional[Tensor]:
-                if e.name in dims:
-                    return gather_to_first(state[e.name], mp_group, dims[e.name], blocks.get(e.name, 1))
-                return state[e.name].detach() if st.is_global_zero else None
+        def local(t: Tensor) -> Tensor:
+            found = engine.locate(t) if engine is not None else None
+            if found is None or (found[0].gathered and not found[0].mixed and engine.level < 3):
+                return t.detach()  # held whole and current (zero=0/1/2)
+            bucket, index = found
+            if current[0] is not bucket:
+                if current[1] is not None:
+                    current[1].close()
+                current[:] = [bucket, Gathered(self._gather_flat(bucket, bucket.shard))]
+                current[1].open()
+            off = bucket.layout.offsets[index]
+            return current[1].full[off : off + t.numel()].view(t.shape)
 
-            summary = {"files": 0, "tensors": len(entries), "bytes": 0}
-            if grid is None or grid.dp_rank == 0:  # the MP group rank 0 gathers from
-                summary = write_streamed(out_dir, entries, fetch, max_shard_size, write=st.is_global_zero)
+        def fetch(e: TensorEntry) -> Optional[Tensor]:
+            t = local(state[e.name])
+            if grid is not None and grid.dp_rank != 0:
+                return None  # (DP row 0's MP group gathers; the other rows only take part in the bucket gathers)
+            if e.name in dims:
+                return gather_to_first(t, mp_group, dims[e.name], blocks.get(e.name, 1))
+            return t if st.is_global_zero else None  # (written, copied, before the next fetch)
+
+        try:
+            summary = write_streamed(out_dir, entries, fetch, max_shard_size, write=st.is_global_zero)
+        finally:
+            if current[1] is not None:
+                current[1].close()
         config, generation = getattr(module, "config", None), getattr(module, "generation_config", None)
         dtype = floating_dtype(p.dtype for p in module.parameters())
         finish = lambda: write_config(out_dir, config, dtype, [generation])  # noqa: E731
@@ -216,45 +348,127 @@ class StrategyCheckpointer:
                 self.strategy.checkpoint_io.remove_checkpoint(filepath)
 
     def load_module_state(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a dense (any layout) or local-layout state dict into the parallelised module."""
+        """Load a dense (any layout) or local-layout state dict into the parallelised module. Under ZeRO each
+        parameter's slices are copied into this rank's shards, one parameter at a time: nothing is gathered."""
         from lightning_dpmp.checkpoint.sharded import LOCAL_LAYOUT_KEY
 
         st = self.strategy
         lm = st.lightning_module
         assert lm is not None
-        state = checkpoint["state_dict"]
-        if st.grid_or_none is not None and not checkpoint.get(LOCAL_LAYOUT_KEY):
+        state, local = checkpoint["state_dict"], bool(checkpoint.get(LOCAL_LAYOUT_KEY))
+        dims, blocks = shard_dims(lm), shard_blocks(lm)
+        if st.grid_or_none is not None and not local:
             found = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)}
             check_state_matches(dense_shapes(lm, st.grid.mp_group), found, strict)  # names the first difference
-            if shard_dims(lm):
-                state = shard_state_dict(state, shard_dims(lm), st.grid.mp_group, shard_blocks(lm))
         engine = self._engine()
         if engine is None:
+            if st.grid_or_none is not None and not local and dims:
+                state = shard_state_dict(state, dims, st.grid.mp_group, blocks)
             lm.load_state_dict(state, strict=strict)
             return
-        with engine.gathered(write_back=True):  # zero=2/3: into the parameters, then into the DP shards
-            lm.load_state_dict(state, strict=strict)
+        params = lm.state_dict(keep_vars=True)
+        rest: dict[str, Any] = {}
+        with torch.no_grad():
+            for key, v in state.items():
+                t = params.get(key)
+                pieces = engine.param_pieces(t) if isinstance(t, Tensor) and isinstance(v, Tensor) else None
+                if pieces is None:
+                    rest[key] = v
+                elif held_of(v) is None:  # (a held one was read into the slices already: a sharded folder)
+                    _copy_pieces(self._local(v, None if local else dims.get(key), blocks.get(key, 1)), pieces)
+        if not local and dims:
+            rest = shard_state_dict(rest, dims, st.grid.mp_group, blocks)
+        lm.load_state_dict(rest, strict=False)  # (strictness was checked against the whole state above)
+        engine.refresh()  # the shards changed: gather again what is kept whole
+
+    def _local(self, dense: Tensor, dim: Optional[int], blocks: Any) -> Tensor:
+        """This rank's MP slice of a dense checkpoint tensor (``dim`` ``None``: the tensor itself)."""
+        st = self.strategy
+        return dense if dim is None or st.mp == 1 else shard_tensor(dense, dim, st.mp, st.mp_rank, blocks)
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the optimizer states (sharded to this rank's slices), then the RNG streams."""
         from lightning_dpmp.checkpoint.sharded import LOCAL_LAYOUT_KEY
 
         st = self.strategy
+        local = bool(checkpoint.get(LOCAL_LAYOUT_KEY))
         for original, state in zip(st.optimizers, checkpoint["optimizer_states"]):
-            optimizer = self._plain(original, with_state=False)  # zero=2/3: loaded as without ZeRO, then sharded
-            if st.grid_or_none is not None and st.mp > 1 and not checkpoint.get(LOCAL_LAYOUT_KEY):
+            optimizer = self._plain(original)
+            if optimizer is not original:
+                self._load_zero_optimizer(original, optimizer, state, local)
+                continue
+            if st.grid_or_none is not None and st.mp > 1 and not local:
                 lm = st.lightning_module
                 state = shard_optimizer_state(
                     state, optimizer_param_dims(optimizer, lm), st.grid.mp_group, optimizer_param_blocks(optimizer, lm)
                 )
             optimizer.load_state_dict(state)
             compat.optimizer_to_device(optimizer, st.root_device)
-            if optimizer is not original:
-                engine = self._engine()
-                engine.load_plain(next(i for i, o in enumerate(engine.optimizers) if o is compat.unwrap_optimizer(
-                    original)), optimizer)
         # Called last before the fit loop runs: the RNG streams continue where the saving run left them.
         restore_rng_from(checkpoint, st.dp, st.mp, st.global_rank, st.root_device)
         tracker = checkpoint.get(_TRACKER_KEY)
         if st.rng_tracker is not None and tracker is not None and len(tracker) == st.mp:
             st.rng_tracker.load_state_dict({"sharded_state": tracker[st.mp_rank]})  # else: fresh streams for a new mp
+
+    def _load_zero_optimizer(self, original: Any, plain: Optimizer, state: Mapping[str, Any], local: bool) -> None:
+        """A ZeRO optimizer's state from a checkpoint as without ZeRO: hyper-parameters per group, and each
+        parameter's element-wise state copied into this rank's slices one tensor at a time (those a sharded
+        folder read in place already are left), scalars (``step``) once per bucket."""
+        st, engine = self.strategy, self._engine()
+        i = self._engine_index(original)
+        sharded = engine.optimizers[i]
+        groups = state["param_groups"]
+        if len(groups) != len(sharded.param_groups):
+            raise ValueError(f"loaded state dict has {len(groups)} parameter groups; the optimizer has "
+                             f"{len(sharded.param_groups)}")
+        for g, saved in zip(sharded.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        params = [p for g in plain.param_groups for p in g["params"]]
+        dims = optimizer_param_dims(plain, st.lightning_module)
+        blocks = optimizer_param_blocks(plain, st.lightning_module)
+        if not any(held_of(v) is not None for per in state["state"].values() for v in per.values()):
+            sharded.state.clear()  # (else a sharded folder's slices were read into a cleared state already)
+        with torch.no_grad():
+            for idx, per in state["state"].items():
+                p = params[idx]
+                bucket, _ = engine.locate(p)
+                dim = None if local else dims[idx]
+                for k, v in per.items():
+                    if held_of(v) is not None:
+                        continue
+                    dense_p = tuple(p.shape) if dim is None else tuple(dense_meta(p, dim, st.grid.mp_group,
+                                                                                 blocks[idx]).shape)
+                    if isinstance(v, Tensor) and tuple(v.shape) == dense_p and v.dim():
+                        _copy_pieces(self._local(v, dim, blocks[idx]), engine.state_pieces(i, p, k, v.dtype))
+                    else:  # a scalar: one per bucket, as the shard steps once
+                        sharded.state[bucket.shard].setdefault(k, v.clone() if isinstance(v, Tensor) else v)
+
+
+class _ZeroHoldings:
+    """What a sharded folder reads in place under ZeRO (:class:`lightning_dpmp.checkpoint.sharded.Holdings`): the
+    engine's slices of each parameter, and of each optimizer's element-wise state (that optimizer's old state
+    cleared before its first slice is allocated). ``engine_index[i]``: the engine's index of optimizer ``i``, or
+    ``None`` for one it does not shard."""
+
+    def __init__(self, engine: Any, engine_index: list[Optional[int]]) -> None:
+        self.engine, self.engine_index = engine, engine_index
+        self.cleared: set[int] = set()
+
+    def param_pieces(self, param: Tensor) -> Any:
+        return self.engine.param_pieces(param)
+
+    def state_pieces(self, optimizer: int, param: Tensor, key: str, dtype: torch.dtype) -> Any:
+        j = self.engine_index[optimizer] if optimizer < len(self.engine_index) else None
+        if j is None:
+            return None
+        if j not in self.cleared:
+            self.cleared.add(j)
+            self.engine.optimizers[j].state.clear()
+        return self.engine.state_pieces(j, param, key, dtype)
+
+
+def _copy_pieces(local: Tensor, pieces: Any) -> None:
+    """Copy the flat ranges ``pieces`` hold out of ``local`` (an MP-local tensor; one copy of it at most)."""
+    flat = local.reshape(-1)
+    for lo, hi, data in pieces:
+        data.copy_(flat[lo:hi])

@@ -197,6 +197,7 @@ class ZeroEngine:
                                     for j in range(len(opt.param_groups))])
             for i, opt in enumerate(optimizers)
         ]
+        self._where: Optional[dict[int, tuple[Bucket, int]]] = None  # parameter id -> (bucket, index), built once
         self._handles: list[Any] = []
         for b in self.buckets:
             if b.trainable:
@@ -406,9 +407,9 @@ class ZeroEngine:
         gather_buckets(works, self.group, async_op=False)  # every bucket in one collective
 
     @contextmanager
-    def gathered(self, write_back: bool = False) -> Iterator[None]:
-        """The module's parameters whole for the duration (zero=3 gathers and frees again); ``write_back`` copies
-        what was written into them back into the shards (a checkpoint load)."""
+    def gathered(self) -> Iterator[None]:
+        """The module's parameters whole, with their master values, for the duration (zero=3 gathers and frees
+        again; under mixed precision a master-dtype buffer stands in for the compute one)."""
         was = [b.gathered for b in self.buckets]
         plain = [b for b in self.buckets if not b.mixed]
         gather_buckets(plain, self.group, async_op=False)
@@ -420,13 +421,56 @@ class ZeroEngine:
         finally:
             for b in self.buckets:
                 if b.mixed:
-                    b.use_compute(write_back)
-                elif write_back:
-                    b.params_to_shard()
+                    b.use_compute()
             if self.level == 3:
                 for b, w in zip(self.buckets, was):
                     if not w and not b.mixed:
                         b.free()
+
+    # ------------------------------------------------------------------ what this rank holds (checkpoints)
+    def locate(self, param: Tensor) -> Optional[tuple[Bucket, int]]:
+        """The bucket holding ``param`` (a module parameter) and its index there, or ``None``."""
+        if self._where is None:
+            self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        return self._where.get(id(param))
+
+    def param_pieces(self, param: Tensor) -> Optional[list[tuple[int, int, Tensor]]]:
+        """This rank's slices of ``param``: ``(lo, hi, view)`` with ``view`` the part of the DP shard holding
+        elements ``[lo, hi)`` of the flattened (MP-local) parameter; ``None`` if no bucket holds it. Written into,
+        they change the shard (a checkpoint load; :meth:`refresh` then regathers what is kept whole)."""
+        found = self.locate(param)
+        if found is None:
+            return None
+        b, i = found
+        shard = b.shard.detach()
+        return [(lo, hi, shard[at : at + hi - lo]) for j, lo, hi, at in b.layout.pieces(b.rank) if j == i]
+
+    def state_pieces(self, optimizer: int, param: Tensor, key: str, dtype: Optional[torch.dtype] = None
+                     ) -> Optional[list[tuple[int, int, Tensor]]]:
+        """As :meth:`param_pieces`, for the element-wise optimizer state ``key`` (an AdamW moment) of ``param`` in
+        optimizer ``optimizer``; ``dtype`` given: allocated as zeros if absent (a load), in the master dtype for a
+        floating ``dtype`` (as ``Optimizer.load_state_dict`` casts). ``None`` if absent, or not held in slices."""
+        found = self.locate(param)
+        if found is None or found[0].opt_key is None or found[0].opt_key[0] != optimizer:
+            return None
+        b, i = found
+        states = self.optimizers[optimizer].state
+        flat = states.get(b.shard, {}).get(key)  # (.get: the state is a defaultdict; a save must not add entries)
+        if flat is None:
+            if dtype is None:
+                return None
+            dtype = b.shard.dtype if dtype.is_floating_point else dtype
+            flat = torch.zeros(b.layout.shard, dtype=dtype, device=b.shard.device)
+            states.setdefault(b.shard, {})[key] = flat
+        return [(lo, hi, flat[at : at + hi - lo]) for j, lo, hi, at in b.layout.pieces(b.rank) if j == i]
+
+    def refresh(self) -> None:
+        """After the shards were written (a checkpoint load): gather them again where the parameters are kept
+        gathered (zero=1/2, or a zero=3 unit gathered now), all in one collective over DP."""
+        stale = [b for b in self.buckets if b.gathered and (b.trainable or self.level == 3)]
+        for b in stale:
+            b.gathered = False
+        gather_buckets(stale, self.group, async_op=False)
 
     # ------------------------------------------------------------------ optimizer state as without ZeRO
     def plain_optimizer(self, i: int, with_state: bool = True) -> Optimizer:
@@ -442,19 +486,6 @@ class ZeroEngine:
                     for p, st in zip(b.params, b.export_state(sharded.state[b.shard])):
                         plain.state[p] = st
         return plain
-
-    def load_plain(self, i: int, plain: Optimizer) -> None:
-        """Take hyper-parameters and per-parameter state from ``plain`` (see :meth:`plain_optimizer`) into the
-        shards' optimizer ``i``: this rank's slices (no communication)."""
-        sharded = self.optimizers[i]
-        for g, pg in zip(sharded.param_groups, plain.param_groups):
-            g.update({k: v for k, v in pg.items() if k != "params"})
-        sharded.state.clear()
-        for b in self.buckets:
-            if b.opt_key is not None and b.opt_key[0] == i:
-                st = b.import_state([plain.state.get(p) for p in b.params])
-                if st:
-                    sharded.state[b.shard] = st
 
     def release(self) -> list[Optimizer]:
         """Undo the sharding: parameters whole with storage of their own, hooks removed; returns the plain
@@ -473,6 +504,7 @@ class ZeroEngine:
                     p.data = p.data.clone()
         self.buckets = []
         self.by_unit, self._trainable_by_unit = {}, {}
+        self._where = None
         return plains
 
     def shard_params(self, kind: Optional[str] = None) -> list[nn.Parameter]:

@@ -207,20 +207,12 @@ class Bucket:
         for p, off in zip(self.params, self.layout.offsets):
             p.data = self._master[off : off + p.numel()].view(p.shape)
 
-    def use_compute(self, write_back: bool) -> None:
-        """Undo :meth:`use_master`; ``write_back``: what was written into the parameters goes into the shard first
-        (a checkpoint load), and the compute buffer is gathered again from it when it is next needed."""
+    def use_compute(self) -> None:
+        """Undo :meth:`use_master`."""
         assert self._master is not None
-        lo, hi = self.layout.owned(self.rank)
-        if write_back:
-            with torch.no_grad():
-                self.shard.copy_(self._master[lo:hi])
         for p, view in zip(self.params, self._views):
             p.data = view
         self._master = None
-        if write_back and self.gathered:
-            self.gathered = False
-            self.gather()
 
     def free(self) -> None:
         """Release the full buffer's storage (ZeRO-3): the module's parameters become empty views until gathered."""
@@ -229,12 +221,6 @@ class Bucket:
         self.wait_gather()
         self.full.untyped_storage().resize_(0)
         self.gathered = False
-
-    def params_to_shard(self) -> None:
-        """Copy this rank's slice of the full buffer into the shard (after parameters were written, e.g. loaded)."""
-        lo, hi = self.layout.owned(self.rank)
-        with torch.no_grad():
-            self.shard.copy_(self.full[lo:hi])
 
     # ---------------------------------------------------------------- gradients
     def launch_reduce_scatter(self) -> None:
@@ -292,23 +278,6 @@ class Bucket:
                 for d in per:
                     d[key] = value.clone() if isinstance(value, Tensor) else value
         return per
-
-    def import_state(self, per: list[Optional[dict[str, Any]]]) -> dict[str, Any]:
-        """The shard's optimizer state from per-parameter states (no communication): this rank's slices."""
-        known = [d for d in per if d]
-        if not known:
-            return {}
-        out: dict[str, Any] = {}
-        for key, value in known[0].items():
-            if isinstance(value, Tensor) and value.shape == self.params[per.index(known[0])].shape:
-                flat = torch.zeros(self.layout.shard, dtype=value.dtype, device=self.shard.device)
-                for i, a, b, s in self.layout.pieces(self.rank):
-                    if per[i] and key in per[i]:  # type: ignore[operator]
-                        flat[s : s + b - a].copy_(per[i][key].reshape(-1)[a:b])  # type: ignore[index]
-                out[key] = flat
-            else:
-                out[key] = value.clone() if isinstance(value, Tensor) else value
-        return out
 
 
 # ------------------------------------------------------------------------------------------ several buckets at once

@@ -395,3 +395,53 @@ def test_fabric_backward_sync_control_is_what_no_backward_sync_uses() -> None:
 
     assert "self.strategy._configure_launcher()" in _source(_Connector._lazy_init_strategy), (
         "Fabric no longer configures the launcher at construction: FabricDPMPStrategy's early grid check moves")
+
+
+def test_streamed_checkpoint_internals_write_what_torch_load_reads(tmp_path) -> None:
+    """zip_file_writer, storage_alignment, typed_storage, storage_record and tensor_rebuild_call: the pieces a
+    streamed consolidated save (lightning_dpmp.checkpoint.streamed) writes torch.save's archive with."""
+    import io
+    import pickle
+    import sys
+
+    t = torch.arange(6, dtype=torch.float64).view(2, 3)
+    storage = compat.typed_storage(t.untyped_storage(), t.dtype)
+    record = compat.storage_record(storage)
+    assert record is not None and record[2] == 6 and record[1] is torch.DoubleStorage
+    assert compat.storage_record(object()) is None
+    fn, args = compat.tensor_rebuild_call(storage, (2, 3), (3, 1))
+
+    class P(pickle.Pickler):
+        def persistent_id(self, x):
+            r = compat.storage_record(x)
+            return None if r is None else ("storage", r[1], "0", "cpu", r[2])
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump({"w": fn(*args)})
+    writer = compat.zip_file_writer(str(tmp_path / "x.pt"))
+    writer.write_record("data/0", t.untyped_storage(), t.nbytes)
+    writer.write_record("data.pkl", buf.getvalue(), len(buf.getvalue()))
+    alignment = str(compat.storage_alignment())
+    writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    writer.write_end_of_file()
+    del writer
+    assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True, mmap=True)["w"], t)
+
+
+def test_dcp_chunk_protocol_classes_and_wrapper_tensor() -> None:
+    """dcp_chunk_protocol's classes build a WriteItem; wrapper_tensor makes a storage-less tensor of a shape."""
+    WriteItem, WriteItemType, TensorWriteData, Chunk, TensorProperties, MetadataIndex = compat.dcp_chunk_protocol()
+    item = WriteItem(index=MetadataIndex("w", torch.Size([0, 2])), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=Chunk(offsets=torch.Size([0, 2]), sizes=torch.Size([1, 2])),
+                                                 properties=TensorProperties(dtype=torch.float32),
+                                                 size=torch.Size([2, 4])))
+    assert item.tensor_data.size == torch.Size([2, 4])
+
+    class Shape(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError
+
+    w = compat.wrapper_tensor(Shape, (2, 4), torch.float16, torch.device("cpu"))
+    assert isinstance(w, Shape) and w.shape == (2, 4) and w.dtype == torch.float16

@@ -1,0 +1,146 @@
+"""Checkpoint memory at zero=3 (issue 22 item 3), for tests/distributed/test_checkpoint_memory.py.
+
+Usage: python tests/distributed/checkpoint_memory_worker.py OUT_DIR    (4 processes: dp=2 x mp=2, zero=3)
+
+Trains a 16-layer GPT (width 256, float64; 12.6 M parameters, AdamW) for 2 steps, then in ``on_train_end``, while
+every rank holds only its shards, saves a consolidated file and a sharded folder and loads each back
+(``load_checkpoint`` + ``load_model_state_dict`` + ``load_optimizer_state_dict``). Around each, the kernel's peak
+RSS mark (``VmHWM``) is reset (``/proc/self/clear_refs``), so ``peak - before`` is the most the call held at
+once (with glibc's mmap threshold fixed, so that RSS follows live memory: see the end of this file). Each rank
+writes ``rank<r>.json``: those deltas, the bytes it holds (parameter and optimizer-state shards),
+its largest bucket (one unit's MP-local copy of one flat tensor), its largest dense tensor, what gathering the
+model and optimizer state whole would take, and whether each load gave back exactly the shards it saved.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import threading
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from examples.models.gpt import GPT  # noqa: E402
+from lightning_dpmp import DPMPStrategy  # noqa: E402
+from tests.support.models import LMModule, make_lm_dataset  # noqa: E402
+
+DP, MP, VOCAB, SEQ = 2, 2, 512, 16
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def peak_during(fn) -> tuple[int, int]:
+    """``(peak RSS, peak anonymous RSS)`` above their values at the start that ``fn()`` reached: the kernel's
+    high-water mark (reset first), and the anonymous part sampled every millisecond (a memory-mapped checkpoint's
+    pages are file-backed: they count in RSS while mapped, yet the kernel can drop them at any time)."""
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    before, anon0 = _status("VmRSS"), _status("RssAnon")
+    top, done = [anon0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.001):
+            top[0] = max(top[0], _status("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    peak = _status("VmHWM") - before
+    dist.barrier()
+    return peak, max(top[0], _status("RssAnon")) - anon0
+
+
+def shards(engine) -> list[torch.Tensor]:
+    """Copies of everything this rank holds: parameter shards and optimizer-state shards, in a fixed order."""
+    out = [b.shard.detach().clone() for b in engine.buckets]
+    for opt in engine.optimizers:
+        for b in engine.buckets:
+            for _, v in sorted(opt.state.get(b.shard, {}).items()):
+                out.append(v.detach().clone())
+    return out
+
+
+class Measure(L.Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.res: dict = {}
+
+    def on_train_end(self, trainer, pl_module):
+        st = trainer.strategy
+        engine = st.zero_engine
+        elem = 8
+        states = sum(v.numel() * v.element_size() for o in engine.optimizers for s in o.state.values()
+                     for v in s.values() if torch.is_tensor(v) and v.dim())
+        held = sum(b.shard.numel() * elem for b in engine.buckets) + states
+        n_states = 2  # AdamW: exp_avg, exp_avg_sq
+        self.res.update(
+            held=held,
+            unit=max(b.layout.total for b in engine.buckets) * elem,
+            dense_max=max(p.numel() for p in pl_module.parameters()) * elem * MP,
+            whole=sum(b.layout.total for b in engine.buckets) * elem * (1 + n_states),
+        )
+        saved = shards(engine)
+        for fmt, sharded in (("consolidated", False), ("sharded", True)):
+            path = os.path.join(self.out, f"{fmt}.ckpt")
+            st.checkpointer.distributed = sharded
+            self.res[f"save_{fmt}"] = peak_during(lambda path=path: trainer.save_checkpoint(path))
+
+            def load(path=path):
+                ckpt = st.load_checkpoint(path)
+                st.load_model_state_dict(ckpt)
+                st.load_optimizer_state_dict(ckpt)
+
+            with torch.no_grad():  # something else in the shards first: the load must overwrite all of it
+                for p in pl_module.parameters():
+                    for _, _, view in engine.param_pieces(p) or []:
+                        view.add_(1.0)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        for _, _, view in engine.state_pieces(0, p, key) or []:
+                            view.add_(1.0)
+            self.res[f"load_{fmt}"] = peak_during(load)
+            self.res[f"roundtrip_{fmt}"] = all(torch.equal(a, b) for a, b in zip(saved, shards(engine)))
+        st.checkpointer.distributed = False
+
+
+def main(out: str) -> dict:
+    L.seed_everything(0, workers=True)
+    net = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=16, n_head=8, n_embd=256, dropout=0.0, tie_embeddings=True)
+    measure = Measure(out)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=DP * MP, precision="64-true", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[measure],
+        strategy=DPMPStrategy(dp=DP, mp=MP, zero=3, timeout=timedelta(minutes=3)),
+    )
+    trainer.fit(LMModule(net), DataLoader(make_lm_dataset(n=16, vocab=VOCAB, seq=SEQ), batch_size=4 // DP))
+    return measure.res
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    # RSS as live memory: glibc raises its mmap threshold to the size of each large block freed, after which such
+    # blocks come from the heap and stay in the process when freed (malloc_trim hands them back). A fixed threshold
+    # returns every block of 128 KiB or more to the kernel when it is freed (M_MMAP_THRESHOLD is -3).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 17)
+    out = sys.argv[1]
+    results = main(out)
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(results, f, indent=1)
