@@ -366,7 +366,7 @@ def _shard_dp_with_fsdp2() -> None:
     import lightning_dpmp.integration.parallelize as pipeline
     from lightning_dpmp.parallel.zero_engine import find_units
 
-    def shard_dp(strategy: Any, split: Any, zero: int) -> None:
+    def shard_dp(strategy: Any, split: Any, zero: int, mixed_precision: Any = None) -> None:
         module, mesh = strategy.lightning_module, strategy.device_mesh["dp"]
         for _, unit in find_units(module):
             fully_shard(unit, mesh=mesh, reshard_after_forward=zero == 3)

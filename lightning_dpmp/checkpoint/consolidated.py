@@ -46,6 +46,7 @@ __all__ = [
     "consolidate_optimizer",
     "consolidate_optimizer_state",
     "dense_shapes",
+    "element_wise_keys",
     "gather_state_dict",
     "optimizer_param_blocks",
     "optimizer_param_dims",
@@ -90,6 +91,18 @@ def optimizer_param_blocks(optimizer: Optimizer, module: Any) -> list[Blocks]:
     blocks = shard_blocks(module)
     by_id = {id(p): blocks.get(name, 1) for name, p in module.named_parameters()}
     return [by_id.get(id(p), 1) for group in optimizer.param_groups for p in group["params"]]
+
+
+def element_wise_keys(shaped: Mapping[int, set[str]], ndims: list[int]) -> set[str]:
+    """The optimizer state keys that are element-wise (AdamW's moments, not its ``step``): those shaped like their
+    parameter (``shaped``: per parameter index, the keys whose tensor has its shape) for some parameter with at
+    least one dimension. A 0-d parameter's scalar state is shaped like it either way; this tells them apart.
+
+    Example:
+        >>> sorted(element_wise_keys({0: {"exp_avg"}, 1: {"exp_avg", "step"}}, [2, 0]))
+        ['exp_avg']
+    """
+    return {k for idx, keys in shaped.items() if ndims[idx] > 0 for k in keys}
 
 
 def optimizer_param_names(optimizer: Optimizer, module: nn.Module) -> list[str]:

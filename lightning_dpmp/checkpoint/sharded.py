@@ -54,6 +54,7 @@ from lightning_dpmp.checkpoint.consolidated import (
     CheckpointMismatchError,
     check_state_matches,
     dense_shapes,
+    element_wise_keys,
     optimizer_param_blocks,
     optimizer_param_dims,
     optimizer_param_names,
@@ -313,8 +314,7 @@ class _Reads:
 
 # ---------------------------------------------------------------------------------------------- save
 def save_sharded(
-    checkpoint: dict[str, Any], path: str, module: nn.Module, optimizers: Sequence[Any], grid: Optional[Grid],
-    device_type: str = "cpu",
+    checkpoint: dict[str, Any], path: str, module: nn.Module, optimizers: Sequence[Any], grid: Optional[Grid]
 ) -> None:
     """Write ``checkpoint`` (model/optimizer tensors as this rank's shards) as a folder at ``path``, atomically.
 
@@ -331,7 +331,7 @@ def save_sharded(
         info = held_of(value)  # ZeRO: this rank's flat slices; else the tensor, whole
         shape = tuple(info.local_shape or value.shape) if info is not None else tuple(value.shape)
         pieces = info.pieces if info is not None else _whole(value)
-        device = pieces[0][2].device if pieces else torch.device(device_type if device_type != "meta" else "cpu")
+        device = pieces[0][2].device if pieces else torch.device("cpu")  # (no pieces: nothing to write here)
         if dim is not None and b != 1 and mp > 1:
             fused[key] = (b if isinstance(b, int) else list(b), dim)
         flat.update(_chunk_map(key, shape, value.dtype, pieces, dim if mp > 1 else None, b, mp, rank, device))
@@ -400,7 +400,7 @@ class Holdings(Protocol):
 
 
 def load_sharded(
-    path: str, module: nn.Module, optimizers: Sequence[Any], grid: Grid, strict: bool = True, device_type: str = "cpu",
+    path: str, module: nn.Module, optimizers: Sequence[Any], grid: Grid, strict: bool = True,
     holdings: Optional[Holdings] = None,
 ) -> dict[str, Any]:
     """Read this rank's slices of a sharded folder for the module's current layout (collective over the world).
@@ -450,6 +450,10 @@ def load_sharded(
                 f"Checkpoint does not match optimizer {i}: its parameter #{at} is {pairs[at][1]!r} in the checkpoint"
                 f" but {pairs[at][0]!r} in the model."
             )
+        shaped = {idx: {key for key, is_tensor, _ in entries if is_tensor and shapes[f"optim{i}/{names[idx]}/{key}"]
+                        == dense_param_shape(params[idx], pdims[idx], grid, pblocks[idx])}
+                  for idx, entries in oinfo["layout"].items()}
+        element_wise = element_wise_keys(shaped, [p.dim() for p in params])
         state: dict[int, dict[str, Any]] = {}
         for idx, entries in oinfo["layout"].items():
             state[idx] = {}
@@ -460,12 +464,12 @@ def load_sharded(
                     continue
                 name = f"optim{i}/{names[idx]}/{key}"
                 size = shapes[name]
-                dense_p = dense_param_shape(p, pdims[idx], grid, pblocks[idx])
-                split = pdims[idx] is not None and size == dense_p
+                split = pdims[idx] is not None and key in shaped[idx]
                 dtype = saved[name if name in saved else _block_key(name, 0)].properties.dtype
                 shape = tuple(p.shape) if split else tuple(size)
-                element_wise = size == dense_p  # shaped like the parameter: held as the parameter is
-                pieces = holdings.state_pieces(i, p, key, dtype) if holdings is not None and element_wise else None
+                # shaped like the parameter (AdamW's moments, not its step): held as the parameter is
+                held_so = key in shaped[idx] and (p.dim() > 0 or key in element_wise)
+                pieces = holdings.state_pieces(i, p, key, dtype) if holdings is not None and held_so else None
                 state[idx][key] = read(name, p, shape, dtype, pieces, pdims[idx] if split else None,
                                        pblocks[idx] if split else 1)
         opt_states.append({"state": state, "param_groups": oinfo["param_groups"]})

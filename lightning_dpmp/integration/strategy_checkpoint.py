@@ -37,6 +37,7 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import (
     check_state_matches,
     dense_shapes,
+    element_wise_keys,
     optimizer_param_blocks,
     optimizer_param_dims,
     shard_optimizer_state,
@@ -148,6 +149,7 @@ class StrategyCheckpointer:
         gathered = self._bucket_gathers.get((id(bucket), id(source)))
         if gathered is None:
             gathered = self._bucket_gathers[(id(bucket), id(source))] = Gathered(self._gather_flat(bucket, source))
+
         def local() -> Tensor:  # (valid while the bucket is open: between Gathered.open and close)
             assert gathered.full is not None
             return gathered.full[off : off + n].view(shape)
@@ -238,7 +240,7 @@ class StrategyCheckpointer:
             assert st.lightning_module is not None
             optimizers = [self._plain(o) for o in st.optimizers]  # for the parameter names
             try:
-                save_sharded(checkpoint, path, st.lightning_module, optimizers, st.grid_or_none, st.root_device.type)
+                save_sharded(checkpoint, path, st.lightning_module, optimizers, st.grid_or_none)
             finally:
                 self._bucket_gathers.clear()
             return
@@ -277,7 +279,7 @@ class StrategyCheckpointer:
             engine = self._engine()
             holdings = _ZeroHoldings(engine, [self._engine_index(o) if p is not o else None
                                               for o, p in zip(st.optimizers, optimizers)]) if engine else None
-            loaded = load_sharded(found, lm, optimizers, st.grid, lm.strict_loading, st.root_device.type, holdings)
+            loaded = load_sharded(found, lm, optimizers, st.grid, lm.strict_loading, holdings)
             if engine is not None:
                 engine.refresh()  # ZeRO slices were read in place: gather again what is kept whole
             return loaded
@@ -428,19 +430,26 @@ class StrategyCheckpointer:
         blocks = optimizer_param_blocks(plain, st.lightning_module)
         if not any(held_of(v) is not None for per in state["state"].values() for v in per.values()):
             sharded.state.clear()  # (else a sharded folder's slices were read into a cleared state already)
+
+        def dense(idx: int) -> tuple[int, ...]:
+            dim = None if local else dims[idx]
+            p = params[idx]
+            return tuple(p.shape) if dim is None else tuple(dense_meta(p, dim, st.grid.mp_group, blocks[idx]).shape)
+
+        shaped = {idx: {k for k, v in per.items() if isinstance(v, Tensor) and tuple(v.shape) == dense(idx)}
+                  for idx, per in state["state"].items()}
+        element_wise = element_wise_keys(shaped, [p.dim() for p in params])
         with torch.no_grad():
             for idx, per in state["state"].items():
                 p = params[idx]
                 bucket, _ = engine.locate(p)
-                dim = None if local else dims[idx]
                 for k, v in per.items():
                     if held_of(v) is not None:
                         continue
-                    dense_p = tuple(p.shape) if dim is None else tuple(dense_meta(p, dim, st.grid.mp_group,
-                                                                                 blocks[idx]).shape)
-                    if isinstance(v, Tensor) and tuple(v.shape) == dense_p and v.dim():
+                    if k in shaped[idx] and (p.dim() > 0 or k in element_wise):
+                        dim = None if local else dims[idx]
                         _copy_pieces(self._local(v, dim, blocks[idx]), engine.state_pieces(i, p, k, v.dtype))
-                    else:  # a scalar: one per bucket, as the shard steps once
+                    else:  # a scalar (AdamW's step): one per bucket, as the shard steps once
                         sharded.state[bucket.shard].setdefault(k, v.clone() if isinstance(v, Tensor) else v)
 
 

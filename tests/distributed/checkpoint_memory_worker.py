@@ -2,7 +2,7 @@
 
 Usage: python tests/distributed/checkpoint_memory_worker.py OUT_DIR    (4 processes: dp=2 x mp=2, zero=3)
 
-Trains a 16-layer GPT (width 256, float64; 12.6 M parameters, AdamW) for 2 steps, then in ``on_train_end``, while
+Trains a 16-layer GPT (width 256, float64; 12.6 M parameters, AdamW; with a 0-d logit scale) for 2 steps, then in ``on_train_end``, while
 every rank holds only its shards, saves a consolidated file and a sharded folder and loads each back
 (``load_checkpoint`` + ``load_model_state_dict`` + ``load_optimizer_state_dict``). Around each, the kernel's peak
 RSS mark (``VmHWM``) is reset (``/proc/self/clear_refs``), so ``peak - before`` is the most the call held at
@@ -121,6 +121,18 @@ class Measure(L.Callback):
         st.checkpointer.distributed = False
 
 
+class ScaledLM(LMModule):
+    """The GPT with a learnable 0-d logit scale: its AdamW moments are 0-d like its ``step``, which the checkpoint
+    must still tell apart (moments into the flat shards, the step once per bucket)."""
+
+    def __init__(self, net) -> None:
+        super().__init__(net)
+        self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net(ids) * self.scale
+
+
 def main(out: str) -> dict:
     L.seed_everything(0, workers=True)
     net = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=16, n_head=8, n_embd=256, dropout=0.0, tie_embeddings=True)
@@ -130,7 +142,7 @@ def main(out: str) -> dict:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[measure],
         strategy=DPMPStrategy(dp=DP, mp=MP, zero=3, timeout=timedelta(minutes=3)),
     )
-    trainer.fit(LMModule(net), DataLoader(make_lm_dataset(n=16, vocab=VOCAB, seq=SEQ), batch_size=4 // DP))
+    trainer.fit(ScaledLM(net), DataLoader(make_lm_dataset(n=16, vocab=VOCAB, seq=SEQ), batch_size=4 // DP))
     return measure.res
 
 
