@@ -277,8 +277,8 @@ class StrategyCheckpointer:
         if is_sharded_checkpoint(found):
             optimizers = [self._plain(o) for o in st.optimizers]  # for the parameter names
             engine = self._engine()
-            holdings = _ZeroHoldings(engine, [self._engine_index(o) if p is not o else None
-                                              for o, p in zip(st.optimizers, optimizers)]) if engine else None
+            holdings = None if engine is None else _ZeroHoldings(
+                engine, [self._engine_index(o) if p is not o else None for o, p in zip(st.optimizers, optimizers)])
             loaded = load_sharded(found, lm, optimizers, st.grid, lm.strict_loading, holdings)
             if engine is not None:
                 engine.refresh()  # ZeRO slices were read in place: gather again what is kept whole
@@ -370,6 +370,7 @@ class StrategyCheckpointer:
             return
         params = lm.state_dict(keep_vars=True)
         rest: dict[str, Any] = {}
+        wrote = False
         with torch.no_grad():
             for key, v in state.items():
                 t = params.get(key)
@@ -378,10 +379,12 @@ class StrategyCheckpointer:
                     rest[key] = v
                 elif held_of(v) is None:  # (a held one was read into the slices already: a sharded folder)
                     _copy_pieces(self._local(v, None if local else dims.get(key), blocks.get(key, 1)), pieces)
+                    wrote = True
         if not local and dims:
             rest = shard_state_dict(rest, dims, st.grid.mp_group, blocks)
         lm.load_state_dict(rest, strict=False)  # (strictness was checked against the whole state above)
-        engine.refresh()  # the shards changed: gather again what is kept whole
+        if wrote:  # (every rank alike: the same checkpoint keys) the shards changed: gather what is kept whole
+            engine.refresh()
 
     def _local(self, dense: Tensor, dim: Optional[int], blocks: Any) -> Tensor:
         """This rank's MP slice of a dense checkpoint tensor (``dim`` ``None``: the tensor itself)."""

@@ -467,7 +467,7 @@ class ZeroEngine:
     def refresh(self) -> None:
         """After the shards were written (a checkpoint load): gather them again where the parameters are kept
         gathered (zero=1/2, or a zero=3 unit gathered now), all in one collective over DP."""
-        stale = [b for b in self.buckets if b.gathered and (b.trainable or self.level == 3)]
+        stale = [b for b in self.buckets if b.gathered]
         for b in stale:
             b.gathered = False
         gather_buckets(stale, self.group, async_op=False)
