@@ -2,14 +2,15 @@
 
 Usage: python tests/distributed/checkpoint_memory_worker.py OUT_DIR    (4 processes: dp=2 x mp=2, zero=3)
 
-Trains a 16-layer GPT (width 256, float64; 12.6 M parameters, AdamW; with a 0-d logit scale) for 2 steps, then in ``on_train_end``, while
-every rank holds only its shards, saves a consolidated file and a sharded folder and loads each back
-(``load_checkpoint`` + ``load_model_state_dict`` + ``load_optimizer_state_dict``). Around each, the kernel's peak
-RSS mark (``VmHWM``) is reset (``/proc/self/clear_refs``), so ``peak - before`` is the most the call held at
-once (with glibc's mmap threshold fixed, so that RSS follows live memory: see the end of this file). Each rank
-writes ``rank<r>.json``: those deltas, the bytes it holds (parameter and optimizer-state shards),
-its largest bucket (one unit's MP-local copy of one flat tensor), its largest dense tensor, what gathering the
-model and optimizer state whole would take, and whether each load gave back exactly the shards it saved.
+Trains a 16-layer GPT (width 256, float64; 12.6 M parameters, AdamW; with a 0-d logit scale) for 2 steps, then
+in ``on_train_end``, while every rank holds only its shards, saves a consolidated file and a sharded folder and
+loads each back (``load_checkpoint`` + ``load_model_state_dict`` + ``load_optimizer_state_dict``). Around each, the
+kernel's peak RSS mark (``VmHWM``) is reset (``/proc/self/clear_refs``), so ``peak - before`` is the most the call
+held at once (with glibc's mmap threshold fixed, so that RSS follows live memory: see the end of this file). Each
+rank writes ``rank<r>.json``: those deltas, the bytes it holds (parameter and optimizer-state shards), its largest
+bucket (one unit's MP-local copy of one flat tensor), its largest dense tensor, what gathering the model and
+optimizer state whole would take, and whether each load gave back exactly the shards it saved; rank 0 also whether
+a save through another ``CheckpointIO`` (every held tensor fetched first) wrote the same tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from examples.models.gpt import GPT  # noqa: E402
@@ -79,6 +81,15 @@ def shards(engine) -> list[torch.Tensor]:
     return out
 
 
+def same_tensors(a: dict, b: dict) -> bool:
+    """The same keys (in any order: a load rebuilds AdamW's state in another order) and equal tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+class PlainIO(TorchCheckpointIO):
+    """torch.save through Lightning's own plugin, as a user's CheckpointIO subclass would."""
+
+
 class Measure(L.Callback):
     def __init__(self, out: str) -> None:
         self.out = out
@@ -119,6 +130,16 @@ class Measure(L.Callback):
             self.res[f"load_{fmt}"] = peak_during(load)
             self.res[f"roundtrip_{fmt}"] = all(torch.equal(a, b) for a, b in zip(saved, shards(engine)))
         st.checkpointer.distributed = False
+        # another CheckpointIO needs the whole checkpoint in memory: every held tensor fetched first, same contents
+        io_path = os.path.join(self.out, "io.ckpt")
+        st.checkpoint_io, before = PlainIO(), st.checkpoint_io
+        trainer.save_checkpoint(io_path)
+        st.checkpoint_io = before
+        if trainer.is_global_zero:
+            a, b = (torch.load(p, weights_only=True) for p in (io_path, os.path.join(self.out, "consolidated.ckpt")))
+            self.res["io_equal"] = same_tensors(a["state_dict"], b["state_dict"]) and all(
+                same_tensors(sa["state"][i], sb["state"][i])
+                for sa, sb in zip(a["optimizer_states"], b["optimizer_states"]) for i in sa["state"])
 
 
 class ScaledLM(LMModule):

@@ -45,3 +45,8 @@ def test_checkpoints_hold_at_most_one_unit_beyond_the_shards(ranks, what):
 @pytest.mark.parametrize("fmt", ["consolidated", "sharded"])
 def test_loads_give_back_exactly_the_saved_shards(ranks, fmt):
     assert all(r[f"roundtrip_{fmt}"] for r in ranks)
+
+
+@pytest.mark.slow
+def test_another_checkpoint_io_gets_the_same_tensors(ranks):
+    assert ranks[0]["io_equal"] is True
