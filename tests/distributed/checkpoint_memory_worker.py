@@ -50,14 +50,18 @@ def peak_during(fn) -> tuple[int, int]:
     high-water mark (reset first), and the anonymous part sampled every millisecond (a memory-mapped checkpoint's
     pages are file-backed: they count in RSS while mapped, yet the kernel can drop them at any time)."""
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        hwm = True
+    except OSError:  # (a kernel or container that refuses it: the sampled RSS stands in for the mark)
+        hwm = False
     before, anon0 = _status("VmRSS"), _status("RssAnon")
-    top, done = [anon0], threading.Event()
+    top, done = [anon0, before], threading.Event()
 
     def sample() -> None:
         while not done.wait(0.001):
-            top[0] = max(top[0], _status("RssAnon"))
+            top[0], top[1] = max(top[0], _status("RssAnon")), max(top[1], _status("VmRSS"))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -66,7 +70,7 @@ def peak_during(fn) -> tuple[int, int]:
     finally:
         done.set()
         sampler.join()
-    peak = _status("VmHWM") - before
+    peak = (_status("VmHWM") if hwm else max(top[1], _status("VmRSS"))) - before
     dist.barrier()
     return peak, max(top[0], _status("RssAnon")) - anon0
 
@@ -172,7 +176,10 @@ if __name__ == "__main__":
     # RSS as live memory: glibc raises its mmap threshold to the size of each large block freed, after which such
     # blocks come from the heap and stay in the process when freed (malloc_trim hands them back). A fixed threshold
     # returns every block of 128 KiB or more to the kernel when it is freed (M_MMAP_THRESHOLD is -3).
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 17)
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 17)
+    except OSError:
+        pass  # not glibc: its allocator's own policy applies
     out = sys.argv[1]
     results = main(out)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
