@@ -45,6 +45,7 @@ __all__ = [
     "check_state_matches",
     "consolidate_optimizer",
     "consolidate_optimizer_state",
+    "dense_param_shape",
     "dense_shapes",
     "element_wise_keys",
     "gather_state_dict",
@@ -221,6 +222,20 @@ def dense_shapes(module: nn.Module, group: Any) -> dict[str, tuple[int, ...]]:
                 shape[dims[key]] = dense_size(blocks.get(key, 1), shape[dims[key]], n)
             out[key] = tuple(shape)
     return out
+
+
+def dense_param_shape(p: Tensor, dim: Optional[int], mp: int, blocks: Blocks = 1) -> tuple[int, ...]:
+    """The dense shape of a tensor shaped like an MP-local parameter split along ``dim`` (``None``: whole).
+
+    Example:
+        >>> w = nn.Linear(4, 3).weight                     # (3, 4): a column shard of a (6, 4) weight at mp=2
+        >>> dense_param_shape(w, 0, 2), dense_param_shape(w, None, 2)
+        ((6, 4), (3, 4))
+    """
+    shape = list(p.shape)
+    if dim is not None:
+        shape[dim] = dense_size(blocks, shape[dim], mp)
+    return tuple(shape)
 
 
 def check_state_matches(

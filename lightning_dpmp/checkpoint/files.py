@@ -31,6 +31,7 @@ __all__ = [
     "make_weights_only_safe",
     "recover_path",
     "replace_path",
+    "temp_sibling",
     "write_on_rank_zero",
 ]
 
@@ -82,15 +83,21 @@ def recover_path(path: str) -> str:
     return max(found, key=os.path.getmtime) if found else path
 
 
+def temp_sibling(path: str) -> str:
+    """A fresh hidden name beside ``path`` (``.<name>.tmp-<random>``; the folder is created) to write into before
+    :func:`replace_path` moves it over ``path``: the only thing a crash mid-write can leave behind."""
+    folder, base = os.path.split(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+
+
 def atomic_save(obj: Any, path: str) -> None:
     """``torch.save`` to a temporary file beside ``path``, flush and fsync it, then rename it over ``path``.
 
     A crash (even SIGKILL) at any point leaves either the previous file or the new one, never a torn one: the
     rename is atomic on POSIX filesystems. A leftover ``.<name>.tmp-*`` file is all a crash can leave behind.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = temp_sibling(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for a plain save
     try:
         with os.fdopen(fd, "wb") as f:

@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_dpmp.compat import tree_leaves, tree_map
+
 __all__ = [
     "Gathered", "Held", "Piece", "collect_held", "fetch_in_order", "flat_boxes", "held", "held_of", "resolve_held",
 ]
@@ -92,25 +94,13 @@ def held_of(t: Any) -> Optional[Held]:
 
 
 def collect_held(obj: Any) -> list[Tensor]:
-    """Every held tensor inside ``obj`` (dicts, lists, tuples), each once, in traversal order: the same order on
+    """Every held tensor inside ``obj`` (nested containers), each once, in traversal order: the same order on
     every rank that built the same checkpoint."""
-    out: list[Tensor] = []
-    seen: set[int] = set()
-
-    def walk(x: Any) -> None:
-        if isinstance(x, Tensor):
-            if held_of(x) is not None and id(x) not in seen:
-                seen.add(id(x))
-                out.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(obj)
-    return out
+    found: dict[int, Tensor] = {}  # (insertion-ordered: the first occurrence of each, by identity)
+    for t in tree_leaves(obj):
+        if held_of(t) is not None:
+            found.setdefault(id(t), t)
+    return list(found.values())
 
 
 def fetch_in_order(tensors: list[Tensor], consume: Callable[[Tensor, Optional[Tensor]], None]) -> None:
@@ -144,19 +134,7 @@ def resolve_held(obj: Any) -> Any:
     ``CheckpointIO``, a remote path)."""
     values: dict[int, Optional[Tensor]] = {}
     fetch_in_order(collect_held(obj), lambda t, v: values.__setitem__(id(t), v))
-
-    def swap(x: Any) -> Any:
-        if isinstance(x, Tensor):
-            return values.get(id(x), x) if held_of(x) is not None else x
-        if isinstance(x, dict):
-            return type(x)((k, swap(v)) for k, v in x.items())  # (an OrderedDict state_dict stays one)
-        if isinstance(x, list):
-            return [swap(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(swap(v) for v in x)
-        return x
-
-    return swap(obj)
+    return tree_map(lambda x: values[id(x)] if held_of(x) is not None else x, obj)
 
 
 def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:

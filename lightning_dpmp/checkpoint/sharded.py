@@ -35,7 +35,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import uuid
 import warnings
 from collections.abc import Sequence
 from itertools import zip_longest
@@ -53,20 +52,20 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import (
     CheckpointMismatchError,
     check_state_matches,
+    dense_param_shape,
     dense_shapes,
     element_wise_keys,
     optimizer_param_blocks,
     optimizer_param_dims,
     optimizer_param_names,
 )
-from lightning_dpmp.checkpoint.files import atomic_save, fsync_dir, replace_path
+from lightning_dpmp.checkpoint.files import atomic_save, fsync_dir, replace_path, temp_sibling
 from lightning_dpmp.checkpoint.held import Held, Piece, flat_boxes, held, held_of
 from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.sharding import (
     Blocks,
     block_piece,
-    dense_size,
     local_block_sizes,
     shard_blocks,
     shard_dims,
@@ -368,8 +367,7 @@ def save_sharded(
                                            "optimizers": optim_info, "fused": fused}}
 
     distributed = dist.is_available() and dist.is_initialized()
-    parent, base = os.path.split(os.path.abspath(path))
-    holder = [os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")]
+    holder = [temp_sibling(path)]
     if distributed:
         dist.broadcast_object_list(holder, src=0)  # one temporary name for all ranks
     tmp = holder[0]
@@ -451,7 +449,7 @@ def load_sharded(
                 f" but {pairs[at][0]!r} in the model."
             )
         shaped = {idx: {key for key, is_tensor, _ in entries if is_tensor and shapes[f"optim{i}/{names[idx]}/{key}"]
-                        == dense_param_shape(params[idx], pdims[idx], grid, pblocks[idx])}
+                        == dense_param_shape(params[idx], pdims[idx], grid.mp, pblocks[idx])}
                   for idx, entries in oinfo["layout"].items()}
         element_wise = element_wise_keys(shaped, [p.dim() for p in params])
         state: dict[int, dict[str, Any]] = {}
@@ -479,14 +477,6 @@ def load_sharded(
         meta["optimizer_states"] = opt_states
     meta[LOCAL_LAYOUT_KEY] = True
     return meta
-
-
-def dense_param_shape(p: Tensor, dim: Optional[int], grid: Grid, blocks: Blocks = 1) -> tuple[int, ...]:
-    """Dense shape of a (possibly split) parameter."""
-    shape = list(p.shape)
-    if dim is not None:
-        shape[dim] = dense_size(blocks, shape[dim], grid.mp)
-    return tuple(shape)
 
 
 def load_sharded_full(path: str) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import io
 import os
 import pickle
 import sys
-import uuid
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from torch import Tensor
 from torch.serialization import location_tag
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.checkpoint.files import replace_path
+from lightning_dpmp.checkpoint.files import replace_path, temp_sibling
 from lightning_dpmp.checkpoint.held import collect_held, fetch_in_order, held_of
 
 __all__ = ["stream_save"]
@@ -44,9 +43,7 @@ def stream_save(obj: Any, path: str, write: bool) -> None:
     error: Optional[BaseException] = None
     keys: dict[int, str] = {}
     if write:
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        tmp = temp_sibling(path)
         try:
             writer = compat.zip_file_writer(tmp)
         except BaseException as exc:  # still take part in every fetch below: the other ranks are in them

@@ -37,6 +37,7 @@ from lightning_dpmp.parallel.sharding import (
     MATERIALIZED_ATTR,
     Blocks,
     block_piece,
+    dense_block_sizes,
     shard_blocks,
     shard_dims,
     shard_tensor,
@@ -131,9 +132,8 @@ class WeightFiles:
             if isinstance(blocks, int) and shape[dim] % (blocks * parts):
                 raise ValueError(f"{key}: dim {dim} of size {shape[dim]} does not split into {blocks} block(s) x"
                                  f" mp={parts}.")
-            sizes = [shape[dim] // blocks] * blocks if isinstance(blocks, int) else list(blocks)
             ranges, start = [], 0
-            for size in sizes:
+            for size in dense_block_sizes(blocks, shape[dim]):
                 first, real, each = block_piece(size, parts, part)
                 ranges.append((start + first, start + first + real, each - real))
                 start += size

@@ -25,6 +25,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +37,7 @@ from torch.optim import Optimizer
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import (
     check_state_matches,
+    dense_param_shape,
     dense_shapes,
     element_wise_keys,
     optimizer_param_blocks,
@@ -60,8 +62,7 @@ from lightning_dpmp.checkpoint.hf_export import (
 from lightning_dpmp.checkpoint.integrity import load_checked
 from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
 from lightning_dpmp.checkpoint.streamed import stream_save
-from lightning_dpmp.parallel.sharding import dense_meta, gather_to_first, shard_blocks, shard_dims, shard_tensor
-from lightning_dpmp.parallel.zero_shard import all_gather_flat
+from lightning_dpmp.parallel.sharding import gather_to_first, shard_blocks, shard_dims, shard_tensor
 
 __all__ = ["StrategyCheckpointer"]
 
@@ -112,7 +113,6 @@ class StrategyCheckpointer:
         assert lm is not None
         self._bucket_gathers.clear()  # a new save
         engine, dims, blocks = self._engine(), shard_dims(lm), shard_blocks(lm)
-        grid = self.strategy.grid_or_none
         state = lm.state_dict(keep_vars=True)  # parameters themselves: the engine knows them by identity
         made: dict[int, Tensor] = {}  # tied or aliased parameters: one held tensor under each of their keys
         out: dict[str, Any] = {}
@@ -121,34 +121,32 @@ class StrategyCheckpointer:
                 out[key] = v
                 continue
             if id(v) not in made:
-                made[id(v)] = self._held_tensor(v, engine, dims.get(key), blocks.get(key, 1), grid, None)
+                made[id(v)] = self._held_tensor(v, engine, dims.get(key), blocks.get(key, 1), None)
             out[key] = made[id(v)]
         return out
 
-    def _held_tensor(self, v: Tensor, engine: Any, dim: Optional[int], blocks: Any, grid: Any,
+    def _held_tensor(self, v: Tensor, engine: Any, dim: Optional[int], blocks: Any,
                      state: Optional[tuple[int, str, Tensor]]) -> Tensor:
         """``v`` (a parameter; with ``state = (optimizer, key, value)``, that optimizer state of it) as this save
         holds it: a held tensor, or the tensor itself (see :meth:`module_state_dict`)."""
         found = engine.locate(v) if engine is not None else None
         value = state[2] if state is not None else v
+        dense_shape = dense_param_shape(v, dim, self.strategy.mp, blocks)
         if found is None:
-            if self.distributed or dim is None or grid is None:
+            if self.distributed or dim is None:
                 return value.detach()
-            return held(dense_meta(value, dim, grid.mp_group, blocks).shape, value.dtype,
-                        Held(fetch=self._dense(lambda: value.detach(), dim, blocks)))
+            return held(dense_shape, value.dtype, Held(fetch=self._dense(lambda: value.detach(), dim, blocks)))
         bucket, index = found
         off, n, shape = bucket.layout.offsets[index], v.numel(), tuple(v.shape)
         source = bucket.shard if state is None else value  # the flat DP slice: the master values
         if self.distributed:
             pieces = (engine.param_pieces(v) if state is None else engine.state_pieces(state[0], v, state[1]))
             return held(shape, source.dtype, Held(pieces=pieces, local_shape=shape))
-        dense_shape = shape if dim is None or grid is None else tuple(dense_meta(v, dim, grid.mp_group, blocks).shape)
-        if state is None and bucket.gathered and not bucket.mixed and engine.level < 3:
-            # zero=1/2: the parameter is whole and current already; only MP gathers it
+        if state is None and engine.holds_whole(bucket):  # zero=1/2: only MP gathers it
             return held(dense_shape, v.dtype, Held(fetch=self._dense(lambda: v.detach(), dim, blocks)))
         gathered = self._bucket_gathers.get((id(bucket), id(source)))
         if gathered is None:
-            gathered = self._bucket_gathers[(id(bucket), id(source))] = Gathered(self._gather_flat(bucket, source))
+            gathered = self._bucket_gathers[(id(bucket), id(source))] = Gathered(partial(bucket.gathered_copy, source))
 
         def local() -> Tensor:  # (valid while the bucket is open: between Gathered.open and close)
             assert gathered.full is not None
@@ -170,16 +168,6 @@ class StrategyCheckpointer:
 
         return fetch
 
-    def _gather_flat(self, bucket: Any, source: Tensor) -> Callable[[], Tensor]:
-        """All-gather a bucket's DP slices of ``source`` (its shard, or an optimizer state of it) into one flat
-        buffer: the MP-local values of all its parameters (collective over DP)."""
-        def gather() -> Tensor:
-            full = torch.empty(bucket.layout.total, dtype=source.dtype, device=source.device)
-            with torch.no_grad():
-                all_gather_flat(full, source.detach().contiguous(), bucket.group, async_op=False)
-            return full
-        return gather
-
     def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
         """The optimizer's state (``default``: Lightning's) as without ZeRO, its tensors held tensors as in
         :meth:`module_state_dict` (nothing gathered here)."""
@@ -192,11 +180,12 @@ class StrategyCheckpointer:
         if plain is not optimizer:  # ZeRO: each parameter's state from its bucket's shard state
             i = self._engine_index(optimizer)
             for p in params:
-                if engine.locate(p) is None:
+                found = engine.locate(p)
+                if found is None:
                     continue  # frozen at zero<3: never stepped, no state (as without ZeRO)
-                bucket, _ = engine.locate(p)
+                bucket = found[0]
                 inner.state[p] = {
-                    k: (self._held_tensor(p, engine, *layout[id(p)], st.grid, (i, k, v))
+                    k: (self._held_tensor(p, engine, *layout[id(p)], (i, k, v))
                         if isinstance(v, Tensor) and v.shape == bucket.shard.shape
                         else v.clone() if isinstance(v, Tensor) else v)
                     for k, v in engine.optimizers[i].state.get(bucket.shard, {}).items()
@@ -212,7 +201,7 @@ class StrategyCheckpointer:
                 dim, blocks = layout[id(p)]
                 for k, v in per.items():
                     if isinstance(v, Tensor) and dim is not None and v.shape == p.shape:
-                        per[k] = self._held_tensor(p, None, dim, blocks, st.grid_or_none, (0, k, v))
+                        per[k] = self._held_tensor(p, None, dim, blocks, (0, k, v))
         return state
 
     def _engine_index(self, optimizer: Any) -> int:
@@ -310,13 +299,13 @@ class StrategyCheckpointer:
 
         def local(t: Tensor) -> Tensor:
             found = engine.locate(t) if engine is not None else None
-            if found is None or (found[0].gathered and not found[0].mixed and engine.level < 3):
+            if found is None or engine.holds_whole(found[0]):
                 return t.detach()  # held whole and current (zero=0/1/2)
             bucket, index = found
             if current[0] is not bucket:
                 if current[1] is not None:
                     current[1].close()
-                current[:] = [bucket, Gathered(self._gather_flat(bucket, bucket.shard))]
+                current[:] = [bucket, Gathered(partial(bucket.gathered_copy, bucket.shard))]
                 current[1].open()
             off = bucket.layout.offsets[index]
             return current[1].full[off : off + t.numel()].view(t.shape)
@@ -434,10 +423,8 @@ class StrategyCheckpointer:
         if not any(held_of(v) is not None for per in state["state"].values() for v in per.values()):
             sharded.state.clear()  # (else a sharded folder's slices were read into a cleared state already)
 
-        def dense(idx: int) -> tuple[int, ...]:
-            dim = None if local else dims[idx]
-            p = params[idx]
-            return tuple(p.shape) if dim is None else tuple(dense_meta(p, dim, st.grid.mp_group, blocks[idx]).shape)
+        def dense(idx: int) -> tuple[int, ...]:  # the parameter's shape as the checkpoint stores it
+            return dense_param_shape(params[idx], None if local else dims[idx], st.mp, blocks[idx])
 
         shaped = {idx: {k for k, v in per.items() if isinstance(v, Tensor) and tuple(v.shape) == dense(idx)}
                   for idx, per in state["state"].items()}

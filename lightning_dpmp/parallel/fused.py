@@ -10,6 +10,7 @@ a block boundary is divided by ``mp`` (each block is cut evenly, so boundary ``b
 other op returns a plain tensor, so nothing downstream sees the subclass.
 
 Example:
+    >>> import torch
     >>> out = FusedOutput.wrap(torch.zeros(2, 8), blocks=(8, 4, 4), mp=2)   # local 4 + 2 + 2 of dense 16
     >>> [t.shape[-1] for t in out.split([8, 4, 4], dim=-1)], out[..., 8:12].shape[-1]
     ([4, 2, 2], 2)
@@ -20,7 +21,6 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional
 
-import torch  # noqa: F401  (the examples above use it)
 from torch import Tensor
 
 import lightning_dpmp.compat as compat

@@ -32,6 +32,7 @@ __all__ = [
     "dense_meta",
     "dense_template",
     "block_piece",
+    "dense_block_sizes",
     "dense_size",
     "divide",
     "gather_tensor",
@@ -94,7 +95,13 @@ def dense_size(blocks: Blocks, local: int, mp: int) -> int:
     return local * mp if isinstance(blocks, int) else sum(blocks)
 
 
-def _dense_block_sizes(blocks: Blocks, dense: int) -> list[int]:
+def dense_block_sizes(blocks: Blocks, dense: int) -> list[int]:
+    """The dense sizes of the blocks of a tensor of ``dense`` rows along its split dim.
+
+    Example:
+        >>> dense_block_sizes(3, 12), dense_block_sizes((8, 4, 4), 16)
+        ([4, 4, 4], [8, 4, 4])
+    """
     return [dense // blocks] * blocks if isinstance(blocks, int) else list(blocks)
 
 
@@ -267,7 +274,7 @@ def shard_tensor(full: Tensor, dim: int, mp: int, rank: int, blocks: Blocks = 1)
     if blocks == 1:
         return full.chunk(mp, dim=dim)[rank]
     pieces = []
-    for block in full.split(_dense_block_sizes(blocks, full.shape[dim]), dim=dim):
+    for block in full.split(dense_block_sizes(blocks, full.shape[dim]), dim=dim):
         first, real, each = block_piece(block.shape[dim], mp, rank)
         piece = block.narrow(dim, first, real)
         if real < each:  # the padding: rows no token id or class index ever reaches
@@ -286,7 +293,7 @@ def gather_tensor(local: Tensor, dim: int, group: Any, blocks: Blocks = 1) -> Te
     if blocks == 1:
         return gather_from_group(local, group, dim)
     mine = local.split(local_block_sizes(blocks, local.shape[dim], n), dim=dim)
-    sizes = _dense_block_sizes(blocks, local.shape[dim] * n)
+    sizes = dense_block_sizes(blocks, local.shape[dim] * n)
     return torch.cat([gather_from_group(b.contiguous(), group, dim).narrow(dim, 0, s) for b, s in zip(mine, sizes)],
                      dim=dim)
 
@@ -414,6 +421,6 @@ def interleave_blocks(parts: list[Tensor], dim: int, blocks: Blocks) -> Tensor:
         return torch.cat(parts, dim=dim)
     n = len(parts)
     chunks = [p.split(local_block_sizes(blocks, p.shape[dim], n), dim=dim) for p in parts]
-    sizes = _dense_block_sizes(blocks, parts[0].shape[dim] * n)
+    sizes = dense_block_sizes(blocks, parts[0].shape[dim] * n)
     return torch.cat([torch.cat([c[b] for c in chunks], dim=dim).narrow(dim, 0, s) for b, s in enumerate(sizes)],
                      dim=dim)

@@ -187,6 +187,7 @@ class ZeroEngine:
         self.buckets = [Bucket(ps, key[2], key[0], key[1], dp_group, self.dp, self.rank,
                                param_dtype if ps[0].is_floating_point() else None, reduce_dtype)
                         for key, ps in keyed.items()]
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}  # parameter -> place
         self.by_unit: dict[int, list[Bucket]] = {}
         for b in self.buckets:
             self.by_unit.setdefault(b.unit, []).append(b)
@@ -197,7 +198,6 @@ class ZeroEngine:
                                     for j in range(len(opt.param_groups))])
             for i, opt in enumerate(optimizers)
         ]
-        self._where: Optional[dict[int, tuple[Bucket, int]]] = None  # parameter id -> (bucket, index), built once
         self._handles: list[Any] = []
         for b in self.buckets:
             if b.trainable:
@@ -219,11 +219,11 @@ class ZeroEngine:
         if any(b.mixed for b in self.buckets):
             # mixed precision: each module that computes with parameters gets their compute dtype as its inputs'
             # (parameters no bucket holds, frozen ones at zero=2, compute in their own dtype)
-            compute = {id(p): b.full.dtype for b in self.buckets for p in b.params}
             for mod in module.modules():
                 floating = [p for p in mod.parameters(recurse=False) if p.is_floating_point()]
                 if floating:
-                    dtype = compute.get(id(floating[0]), floating[0].dtype)
+                    found = self.locate(floating[0])
+                    dtype = found[0].full.dtype if found is not None else floating[0].dtype
                     self._handles.append(mod.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
 
     # ------------------------------------------------------------------ setup helpers
@@ -430,9 +430,12 @@ class ZeroEngine:
     # ------------------------------------------------------------------ what this rank holds (checkpoints)
     def locate(self, param: Tensor) -> Optional[tuple[Bucket, int]]:
         """The bucket holding ``param`` (a module parameter) and its index there, or ``None``."""
-        if self._where is None:
-            self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         return self._where.get(id(param))
+
+    def holds_whole(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s parameters hold their current master values whole now (zero=1/2 without mixed
+        precision), so a reader needs no DP gather."""
+        return bucket.gathered and not bucket.mixed and self.level < 3
 
     def param_pieces(self, param: Tensor) -> Optional[list[tuple[int, int, Tensor]]]:
         """This rank's slices of ``param``: ``(lo, hi, view)`` with ``view`` the part of the DP shard holding
@@ -504,7 +507,7 @@ class ZeroEngine:
                     p.data = p.data.clone()
         self.buckets = []
         self.by_unit, self._trainable_by_unit = {}, {}
-        self._where = None
+        self._where = {}
         return plains
 
     def shard_params(self, kind: Optional[str] = None) -> list[nn.Parameter]:

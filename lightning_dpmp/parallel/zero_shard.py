@@ -167,13 +167,15 @@ class Bucket:
     # ---------------------------------------------------------------- parameters
     def gather(self, async_op: bool = False) -> None:
         """Make the full buffer (and so the module's parameters) hold the current values of every rank's shard."""
-        if not self.begin_gather():
-            if not async_op:
-                self.wait_gather()
-            return
+        gather_buckets([self], self.group, async_op)
+
+    def gathered_copy(self, source: Tensor) -> Tensor:
+        """A new flat buffer of this bucket's length holding every rank's ``source`` (its shard, or an optimizer
+        state of the shard's shape) in rank order: the MP-local values of all its parameters (collective over DP)."""
+        full = torch.empty(self.layout.total, dtype=source.dtype, device=source.device)
         with torch.no_grad():
-            work = all_gather_flat(self.full, self.gather_source(), self.group, async_op)
-        self._gather_work = work if async_op else None
+            all_gather_flat(full, source.detach().contiguous(), self.group, async_op=False)
+        return full
 
     def gather_source(self) -> Tensor:
         """What this rank contributes to a gather: its shard, in the compute dtype under mixed precision."""
@@ -201,9 +203,7 @@ class Bucket:
     def use_master(self) -> None:
         """Mixed precision: point the parameters at a master-dtype buffer gathered from the shards (collective over
         DP), so that checkpoints and teardown see the master values, not their compute-dtype copies."""
-        self._master = torch.empty(self.layout.total, dtype=self.shard.dtype, device=self.shard.device)
-        with torch.no_grad():
-            all_gather_flat(self._master, self.shard.detach(), self.group, async_op=False)
+        self._master = self.gathered_copy(self.shard)
         for p, off in zip(self.params, self.layout.offsets):
             p.data = self._master[off : off + p.numel()].view(p.shape)
 
@@ -270,8 +270,7 @@ class Bucket:
         per: list[dict[str, Any]] = [{} for _ in self.params]
         for key, value in shard_state.items():
             if isinstance(value, Tensor) and value.shape == self.shard.shape:
-                full = torch.empty(self.layout.total, dtype=value.dtype, device=value.device)
-                all_gather_flat(full, value.detach().contiguous(), self.group, async_op=False)
+                full = self.gathered_copy(value)
                 for i, (p, off) in enumerate(zip(self.params, self.layout.offsets)):
                     per[i][key] = full[off : off + p.numel()].view(p.shape).clone()
             else:
