@@ -10,7 +10,8 @@ held at once (with glibc's mmap threshold fixed, so that RSS follows live memory
 rank writes ``rank<r>.json``: those deltas, the bytes it holds (parameter and optimizer-state shards), its largest
 bucket (one unit's MP-local copy of one flat tensor), its largest dense tensor, what gathering the model and
 optimizer state whole would take, and whether each load gave back exactly the shards it saved; rank 0 also whether
-a save through another ``CheckpointIO`` (every held tensor fetched first) wrote the same tensors.
+a save through another ``CheckpointIO`` (every held tensor fetched first) wrote the same tensors; and the
+collectives one more save of each format issues, by group.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from examples.models.gpt import GPT  # noqa: E402
-from lightning_dpmp import DPMPStrategy  # noqa: E402
+from lightning_dpmp import CommCounter, DPMPStrategy  # noqa: E402
 from tests.support.models import LMModule, make_lm_dataset  # noqa: E402
 
 DP, MP, VOCAB, SEQ = 2, 2, 512, 16
@@ -133,6 +134,17 @@ class Measure(L.Callback):
                             view.add_(1.0)
             self.res[f"load_{fmt}"] = peak_during(load)
             self.res[f"roundtrip_{fmt}"] = all(torch.equal(a, b) for a, b in zip(saved, shards(engine)))
+        # the collectives of a save: a consolidated one gathers each bucket over DP once per flat tensor (parameters,
+        # then each AdamW moment), a sharded one never gathers over DP
+        self.res["expected_dp_gathers"] = len(engine.buckets) + sum(
+            1 for o in engine.optimizers for b in engine.buckets for v in o.state.get(b.shard, {}).values()
+            if torch.is_tensor(v) and v.shape == b.shard.shape)
+        for fmt, sharded in (("consolidated", False), ("sharded", True)):
+            st.checkpointer.distributed = sharded
+            counter = CommCounter({"dp": st.grid.dp_group, "mp": st.grid.mp_group})
+            with counter:
+                trainer.save_checkpoint(os.path.join(self.out, f"counted_{fmt}.ckpt"))
+            self.res[f"counts_{fmt}"] = {f"{g}/{op}": n for (g, op), n in counter.counts.items()}
         st.checkpointer.distributed = False
         # another CheckpointIO needs the whole checkpoint in memory: every held tensor fetched first, same contents
         io_path = os.path.join(self.out, "io.ckpt")

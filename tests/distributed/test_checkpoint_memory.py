@@ -50,3 +50,11 @@ def test_loads_give_back_exactly_the_saved_shards(ranks, fmt):
 @pytest.mark.slow
 def test_another_checkpoint_io_gets_the_same_tensors(ranks):
     assert ranks[0]["io_equal"] is True
+
+
+@pytest.mark.slow
+def test_a_consolidated_save_gathers_each_bucket_once_per_flat_tensor_and_a_sharded_one_never(ranks):
+    for r in ranks:
+        # 33 buckets: their parameters, then each AdamW moment: 99 DP all-gathers, on every rank
+        assert r["counts_consolidated"]["dp/all_gather"] == r["expected_dp_gathers"], r["counts_consolidated"]
+        assert "dp/all_gather" not in r["counts_sharded"], r["counts_sharded"]
