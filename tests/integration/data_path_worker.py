@@ -2,7 +2,7 @@
 
 Usage:
   python tests/integration/data_path_worker.py OUT_DIR            # the cases that train (one 4-rank launch)
-  python tests/integration/data_path_worker.py OUT_DIR FAIL_CASE  # one case that must fail fast (own launch)
+  python tests/integration/data_path_worker.py OUT_DIR FAIL_CASE  # one case that must fail fast (2 or 4 ranks)
 
 Training cases record, per rank, the batch every step trained on (after DPMPStrategy's MP broadcast), the raw batch
 the rank's own loader produced, and the final weights: the test replays the trained batches in one process and

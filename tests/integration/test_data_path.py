@@ -1,8 +1,11 @@
 """Lightning as people write it (issue 27): one batch per MP group whatever the loader does, all_gather and
 prediction writers over DP, uneven loaders and refused callbacks named before anything hangs.
 
-One 4-rank launch runs the cases that train; each case that must fail has its own launch (a failing rank ends its
-job). Parity is against single-process training on the batches the MP groups actually trained on (float64, 1e-8).
+One 4-rank pool case runs the cases that train. The cases that must fail run in the pool of their world size when
+every rank reports the failure (the rank pool keeps running: a second or less each); the one refused before any
+process starts (``swa``) is launched, since there rank 0 alone raises. That a failing rank ends its whole launched
+job, with no rank left behind, is ``test_reliability.py``'s subject. Parity is against single-process training on
+the batches the MP groups actually trained on (float64, 1e-8).
 """
 
 from __future__ import annotations
@@ -156,31 +159,35 @@ def _our_workers_left(tag: str) -> list[int]:
     return left
 
 
-def _fail(tmp_path, case: str, timeout: float = 280) -> tuple[str, float]:
+def _fail(tmp_path, case: str, world: int, launched: bool, timeout: float = 280) -> tuple[str, float]:
     start = time.monotonic()
-    proc = run_script([WORKER, str(tmp_path), case], timeout=timeout)
+    args = [WORKER, str(tmp_path), case]
+    proc = run_script(args, timeout=timeout) if launched else run_ranks(world, args, timeout=timeout)
     took = time.monotonic() - start
     assert proc.returncode != 0, proc.stdout[-3000:]
-    deadline = time.monotonic() + 1  # the same 1 s bound as before, without waiting it out when all are gone
-    while _our_workers_left(str(tmp_path)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _our_workers_left(str(tmp_path)), "a rank outlived its job"
+    if launched:
+        deadline = time.monotonic() + 1  # the same 1 s bound as before, without waiting it out when all are gone
+        while _our_workers_left(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _our_workers_left(str(tmp_path)), "a rank outlived its job"
+    else:  # every rank raised the cause itself (none was cut short by another's failure)
+        assert proc.rank_codes == [1] * world, proc.rank_codes
     return proc.stderr, took
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case, expected",
+    "case, world, launched, expected",
     [
-        ("check", "the ranks of a tensor-parallel group hold different batches"),
-        ("uneven_dp", "different numbers of batches in training epoch 0 (rank 0 (dp_rank 0, mp_rank 0): 4;"),
-        ("uneven_mp", "rank 1 (dp_rank 0, mp_rank 1): 5)"),
-        ("swa", "StochasticWeightAveraging keeps a copy of the model to average into, but zero=3 frees"),
-        ("unused", "strategy=DPMPStrategy(dp=2, mp=2, find_unused_parameters=True)"),
+        ("check", 2, False, "the ranks of a tensor-parallel group hold different batches"),
+        ("uneven_dp", 4, False, "different numbers of batches in training epoch 0 (rank 0 (dp_rank 0, mp_rank 0): 4;"),
+        ("uneven_mp", 2, False, "rank 1 (dp_rank 0, mp_rank 1): 5)"),
+        ("swa", 2, True, "StochasticWeightAveraging keeps a copy of the model to average into, but zero=3 frees"),
+        ("unused", 4, False, "strategy=DPMPStrategy(dp=2, mp=2, find_unused_parameters=True)"),
     ],
 )
-def test_fails_fast_with_the_cause(tmp_path, case, expected):
-    err, took = _fail(tmp_path, case)
-    print(f"{case}: failed in {took:.1f} s from launch")
+def test_fails_fast_with_the_cause(tmp_path, case, world, launched, expected):
+    err, took = _fail(tmp_path, case, world, launched)
+    print(f"{case}: failed in {took:.1f} s from {'launch' if launched else 'the start of the pool case'}")
     assert expected in err, err[-4000:]
     assert "Timed out" not in err and took < 200, took  # the cause, long before the process-group timeout (300 s)
