@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # starts 2-rank pools
 
 @pytest.fixture(scope="module")
 def pool():
-    p = RankPool(2)
+    p = RankPool(2, failure_grace_s=2.0)  # the cases' ranks answer in milliseconds
     yield p
     p.close()
 

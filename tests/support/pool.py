@@ -78,8 +78,11 @@ def free_port() -> int:
 class RankPool:
     """``world_size`` ranks started once, running many cases in sequence (see the module docstring)."""
 
-    def __init__(self, world_size: int, base_env: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self, world_size: int, base_env: Optional[dict[str, str]] = None, failure_grace_s: float = FAILURE_GRACE_S
+    ) -> None:
         self.world_size = world_size
+        self.failure_grace_s = failure_grace_s  # the pool's own tests shorten it: their cases finish in milliseconds
         self.base_env = dict(base_env or {})
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
@@ -213,7 +216,7 @@ class RankPool:
         codes: list[Optional[int]] = [None] * self.world_size
         deadline = time.monotonic() + timeout
         pending = dict(enumerate(self.conns))
-        failed = False  # from the first failure on, the others get FAILURE_GRACE_S, not the whole timeout
+        failed = False  # from the first failure on, the others get failure_grace_s, not the whole timeout
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -231,7 +234,7 @@ class RankPool:
                     del pending[rank]
             if not failed and any(c not in (0, None) for c in codes):
                 failed = True
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                deadline = min(deadline, time.monotonic() + self.failure_grace_s)
         return codes, False
 
 

@@ -123,12 +123,15 @@ def test_our_own_block_compilation_is_not_refused():
     check_not_compiled(m)
 
 
-def test_a_compiled_lightning_module_is_refused_at_setup_on_every_rank():
+def test_a_compiled_lightning_module_is_refused_at_setup_on_every_rank(monkeypatch):
     m = from_compiled(torch.compile(_Wrapped()))  # what Trainer.fit does with a compiled LightningModule
     with pytest.raises(ValueError, match="the LightningModule _Wrapped was compiled with torch.compile before fit"):
         check_plan_at_setup(m, None, 2, 0)
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)  # the grace for rank 0's message, not waited out here
     with pytest.raises(SystemExit):  # another rank: rank 0 reports
         check_plan_at_setup(m, None, 2, 1)
+    assert waits == [10.0]
 
 
 @pytest.mark.parametrize("compiled_what", ["submodule", "lightning_module"])
