@@ -25,21 +25,39 @@ from lightning_dpmp.compat import TorchDispatchMode, op_name, script_object_type
 
 __all__ = ["CommAccounting", "CommCounter"]
 
-# c10d op name -> the name users know
+# c10d op name -> the name users know. The c10d ops are what the ``torch.distributed`` calls dispatch to (their
+# names read from the dispatcher under torch 2.13; ``tests/unit/test_accounting.py`` checks every Python call counts);
+# the ``_c10d_functional`` ones are the traceable collectives (DTensor, compiled graphs).
 _OPS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "allgather_": "all_gather",
     "_allgather_base_": "all_gather",
+    "allgather_coalesced_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather",
     "reduce_scatter_": "reduce_scatter",
     "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "broadcast_": "broadcast",
-    "all_reduce": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
     "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "barrier": "barrier",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "isend": "send",
+    "irecv": "recv",
 }
 
 

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from examples.models.gpt import GPT  # noqa: E402
 from lightning_dpmp import CommCounter, DPMPStrategy  # noqa: E402
+from lightning_dpmp.parallel.sharding import shard_dims  # noqa: E402
 from tests.support.models import LMModule, make_lm_dataset  # noqa: E402
 
 DP, MP, VOCAB, SEQ = 2, 2, 512, 16
@@ -139,6 +140,8 @@ class Measure(L.Callback):
         self.res["expected_dp_gathers"] = len(engine.buckets) + sum(
             1 for o in engine.optimizers for b in engine.buckets for v in o.state.get(b.shard, {}).values()
             if torch.is_tensor(v) and v.shape == b.shard.shape)
+        # and gathers each MP-split tensor onto MP rank 0 once: the parameter and its two AdamW moments
+        self.res["expected_mp_gathers"] = 3 * len(shard_dims(pl_module))
         for fmt, sharded in (("consolidated", False), ("sharded", True)):
             st.checkpointer.distributed = sharded
             counter = CommCounter({"dp": st.grid.dp_group, "mp": st.grid.mp_group})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -213,6 +214,41 @@ def _padded_vocabulary(group, mp: int, bias: bool) -> dict:
     return out
 
 
+def count_every_call(group: dist.ProcessGroup, rank: int) -> dict:
+    """Each ``torch.distributed`` call once on ``group`` (the whole world) and once on no group, counted by
+    :class:`CommCounter`: what every call is labelled, so that exact counts can name any collective."""
+    import torch.distributed._functional_collectives as funcol
+
+    world = dist.get_world_size(group)
+    t = torch.ones(4)
+    counter = CommCounter({"g": group})
+    with counter:
+        dist.all_reduce(t, group=group)
+        dist.all_gather([torch.empty(4) for _ in range(world)], t, group=group)
+        dist.all_gather_into_tensor(torch.empty(4 * world), t, group=group)
+        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(world), group=group)
+        dist.broadcast(t, src=0, group=group)
+        dist.reduce(t, dst=0, group=group)
+        dist.gather(t, [torch.empty(4) for _ in range(world)] if rank == 0 else None, dst=0, group=group)
+        dist.scatter(t, [torch.ones(4) for _ in range(world)] if rank == 0 else None, src=0, group=group)
+        dist.all_to_all_single(torch.empty(world), torch.ones(world), group=group)
+        dist.barrier(group=group)
+        peer = rank ^ 1  # 0<->1, 2<->3: one send and one receive per rank
+        if rank % 2 == 0:
+            dist.send(t, peer, group=group)
+            dist.irecv(t, peer, group=group).wait()
+        else:
+            dist.recv(t, peer, group=group)
+            dist.isend(t, peer, group=group).wait()
+        funcol.all_reduce(t, "sum", group).wait()  # the traceable collectives (DTensor, compiled graphs)
+        funcol.all_gather_tensor(t, 0, group).wait()
+        with warnings.catch_warnings():  # renamed reduce_scatter_single in newer torch; the op is the same
+            warnings.simplefilter("ignore", FutureWarning)
+            funcol.reduce_scatter_tensor(torch.ones(world), "sum", 0, group).wait()
+        dist.all_reduce(t)  # the default group, unlabelled
+    return {f"{g}/{op}": n for (g, op), n in sorted(counter.counts.items())}
+
+
 def worker(rank: int, world: int, port: int, path: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -222,6 +258,7 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
         grid = build_grid(world // mp_size, mp_size)
         for bias in (True, False):
             results[f"mp{mp_size}_bias{int(bias)}"] = check(grid.mp_group, mp_size, bias)
+    results["counted_calls"] = count_every_call(dist.new_group(list(range(world))), rank)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -54,7 +54,11 @@ def test_another_checkpoint_io_gets_the_same_tensors(ranks):
 
 @pytest.mark.slow
 def test_a_consolidated_save_gathers_each_bucket_once_per_flat_tensor_and_a_sharded_one_never(ranks):
-    for r in ranks:
+    for rank, r in enumerate(ranks):
         # 33 buckets: their parameters, then each AdamW moment: 99 DP all-gathers, on every rank
         assert r["counts_consolidated"]["dp/all_gather"] == r["expected_dp_gathers"], r["counts_consolidated"]
         assert "dp/all_gather" not in r["counts_sharded"], r["counts_sharded"]
+        # 192 MP-split parameters, each with two moments: 576 gathers onto rank 0, by the MP group of DP rank 0 only
+        mp_gathers = r["expected_mp_gathers"] if rank // 2 == 0 else None
+        assert r["counts_consolidated"].get("mp/gather") == mp_gathers, (rank, r["counts_consolidated"])
+        assert "mp/gather" not in r["counts_sharded"], r["counts_sharded"]

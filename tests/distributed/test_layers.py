@@ -9,22 +9,37 @@ import pytest
 from tests.conftest import run_ranks
 
 TOL = 1e-12  # float64: only summation order differs
+COUNTED = "counted_calls"  # the worker's CommCounter check, beside the layer cases
 pytestmark = pytest.mark.slow  # one 4-process launch for the module
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def per_rank(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("layers") / "layers.json"
     proc = run_ranks(4, ["tests/distributed/layers_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [
-        (rank, case, r) for rank, per_rank in enumerate(json.loads(out.read_text())) for case, r in per_rank.items()
-    ]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(per_rank):
+    return [(rank, case, r) for rank, cases in enumerate(per_rank) for case, r in cases.items() if case != COUNTED]
 
 
 def test_every_case_ran(results):
     assert {case for _, case, _ in results} == {"mp2_bias1", "mp2_bias0", "mp4_bias1", "mp4_bias0"}
     assert len(results) == 16  # 4 ranks x 4 cases
+
+
+def test_comm_counter_names_every_collective_and_point_to_point_call(per_rank):
+    # each torch.distributed call once on the labelled group "g"; the functional all_reduce, all_gather and
+    # reduce_scatter add one each; the last all_reduce is on the default group, which no label names
+    expected = {
+        "g/all_reduce": 2, "g/all_gather": 3, "g/reduce_scatter": 2, "g/broadcast": 1, "g/reduce": 1, "g/gather": 1,
+        "g/scatter": 1, "g/all_to_all": 1, "g/barrier": 1, "g/send": 1, "g/recv": 1, "other/all_reduce": 1,
+    }
+    counted = [cases[COUNTED] for cases in per_rank]
+    assert counted == [expected] * 4, counted
 
 
 def test_outputs_and_gradients_equal_dense(results):
