@@ -26,7 +26,7 @@ from lightning_dpmp.compat import TorchDispatchMode, op_name, script_object_type
 __all__ = ["CommAccounting", "CommCounter"]
 
 # c10d op name -> the name users know. The c10d ops are what the ``torch.distributed`` calls dispatch to (their
-# names read from the dispatcher under torch 2.13; ``tests/unit/test_accounting.py`` checks every Python call counts);
+# names read from the dispatcher under torch 2.13; ``tests/distributed/test_layers.py`` counts each call once);
 # the ``_c10d_functional`` ones are the traceable collectives (DTensor, compiled graphs).
 _OPS = {
     "allreduce_": "all_reduce",
