@@ -215,8 +215,9 @@ def _padded_vocabulary(group, mp: int, bias: bool) -> dict:
 
 
 def count_every_call(group: dist.ProcessGroup, rank: int) -> dict:
-    """Each ``torch.distributed`` call once on ``group`` (the whole world) and once on no group, counted by
-    :class:`CommCounter`: what every call is labelled, so that exact counts can name any collective."""
+    """Each ``torch.distributed`` call (and three functional collectives) once on ``group`` (the whole world), then
+    one all-reduce on the default group, counted by :class:`CommCounter`: what every call is labelled, so that
+    exact counts can name any collective."""
     import torch.distributed._functional_collectives as funcol
 
     world = dist.get_world_size(group)

@@ -39,21 +39,32 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _env(extra: dict | None = None) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(extra or {})}
+class _Background:
+    """A job started now whose end is taken later (``wait``), with the moment its launcher exited."""
+
+    def __init__(self, args: list[str], env: dict | None = None) -> None:
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        # drain the pipes while it runs; communicate() returns once the launcher has exited
+        self.result = ThreadPoolExecutor(1).submit(lambda: (*self.proc.communicate(), time.time()))
+
+    def wait(self, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+        try:
+            stdout, stderr, ended = self.result.result(timeout=timeout)
+        except FuturesTimeout:
+            self.kill()
+            pytest.fail(f"the job did not end within {timeout} s (a hang):\n{self.result.result()[1][-3000:]}")
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr), ended
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
 
 
-def _run(
-    args: list[str], out: Path, timeout: float = 240, env: dict | None = None
-) -> tuple[subprocess.CompletedProcess, float]:
-    try:
-        proc = subprocess.run(
-            [sys.executable, *args], cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the job did not end within {timeout} s (a hang):\n{str(exc.stderr)[-3000:]}")
-    ended = time.time()
-    return proc, ended
+def _run(args: list[str], timeout: float = 240, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a job to its end: the result and the moment its launcher exited."""
+    return _Background(args, env).wait(timeout)
 
 
 def _check_ended(proc: subprocess.CompletedProcess, ended: float, out: Path, limit_s: float = LIMIT_S) -> float:
@@ -84,7 +95,7 @@ def _check_ended(proc: subprocess.CompletedProcess, ended: float, out: Path, lim
     ],
 )
 def test_a_failing_rank_ends_the_popen_job(tmp_path, case, rank):
-    proc, ended = _run([WORKER, case, str(rank), str(tmp_path)], tmp_path)
+    proc, ended = _run([WORKER, case, str(rank), str(tmp_path)])
     _check_ended(proc, ended, tmp_path)
     if case != "sigkill":
         assert f"injected failure ({case})" in proc.stderr
@@ -94,7 +105,7 @@ def test_a_failing_rank_ends_the_popen_job(tmp_path, case, rank):
 @pytest.mark.parametrize("case,rank", [("train", 0), ("sigkill", 2)])
 def test_a_failing_rank_ends_the_torchrun_job(tmp_path, case, rank):
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", WORKER, case, str(rank), str(tmp_path)]
-    proc, ended = _run(args, tmp_path)
+    proc, ended = _run(args)
     _check_ended(proc, ended, tmp_path)
 
 
@@ -102,29 +113,6 @@ def test_a_failing_rank_ends_the_torchrun_job(tmp_path, case, rank):
 #: slow down: 30 s was enough alone on a loaded 2-core machine; 45 s leaves room for the overlap.
 STUCK_TIMEOUT_S = 45
 STUCK_TEST = "test_a_rank_alive_but_stuck_is_bounded_by_the_timeout"
-
-
-class _Background:
-    """A job started now whose end a later test takes (``wait``), with the moment its launcher exited."""
-
-    def __init__(self, args: list[str], out: Path, env: dict) -> None:
-        self.out = out
-        self.proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        # drain the pipes while it runs; communicate() returns once the launcher has exited
-        self.result = ThreadPoolExecutor(1).submit(lambda: (*self.proc.communicate(), time.time()))
-
-    def wait(self, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-        try:
-            stdout, stderr, ended = self.result.result(timeout=timeout)
-        except FuturesTimeout:
-            self.kill()
-            pytest.fail(f"the job did not end within {timeout} s (a hang)")
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr), ended
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -135,8 +123,8 @@ def stuck_job(request, tmp_path_factory):
         yield None
         return
     out = tmp_path_factory.mktemp("stuck")
-    job = _Background([WORKER, "hang", "1", str(out)], out, {"DPMP_TEST_TIMEOUT_S": str(STUCK_TIMEOUT_S)})
-    yield job
+    job = _Background([WORKER, "hang", "1", str(out)], {"DPMP_TEST_TIMEOUT_S": str(STUCK_TIMEOUT_S)})
+    yield job, out
     job.kill()
 
 
@@ -144,8 +132,9 @@ def stuck_job(request, tmp_path_factory):
 def test_a_rank_alive_but_stuck_is_bounded_by_the_timeout(stuck_job):
     # Rank 1 sleeps inside its step: nothing is closed, so only the process-group timeout can end the wait.
     # Rank 0 (the launcher) times out and exits; rank 1 must not survive it (die_with_parent).
-    proc, ended = stuck_job.wait(timeout=240)
-    elapsed = _check_ended(proc, ended, stuck_job.out, limit_s=STUCK_TIMEOUT_S + 40)
+    job, out = stuck_job
+    proc, ended = job.wait(timeout=240)
+    elapsed = _check_ended(proc, ended, out, limit_s=STUCK_TIMEOUT_S + 40)
     assert elapsed >= STUCK_TIMEOUT_S - 1, "the others should have waited for the timeout, not less"
 
 
