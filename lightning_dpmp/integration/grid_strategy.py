@@ -71,6 +71,7 @@ class GridStrategy(DDPStrategy):
 
     _dp_arg: Size = "auto"
     _mp_arg: Size = "auto"
+    _pp: int = 1  # pipeline stages between DP and MP (rank = (dp_rank * pp + pp_rank) * mp + mp_rank)
     _layout: Optional[Layout] = None  # resolved in set_world_ranks, once devices and nodes are known
     _grid: Optional[Grid] = None  # built in setup_environment (or in set_layout when the layout was pending)
     _device_mesh: Any = None  # made from _grid on first use
@@ -81,11 +82,16 @@ class GridStrategy(DDPStrategy):
     _warned_batch_layout: bool = False
     _undo_writers: Any = None
 
-    def init_grid(self, dp: Size, mp: Size) -> None:
-        """Record the requested sizes (``"auto"`` allowed); refuse a bad value before anything starts."""
+    def init_grid(self, dp: Size, mp: Size, pp: int = 1) -> None:
+        """Record the requested sizes (``"auto"`` allowed for dp and mp); refuse a bad value before anything starts."""
         check_parallel_size("dp", dp, allow_auto=True)
         check_parallel_size("mp", mp, allow_auto=True)
-        self._dp_arg, self._mp_arg = dp, mp
+        check_parallel_size("pp", pp)
+        if pp > 1 and dp == "auto" and mp == "auto":
+            raise ValueError(f"DPMPStrategy(pp={pp}) needs dp or mp given (the other may be 'auto'): the layout search"
+                             f" of dp='auto', mp='auto' does not plan pipelines. For example DPMPStrategy(dp=1, pp={pp},"
+                             f" mp='auto').")
+        self._dp_arg, self._mp_arg, self._pp = dp, mp, pp
         self._layout, self._grid, self._pending, self._chosen, self._layout_report = None, None, False, None, ""
 
     @property
@@ -161,9 +167,19 @@ class GridStrategy(DDPStrategy):
         return compat.ddp_timeout(self)
 
     @property
+    def pp(self) -> int:
+        """Pipeline stages (1: no pipeline)."""
+        return self._pp
+
+    @property
     def dp_rank(self) -> int:
         """Index of this rank's data shard (also the DistributedSampler rank)."""
-        return self.global_rank // self.mp
+        return self.global_rank // (self.mp * self._pp)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without a pipeline)."""
+        return (self.global_rank // self.mp) % self._pp
 
     @property
     def mp_rank(self) -> int:
@@ -180,22 +196,28 @@ class GridStrategy(DDPStrategy):
         if self.parallel_devices:
             check_backend(self.process_group_backend, self.parallel_devices)
             world = self.num_processes * self.num_nodes
-            if self._chosen is not None and self._chosen.dp * self._chosen.mp != world:
+            if self._chosen is not None and self._chosen.dp * self._chosen.mp * self._pp != world:
                 self._chosen = None  # chosen for another world size (a new Trainer): choose again
             if self.chooses_layout and self._chosen is None:
                 self._layout, self._pending = None, True  # any world splits; the split is chosen at setup
             else:
-                self._layout = self._chosen or resolve_layout(
-                    self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes
-                )
+                self._layout = self._chosen or self._resolve(world)
                 self._pending = False
                 if self._chosen is not None:
                     self._layout_report = (f"  layout: dp={self.dp} x mp={self.mp}, kept from this strategy's"
                                            " earlier mp='auto' choice")
-                check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes)
+                check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes,
+                                 pp=self._pp)
                 # The connector sets the layer sync just before this call.
                 check_sync_batchnorm(compat.layer_sync(self), self.mp)
         super().set_world_ranks()
+
+    def _resolve(self, world: int) -> Layout:
+        if self._pp == 1:
+            return resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
+        if world % self._pp:
+            raise ValueError(f"DPMPStrategy(pp={self._pp}): devices*num_nodes = {world} is not divisible by pp.")
+        return resolve_layout(self._dp_arg, self._mp_arg, world // self._pp, 1)
 
     @property
     @override
@@ -230,16 +252,16 @@ class GridStrategy(DDPStrategy):
         self._build_grid()
 
     def _build_grid(self) -> None:
-        check_world_size(self.dp, self.mp, dist.get_world_size())
+        check_world_size(self.dp, self.mp, dist.get_world_size(), pp=self._pp)
         warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
         # subgroups do not inherit the world's timeout
-        self._grid, self._device_mesh = build_grid(self.dp, self.mp, timeout=self.timeout), None
+        self._grid, self._device_mesh = build_grid(self.dp, self.mp, timeout=self.timeout, pp=self._pp), None
 
     # ------------------------------------------------------------------ the data path
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        if self._grid is not None and self._grid.mp > 1:
+        if self._grid is not None and self._grid.batch_width > 1:
             seed_workers_by_dp_rank(dataloader, self._grid.dp_rank)  # before Lightning seeds them by global rank
         return dataloader
 
@@ -255,17 +277,19 @@ class GridStrategy(DDPStrategy):
         first = first_batch_of_run(trainer)
         if first is not None:
             check_even_batches(first[1], first[0], grid, self.root_device)
-        if grid.mp == 1:
+        if grid.batch_width == 1:
             return batch
+        # the ranks of an MP group (with a pipeline: of the whole row of stages) train on one batch
         if self._mp_batch == "check":
-            check_batch(batch, grid.mp_group, self.root_device, where=f" (rank {grid.rank}, dp_rank {grid.dp_rank})")
+            check_batch(batch, grid.batch_group, self.root_device,
+                        where=f" (rank {grid.rank}, dp_rank {grid.dp_rank})")
             return batch
-        batch, same_layout = broadcast_batch(batch, grid.mp_group, src=grid.dp_rank * grid.mp)
-        if not same_layout and not self._warned_batch_layout and grid.mp_rank == 0:
+        batch, same_layout = broadcast_batch(batch, grid.batch_group, src=grid.batch_src)
+        if not same_layout and not self._warned_batch_layout and grid.rank == grid.batch_src:
             self._warned_batch_layout = True
             warnings.warn(
                 f"DPMPStrategy: the ranks of MP group {grid.dp_rank} read batches of different structure or shapes;"
-                f" each trains on MP rank 0's batch (global rank {grid.dp_rank * grid.mp}), sent as a pickled object"
+                f" each trains on MP rank 0's batch (global rank {grid.batch_src}), sent as a pickled object"
                 " (slower). Give every rank of an MP group the same samples (seed by trainer.strategy.dp_rank).",
                 stacklevel=2,
             )
@@ -275,7 +299,9 @@ class GridStrategy(DDPStrategy):
     def on_predict_start(self) -> None:
         trainer = trainer_of(self.lightning_module)
         if self._grid is not None and trainer is not None:
-            self._undo_writers = mute_prediction_writers(trainer.callbacks, self._grid.mp_rank)
+            # one writer per DP replica: the first rank of its MP group (and of its pipeline)
+            first = self._grid.rank == self._grid.batch_src
+            self._undo_writers = mute_prediction_writers(trainer.callbacks, 0 if first else 1)
         super().on_predict_start()
 
     @override

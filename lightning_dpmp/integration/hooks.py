@@ -37,12 +37,15 @@ from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
 __all__ = ["agree_found_inf", "install", "remove", "then_sum_partial"]
 
 
-def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = None) -> None:
+def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = None, pp_group: Any = None,
+            counted: Optional[set[int]] = None) -> None:
     """Shadow the plugin's ``clip_grad_by_norm`` on this instance with the global-norm clip; ``dp_group`` when
-    the gradients are DP shards (ZeRO-2/3)."""
+    the gradients are DP shards (ZeRO-2/3); ``pp_group`` and ``counted`` (the parameters this rank counts) with a
+    pipeline."""
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val), split_params, group, dp_group)
+        clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val), split_params, group, dp_group,
+                        pp_group=pp_group, counted=counted)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
     scaler = getattr(plugin, "scaler", None)

@@ -12,7 +12,10 @@ the device (skipped for a meta model). The steps, each a short function below, r
 
 Fitting only:
 
-5. :func:`wrap_dp`: zero=0 with dp > 1: ``DistributedDataParallel`` over the DP group (``find_unused_parameters``
+4b. :func:`plan_pipeline`: with ``pp > 1``, the first batch's step is probed and the repeated blocks are cut into
+    pipeline stages (:mod:`lightning_dpmp.integration.pipeline`); DP then averages the stages' gradients itself
+    (no DDP: its reducer cannot follow a schedule's interleaved micro-batches);
+5. :func:`wrap_dp`: zero=0 with dp > 1 and no pipeline: ``DistributedDataParallel`` over the DP group (``find_unused_parameters``
    when the trace saw a step leave parameters out);
 6. the user's ``configure_optimizers``, through the strategy's public ``setup_optimizers`` (so the LR finder's
    wrapper of it still applies), over the split parameters;
@@ -50,7 +53,9 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
+from lightning_dpmp.integration.pipeline import Pipeline, PipelineConfig, build_pipeline, check_pipeline_at_setup
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
+from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
@@ -67,6 +72,7 @@ __all__ = [
     "overlap_grad_allreduce",
     "parallelize",
     "plan_and_split",
+    "plan_pipeline",
     "route_metrics",
     "shard_dp",
     "unparallelize",
@@ -85,6 +91,7 @@ class ParallelConfig:
     compile: bool = False
     async_grad_allreduce: Optional[bool] = None  # None: on for CUDA, off on CPU/gloo
     mixed_precision: Optional[Any] = None  # zero >= 2: torch's MixedPrecisionPolicy (param_dtype, reduce_dtype)
+    pipeline: PipelineConfig = PipelineConfig()  # pp > 1: the stages and their schedule
 
 
 @dataclass
@@ -103,6 +110,7 @@ class Parallelized:
     mp_group: Any
     engine: Optional[ZeroEngine] = None
     compiled: bool = False
+    pipeline: Optional[Pipeline] = None
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
 
     def step_closure(self, closure: Callable[[], Any], stepped: Iterable[nn.Parameter]) -> Callable[[], Any]:
@@ -111,6 +119,8 @@ class Parallelized:
         clips and steps."""
         if self.engine is not None:
             return then_finish_zero(closure, self.engine, self.mp_group)
+        if self.pipeline is not None:
+            return _then(closure, self.pipeline.reduce_grads)
         if not self.partial_grads:
             return closure
         mine = {id(p) for p in stepped}
@@ -147,6 +157,15 @@ class Parallelized:
                 self.rng.exit()
 
 
+def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
+    def run() -> Any:
+        out = closure()
+        after()
+        return out
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------- the steps
 def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool) -> Split:
     """Step 1: trace, plan and split ``strategy.lightning_module`` over ``strategy.grid`` (collective)."""
@@ -173,6 +192,23 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
     return enabled
 
 
+def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig) -> Pipeline:
+    """Step 4b (fitting, ``pp > 1``): probe the first batch's training step on the split model and cut it into
+    stages (collective over each MP group: the probe runs the split layers); its plan joins the printout."""
+    from lightning_dpmp.integration.autoplan import isolated
+
+    lm = strategy.lightning_module
+    check_pipeline_at_setup(trainer, lm)
+    batch, _ = first_batch(trainer, strategy)
+    if batch is None:
+        raise RuntimeError("DPMPStrategy(pp > 1) plans its stages from the first training batch; the train "
+                           "dataloader gave none.")
+    run = step_runner(trainer, strategy, batch)
+    with isolated(lm):
+        pipeline = build_pipeline(lm, run, batch, strategy.grid, config, strategy.root_device)
+    return pipeline
+
+
 def wrap_dp(strategy: Any, conditional: bool) -> None:
     """Step 5 (zero=0, dp > 1): ``DistributedDataParallel`` over the DP group, so gradients are averaged over DP
     only; with mp=1 the DP group is the world and DDP gets the default group, as ``DDPStrategy`` gives it.
@@ -195,10 +231,12 @@ def shard_dp(strategy: Any, split: Split, zero: int, mixed_precision: Optional[A
     return engine
 
 
-def install_step_hooks(plugin: Any, parallel: Parallelized, dp_group: Any) -> None:
-    """Step 8: global-norm clipping over the shards (``dp_group`` too when the engine shards gradients over DP) and
-    ``found_inf`` agreed over the world, on the precision plugin's instance."""
-    hooks.install(plugin, set(parallel.split_params), parallel.mp_group, dp_group)
+def install_step_hooks(plugin: Any, parallel: Parallelized, dp_group: Any, pp_group: Any = None) -> None:
+    """Step 8: global-norm clipping over the shards (``dp_group`` too when the engine shards gradients over DP;
+    ``pp_group`` with a pipeline: each parameter counted on the rank that owns it) and ``found_inf`` agreed over
+    the world, on the precision plugin's instance."""
+    counted = parallel.pipeline.counted() if parallel.pipeline is not None else None
+    hooks.install(plugin, set(parallel.split_params), parallel.mp_group, dp_group, pp_group, counted)
     parallel._hooked.append(plugin)
 
 
@@ -216,9 +254,12 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     route_metrics(strategy.model, grid.dp_group)
     overlap_grad_allreduce(strategy.model, config.async_grad_allreduce, strategy.root_device.type)
     compiled = compile_model(module, config.compile)
-    engine = None
+    engine = pipeline = None
     if trainer.state.fn == TrainerFn.FITTING:
-        if grid.dp > 1 and config.zero == 0:
+        if grid.pp > 1:
+            pipeline = plan_pipeline(strategy, trainer, config.pipeline)
+            split.applied_plan.text += "\n" + pipeline.text()
+        elif grid.dp > 1 and config.zero == 0:
             wrap_dp(strategy, bool(split.applied_plan.conditional))
         strategy.setup_optimizers(trainer)
         if grid.dp > 1 and config.zero >= 1:
@@ -227,9 +268,10 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
-                            engine, compiled)
-    if grid.mp > 1 or engine is not None:
-        install_step_hooks(strategy.precision_plugin, parallel, grid.dp_group if engine is not None else None)
+                            engine, compiled, pipeline)
+    if grid.mp > 1 or engine is not None or pipeline is not None:
+        install_step_hooks(strategy.precision_plugin, parallel, grid.dp_group if engine is not None else None,
+                           grid.pp_group if pipeline is not None else None)
     return parallel
 
 
@@ -239,6 +281,8 @@ def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool
     the layers back per ``consolidate`` (``"rank0"``: global rank 0 alone ends with the plain model; ``True``: every
     rank; ``False``: stays split), uncompile, remove the step hooks."""
     module = strategy.lightning_module
+    if parallel.pipeline is not None and not failed:
+        parallel.pipeline.sync(strategy.optimizers)  # every rank the trained model before gathering it
     if parallel.engine is not None and not failed:
         strategy.optimizers = release_engine(parallel.engine, strategy.optimizers, strategy.lr_scheduler_configs)
     parallel.engine = None

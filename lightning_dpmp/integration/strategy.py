@@ -45,6 +45,7 @@ from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batc
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.layout import DEFAULT_TIMEOUT
 from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized, parallelize, unparallelize
+from lightning_dpmp.integration.pipeline import Pipeline, check_pipeline_args
 from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.zero import memory_line, memory_report
@@ -111,6 +112,16 @@ class DPMPStrategy(GridStrategy):
             reduce_dtype=torch.float32)``, as FSDP2 takes it: parameters gathered and computed with in
             ``param_dtype``, gradients reduced in ``reduce_dtype``, the optimizer stepping (and checkpoints holding)
             the parameters' own dtype.
+        pp: pipeline stages (:mod:`lightning_dpmp.integration.pipeline`): the repeated blocks are cut into ``pp``
+            stages balanced by FLOPs, found from the traced step (the embeddings join the first, the head and loss
+            the last), and run by torch's schedules; world = ``dp * pp * mp``, MP innermost, then PP, then DP. Your
+            ``training_step`` stays as written: it runs once per micro-batch and stage. Combines with MP, DP,
+            clipping, accumulation, both checkpoint formats and evaluation; not yet with ``zero``, ``compile`` or
+            ``sequence_parallel``.
+        pp_microbatches: micro-batches per step (default: the number of stages); must divide the per-rank batch.
+        pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, or ``"interleaved"`` (``pp_stages_per_rank`` stages per
+            rank, looping).
+        pp_stages_per_rank: stages per rank for ``"interleaved"`` (>= 2).
         process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
         start_method: ``"popen"`` (default, Lightning's script launcher), ``"spawn"``, ``"fork"``.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``static_graph=True``).
@@ -139,6 +150,10 @@ class DPMPStrategy(GridStrategy):
         compile: bool = False,
         async_grad_allreduce: Optional[bool] = None,
         mixed_precision: Optional[Any] = None,
+        pp: int = 1,
+        pp_microbatches: Optional[int] = None,
+        pp_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b",
+        pp_stages_per_rank: int = 1,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -148,7 +163,7 @@ class DPMPStrategy(GridStrategy):
         precision_plugin: Optional[Any] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        self.init_grid(dp, mp)  # dp/mp refused first, before any other argument
+        self.init_grid(dp, mp, pp)  # dp/mp/pp refused first, before any other argument
         overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                              save_distributed_checkpoint, process_group_backend, start_method,
                                              timeout, zero)
@@ -159,6 +174,8 @@ class DPMPStrategy(GridStrategy):
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
         validate.check_mixed_precision(mixed_precision, zero, dp)
+        pipeline = check_pipeline_args(pp, pp_microbatches, pp_schedule, pp_stages_per_rank, zero=zero,
+                                       compile=bool(compile), sequence_parallel=bool(sequence_parallel))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -172,7 +189,7 @@ class DPMPStrategy(GridStrategy):
         )
         # parsed and checked once, here; what setup's parallelize pipeline follows
         self._config = ParallelConfig(overrides, bool(verify_plan), bool(sequence_parallel), zero, compile,
-                                      async_grad_allreduce, mixed_precision)
+                                      async_grad_allreduce, mixed_precision, pipeline)
         self._consolidate_on_teardown = consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
         self._parallel: Optional[Parallelized] = None  # set by setup's parallelize
@@ -214,6 +231,18 @@ class DPMPStrategy(GridStrategy):
     def zero_engine(self) -> Optional[ZeroEngine]:
         """The engine that shards over DP while fitting with ``zero >= 1`` (``None`` otherwise, and after fit)."""
         return self._parallel.engine if self._parallel is not None else None
+
+    @property
+    def pipeline(self) -> Optional[Pipeline]:
+        """The pipeline stages and schedule while fitting with ``pp > 1`` (``None`` otherwise)."""
+        return self._parallel.pipeline if self._parallel is not None else None
+
+    def sync_stages(self) -> None:
+        """With a pipeline: every rank gets the parameters and optimizer state trained on the other stages
+        (collective; nothing to do when no step ran since the last sync). Evaluation, checkpoints and teardown call
+        it; call it yourself before reading another stage's parameters during training."""
+        if self.pipeline is not None and not self._failed:
+            self.pipeline.sync(self.optimizers)
 
     @property
     def applied_plan(self) -> Optional[PlanResult]:
@@ -329,7 +358,42 @@ class DPMPStrategy(GridStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._in_step(training=True):
-            return super().training_step(*args, **kwargs)
+            pipeline = self.pipeline
+            if pipeline is None:
+                return super().training_step(*args, **kwargs)
+            batch, batch_idx = (list(args) + [kwargs.get("batch"), kwargs.get("batch_idx", 0)])[:2]
+            trainer = self.lightning_module.trainer
+            return pipeline.training_step(self.lightning_module, batch, batch_idx, trainer.accumulate_grad_batches)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the schedule ran every micro-batch's backward inside training_step; its gradients land here, between
+        # the hooks that surround a backward
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.pipeline.apply_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def on_validation_start(self) -> None:
+        self.sync_stages()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.sync_stages()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.sync_stages()
+        super().on_predict_start()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -405,6 +469,7 @@ class DPMPStrategy(GridStrategy):
     # Each checkpoint hook hands the call to the StrategyCheckpointer, with Lightning's arguments and defaults.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.sync_stages()  # (the first thing a checkpoint asks for: the optimizer state is synced with it)
         return self.checkpointer.module_state_dict()
 
     @override

@@ -86,9 +86,11 @@ class StrategyCheckpointer:
         self._bucket_gathers: dict[tuple[int, int], Gathered] = {}
 
     def gathers(self) -> bool:
-        """Whether this rank gathers MP shards into dense tensors: consolidated saves, on each MP group of DP rank 0."""
+        """Whether this rank gathers MP shards into dense tensors: consolidated saves, on the MP group of DP rank 0
+        (and pipeline rank 0)."""
         grid = self.strategy.grid_or_none
-        return grid is not None and not self.distributed and grid.dp_rank == 0
+        # with a pipeline every stage holds the synced model: the first stage's MP group gathers
+        return grid is not None and not self.distributed and grid.dp_rank == 0 and grid.pp_rank == 0
 
     def _engine(self) -> Any:
         return getattr(self.strategy, "zero_engine", None)

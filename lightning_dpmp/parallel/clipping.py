@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -27,13 +27,18 @@ from lightning_dpmp.parallel.comm import all_reduce_sum
 __all__ = ["clip_grad_norm_", "grad_norm", "sync_partial_grads"]
 
 
-def grad_norm(params: Iterable[Tensor], split: set[int], group: Any, dp_group: Any = None) -> Tensor:
+def grad_norm(params: Iterable[Tensor], split: set[int], group: Any, dp_group: Any = None, *,
+              pp_group: Any = None, counted: Optional[set[int]] = None) -> Tensor:
     """The 2-norm of the dense gradient; ``split`` holds ``id()`` of the parameters that are MP shards;
-    ``dp_group``: the gradients are also sharded over DP (ZeRO-2/3), every rank's part summed."""
-    grads = [(p.grad, id(p) in split) for p in params if p.grad is not None]
-    if not grads:  # the same on every rank: DP shards get gradients from the same graph
+    ``dp_group``: the gradients are also sharded over DP (ZeRO-2/3), every rank's part summed; ``pp_group``: the
+    parameters live on pipeline stages, each counted only where ``counted`` holds it, the parts summed over PP."""
+    params = list(params)
+    grads = [(p.grad, id(p) in split) for p in params
+             if p.grad is not None and (counted is None or id(p) in counted)]
+    if not grads and pp_group is None:  # the same on every rank: DP shards get gradients from the same graph
         return torch.tensor(0.0)
-    device, dtype = grads[0][0].device, grads[0][0].dtype
+    first = grads[0][0] if grads else next((p for p in params if p.grad is not None), torch.zeros(()))
+    device, dtype = first.device, first.dtype
     sq = torch.zeros(2, device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     for g, is_split in grads:
         sq[0 if is_split else 1] += torch.linalg.vector_norm(g.detach(), 2, dtype=sq.dtype) ** 2
@@ -42,16 +47,20 @@ def grad_norm(params: Iterable[Tensor], split: set[int], group: Any, dp_group: A
     total = sharded[0] + sq[1]
     if dp_group is not None:  # each DP rank holds 1/dp of every flat gradient (the padding is zero)
         total = all_reduce_sum(total.reshape(1), dp_group)[0]
+    if pp_group is not None:  # each stage's own parameters
+        total = all_reduce_sum(total.reshape(1), pp_group)[0]
     return total.sqrt()
 
 
 def clip_grad_norm_(
-    params: Iterable[Tensor], max_norm: float, split: set[int], group: Any, dp_group: Any = None
+    params: Iterable[Tensor], max_norm: float, split: set[int], group: Any, dp_group: Any = None, *,
+    pp_group: Any = None, counted: Optional[set[int]] = None,
 ) -> Tensor:
     """Scale gradients in place so that their dense 2-norm is at most ``max_norm``; returns the norm before.
-    ``dp_group``: the gradients are DP shards (ZeRO-2/3)."""
+    ``dp_group``: the gradients are DP shards (ZeRO-2/3); ``pp_group``/``counted``: pipeline stages
+    (:func:`grad_norm`)."""
     params = [p for p in params if p.grad is not None]
-    total = grad_norm(params, split, group, dp_group)
+    total = grad_norm(params, split, group, dp_group, pp_group=pp_group, counted=counted)
     # Same formula as torch.nn.utils.clip_grad_norm_, so single-process and sharded runs clip alike.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:

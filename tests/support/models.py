@@ -367,7 +367,7 @@ def freeze_attention(module: nn.Module) -> nn.Module:
 
 
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
-    """Test models by name: resmlp, gpt (tied), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
+    """Test models by name: resmlp, gpt (tied), gpt4 (gpt with 4 blocks), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
     gpt_frozen (gpt_untied with frozen attention), gpt_vocab61 (gpt with 61 tokens), moe_list (ResMLP with top-1
     ModuleList experts), layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under
     torch.utils.checkpoint), moe_ckpt (moe_list so), llama_gc (transformers' Llama with gradient checkpointing)."""
@@ -387,12 +387,13 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         module, data = build_real("hf_llama")
         module.net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return module, data
-    if name in ("gpt", "gpt_untied", "gpt_frozen", "gpt_vocab61"):
+    if name in ("gpt", "gpt_untied", "gpt_frozen", "gpt_vocab61", "gpt4"):
         from examples.models.gpt import GPT
 
         vocab = 61 if name == "gpt_vocab61" else 64  # 61: no mp > 1 divides it (the tied table and head are padded)
-        net = GPT(vocab_size=vocab, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0,
-                  tie_embeddings=name in ("gpt", "gpt_vocab61"))
+        net = GPT(vocab_size=vocab, block_size=16, n_layer=4 if name == "gpt4" else 2, n_head=4, n_embd=32,
+                  dropout=0.0,
+                  tie_embeddings=name in ("gpt", "gpt_vocab61", "gpt4"))
         return LMModule(freeze_attention(net) if name == "gpt_frozen" else net), make_lm_dataset(vocab=vocab)
     if name == "llama":
         return LMModule(TinyLlama()), make_lm_dataset()
@@ -408,8 +409,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return ChainMLP(int(name[len("chain"):] or 4)), make_dataset(n_out=4)
     if name == "fused":
         return LMModule(FusedLM()), make_lm_dataset()
-    from tests.support.real_models import REAL_MODELS, build_real
+    from tests.support.real_models import OTHERS, REAL_MODELS, build_real
 
-    if name in REAL_MODELS:
+    if name in REAL_MODELS or name in OTHERS:
         return build_real(name)
     raise ValueError(name)

@@ -55,7 +55,7 @@ class RealModel:
     vocab: tuple[str, ...] = ()  # layers that must come out split by vocabulary (a token table and its tied head)
 
 
-def llama(hidden: int = 32, intermediate: int = 64, norm_in_model_dtype: bool = False
+def llama(hidden: int = 32, intermediate: int = 64, norm_in_model_dtype: bool = False, layers: int = 2
           ) -> tuple[L.LightningModule, object]:
     """transformers' Llama (2 blocks, 8 query / 4 key-value heads: GQA), ``hidden`` wide. transformers computes
     ``LlamaRMSNorm`` in float32 whatever the model's dtype; ``norm_in_model_dtype`` makes it compute in the
@@ -63,7 +63,7 @@ def llama(hidden: int = 32, intermediate: int = 64, norm_in_model_dtype: bool = 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=False,
     )
     net = LlamaForCausalLM(cfg)
@@ -83,6 +83,10 @@ def _rms_norm_in_model_dtype(self, hidden_states):
 
 def _llama() -> tuple[L.LightningModule, object]:
     return llama()
+
+
+def _llama4() -> tuple[L.LightningModule, object]:
+    return llama(layers=4)
 
 
 # The Llamas the compile tests train against single-process training: stock (its RMSNorm in float32), with the norm
@@ -510,8 +514,10 @@ REAL_MODELS: dict[str, RealModel] = {
 # Real models the planner tests use on their own: their blocks are not all split yet (DBRX's experts), so they stay
 # out of the parity matrix above.
 PLANNER_ONLY: dict[str, Callable[[], tuple[L.LightningModule, object]]] = {"hf_dbrx": _dbrx}
+# Models other tests build by name: a 4-block Llama (pipeline stages, two per rank)
+OTHERS: dict[str, Callable[[], tuple[L.LightningModule, object]]] = {"hf_llama4": _llama4}
 
 
 def build_real(name: str) -> tuple[L.LightningModule, object]:
     torch.manual_seed(0)  # the same dense init in every process and in the reference
-    return REAL_MODELS[name].build() if name in REAL_MODELS else PLANNER_ONLY[name]()
+    return REAL_MODELS[name].build() if name in REAL_MODELS else {**PLANNER_ONLY, **OTHERS}[name]()

@@ -1,0 +1,362 @@
+"""The Lightning side of pipeline parallelism: stages planned at setup from the traced step, the step run by
+torch's schedule, and what the rest of the strategy needs around it.
+
+* **Setup** (:func:`build_pipeline`, after the MP split): the first batch's step is probed
+  (:func:`~lightning_dpmp.planner.stages.probe_stack`), refused with the reason and the layer when it cannot be cut
+  between its repeated blocks, and the blocks are cut into ``pp * stages_per_rank`` stages balanced by matmul FLOPs
+  (:func:`~lightning_dpmp.planner.stages.balance`); the embeddings join the first stage, the head and loss the last.
+* **A training step** (:meth:`Pipeline.training_step`): the batch is cut into micro-batches and the user's own
+  ``training_step`` runs once per micro-batch and stage under the schedule
+  (:class:`~lightning_dpmp.parallel.pipeline.PipelineRunner`), forward and backward; ``self.log`` calls are
+  recorded on the last stage, averaged over the micro-batches and replayed on every rank with the step's loss, so
+  logging (``sync_dist`` included) behaves as without a pipeline. The step's gradients are set aside and the
+  strategy's ``backward`` adds them (:meth:`Pipeline.apply_grads`): Lightning zeroes gradients between the two.
+* **Gradients** (:meth:`Pipeline.reduce_grads`, in the optimizer step's closure): a parameter read on more than one
+  stage (tied embeddings and head) gets its gradients summed over the PP group, then every gradient this rank
+  computed is averaged over the DP group in flat buckets (no DDP: its reducer cannot follow a schedule's
+  interleaved micro-batches). Clipping counts each parameter once, on the rank that owns it, and sums over PP.
+* **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the whole (MP-split) model, but only its stages' parameters
+  train there. Before a validation, test or prediction run, a checkpoint or teardown, each rank broadcasts the
+  parameters (and optimizer state) it owns to its PP group, and then every rank holds the trained model: evaluation
+  runs without the pipeline, and both checkpoint formats are written as without it, so they load into any layout.
+
+Example:
+    >>> config = PipelineConfig(pp=2, microbatches=4, schedule="1f1b")
+    >>> config.stages
+    2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import lightning_dpmp.compat as compat
+from lightning_dpmp.parallel.compiled import repeated_blocks
+from lightning_dpmp.parallel.grid import Grid
+from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction, split_microbatches
+from lightning_dpmp.planner.stages import BETWEEN, POST, PRE, StackProfile, StageCutError, balance, probe_stack
+
+__all__ = ["Pipeline", "PipelineConfig", "build_pipeline", "check_pipeline_args"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """``DPMPStrategy(pp=..., pp_microbatches=..., pp_schedule=..., pp_stages_per_rank=...)``, checked."""
+
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all (``pp * stages_per_rank``)."""
+        return self.pp * self.stages_per_rank
+
+
+def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any, *, zero: int,
+                        compile: bool, sequence_parallel: bool) -> PipelineConfig:
+    """Refuse, naming the values, a pipeline configuration that cannot run (before any process starts)."""
+    for name, value in (("pp", pp), ("pp_stages_per_rank", stages_per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    if microbatches is None:
+        microbatches = pp * stages_per_rank
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"`pp_microbatches` must be a positive integer, got {microbatches!r}.")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"`pp_schedule` must be one of {SCHEDULES}, got {schedule!r}.")
+    if pp == 1:
+        return PipelineConfig()
+    if schedule == "interleaved" and stages_per_rank < 2:
+        raise ValueError(f"pp_schedule='interleaved' runs several stages per rank: set pp_stages_per_rank >= 2, got"
+                         f" {stages_per_rank}.")
+    if schedule != "interleaved" and stages_per_rank != 1:
+        raise ValueError(f"pp_stages_per_rank={stages_per_rank} needs pp_schedule='interleaved' ({schedule!r} runs one"
+                         f" stage per rank).")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"pp_schedule='interleaved' needs pp_microbatches ({microbatches}) to be a multiple of "
+                         f"pp ({pp}).")
+    unsupported = [f for f, on in (("zero >= 1", zero >= 1), ("compile=True", compile),
+                                   ("sequence_parallel=True", sequence_parallel)) if on]
+    if unsupported:
+        raise ValueError(f"DPMPStrategy(pp={pp}) does not combine with {', '.join(unsupported)} yet: use pp=1 for "
+                         f"those, or turn them off with the pipeline.")
+    return PipelineConfig(pp, microbatches, schedule, stages_per_rank)
+
+
+def check_pipeline_at_setup(trainer: Any, module: Any) -> None:
+    """Refuse what a pipelined step cannot serve: manual optimization, fp16 loss scaling (checked at setup, when
+    the Trainer's precision is known)."""
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ValueError("DPMPStrategy(pp > 1) runs the forward and backward of each micro-batch itself: it needs "
+                         "automatic optimization (this LightningModule sets automatic_optimization = False).")
+    if str(trainer.precision) in ("16-mixed", "16", "16-true"):
+        raise ValueError(f"DPMPStrategy(pp > 1) does not support precision={trainer.precision!r} (fp16 loss scaling "
+                         f"happens in Lightning's backward, which the pipeline replaces); use bf16-mixed, 32 or 64.")
+
+
+class _LogRecorder:
+    """``self.log``/``self.log_dict`` of the module, recorded per micro-batch instead of logged."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, Any, dict[str, Any]]] = []
+
+    @contextmanager
+    def recording(self, module: nn.Module) -> Iterator[None]:
+        def log(name: str, value: Any, **kwargs: Any) -> None:
+            if not isinstance(value, (Tensor, int, float)):
+                raise TypeError(f"under pipeline parallelism training_step logs values (tensors, numbers), not "
+                                f"{type(value).__name__} ({name!r}): log a torchmetrics Metric from validation_step, "
+                                f"or log its computed value")
+            self.records.append((name, value.detach() if isinstance(value, Tensor) else value, kwargs))
+
+        def log_dict(values: Mapping[str, Any], **kwargs: Any) -> None:
+            for k, v in values.items():
+                log(k, v, **kwargs)
+
+        saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
+        module.log, module.log_dict = log, log_dict  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for name, own in saved.items():
+                if own is None:
+                    delattr(module, name)
+                else:
+                    setattr(module, name, own)
+
+    def averaged(self) -> list[tuple[str, float, dict[str, Any]]]:
+        """One entry per logged name: the mean over micro-batches, with the first call's arguments."""
+        sums: dict[str, list[Any]] = {}
+        for name, value, kwargs in self.records:
+            entry = sums.setdefault(name, [0.0, 0, kwargs])
+            entry[0] += float(value)
+            entry[1] += 1
+        return [(name, total / n, kwargs) for name, (total, n, kwargs) in sums.items()]
+
+
+class Pipeline:
+    """The stages of one model over one PP group, their schedule, and the step-time operations around it.
+
+    Args:
+        module: the LightningModule (already split over MP).
+        profile: what the probe saw of its step.
+        grid: this rank's grid (``pp > 1``).
+        config: the pipeline arguments.
+        device: where activations live.
+    """
+
+    def __init__(self, module: nn.Module, profile: StackProfile, grid: Grid, config: PipelineConfig,
+                 device: torch.device) -> None:
+        self.grid, self.config, self.profile = grid, config, profile
+        blocks = [m for _, m in repeated_blocks(module)]
+        costs, pre, post = profile.costs()
+        self.ranges = balance(costs, pre, post, config.stages)
+        stage_of_block = {j: s for s, (a, b) in enumerate(self.ranges) for j in range(a, b)}
+        region_stage = {PRE: 0, POST: config.stages - 1, BETWEEN: 0}
+        named = dict(module.named_parameters())  # tied parameters once, under their first name
+        self.names = {id(p): n for n, p in named.items()}
+        self.params = list(named.values())
+        self.ranks: dict[int, set[int]] = {}  # id(parameter) -> PP ranks whose stages read it
+        for p in self.params:
+            regions = profile.param_regions.get(id(p), set())
+            stages = {stage_of_block.get(r, region_stage.get(r, 0)) for r in regions} or {0}
+            self.ranks[id(p)] = {s % grid.pp for s in stages}
+        me = grid.pp_rank
+        self.computed = [p for p in self.params if me in self.ranks[id(p)] and p.requires_grad]
+        self.shared = [p for p in self.params if len(self.ranks[id(p)]) > 1 and p.requires_grad]
+        self.owned = {id(p) for p in self.params if min(self.ranks[id(p)]) == me}
+        self.runner = PipelineRunner(blocks, self.ranges, profile.stream, profile.output_arity, profile.stream_shape,
+                                     profile.stream_dtype, grid.pp_group, me, grid.pp, config.microbatches,
+                                     config.schedule, device)
+        self.device = device
+        self.dirty = False  # trained since the last sync: other stages' parameters here are stale
+
+    # ------------------------------------------------------------------ the printout
+    def text(self) -> str:
+        """Which blocks each stage holds, its share of the step's matmul FLOPs, and the schedule's bubble."""
+        costs, pre, post = self.profile.costs()
+        total = sum(costs) + pre + post or 1.0
+        cfg = self.config
+        lines = [f"  pipeline: pp={cfg.pp} x {cfg.stages_per_rank} stage(s) per rank, schedule {cfg.schedule},"
+                 f" {cfg.microbatches} micro-batches per step; bubble "
+                 f"{bubble_fraction(cfg.schedule, cfg.pp, cfg.microbatches, cfg.stages_per_rank):.1%};"
+                 f" {2 * (cfg.stages - 1) * cfg.microbatches} activation/gradient sends per step"]
+        names = self.profile.names
+        for s, (a, b) in enumerate(self.ranges):
+            cost = sum(costs[a:b]) + (pre if s == 0 else 0.0) + (post if s == cfg.stages - 1 else 0.0)
+            extra = (" + the code before the stack" if s == 0 else "") + (
+                " + the code after it (head, loss)" if s == cfg.stages - 1 else "")
+            lines.append(f"    stage {s} (pp_rank {s % cfg.pp}): {names[a]} .. {names[b - 1]} ({b - a} blocks)"
+                         f"{extra}; {cost / total:.1%} of the matmul FLOPs")
+        if self.shared:
+            lines.append(f"    read on several stages (gradients summed over PP): "
+                         f"{', '.join(self.names[id(p)] for p in self.shared)}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, module: Any, batch: Any, batch_idx: int, accumulate: int) -> Tensor:
+        """Run the pipelined forward and backward of ``batch``; log what ``training_step`` logged (the mean over
+        micro-batches) on every rank; return the step's loss (the mean of the micro-batches' losses)."""
+        micro = split_microbatches(batch, self.config.microbatches)
+        recorder = _LogRecorder()
+
+        def step_fn(mb: Any) -> Any:
+            with recorder.recording(module):
+                out = module.training_step(mb, batch_idx)
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if loss is None:
+                raise TypeError("under pipeline parallelism training_step must return the loss (a tensor, or a dict "
+                                "with 'loss'); returning None to skip a batch is not supported")
+            return loss
+
+        # Lightning zeroes the gradients between training_step and backward: this step's gradients wait aside
+        # until the strategy's backward adds them (apply_grads), as if the backward ran there
+        earlier = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            losses = self.runner.step(micro, step_fn, 1.0 / (self.config.microbatches * accumulate))
+            self._pending = [p.grad for p in self.params]
+        finally:
+            for p, g in zip(self.params, earlier):
+                p.grad = g
+        self.dirty = True
+        last = (self.config.stages - 1) % self.grid.pp
+        payload: list[Any] = [None]
+        if self.grid.pp_rank == last:
+            logged = [(name, value, _portable(kwargs, self.grid)) for name, value, kwargs in recorder.averaged()]
+            payload = [(float(torch.stack(losses).mean()), str(losses[0].dtype), logged)]
+        dist.broadcast_object_list(payload, group=self.grid.pp_group, group_src=last)
+        loss, dtype, logged = payload[0]
+        for name, value, kwargs in logged:
+            module.log(name, torch.tensor(value, device=self.device), **_local(kwargs, self.grid))
+        return torch.tensor(loss, dtype=getattr(torch, dtype.split(".")[-1]), device=self.device)
+
+    # ------------------------------------------------------------------ gradients
+    _pending: Optional[list[Optional[Tensor]]] = None
+
+    def apply_grads(self) -> None:
+        """The strategy's ``backward``: add the gradients of the last :meth:`training_step` to the parameters'."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("DPMPStrategy(pp > 1): backward without a pipelined training_step before it")
+        with torch.no_grad():
+            for p, g in zip(self.params, pending):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def reduce_grads(self) -> None:
+        """Sum the gradients of parameters read on several stages over PP, then average this rank's gradients over
+        DP (flat, one all-reduce per dtype). Every rank of a DP group holds the same stages, so the same list."""
+        grid = self.grid
+        if self.shared:
+            _flat_all_reduce(self.shared, grid.pp_group, average=False)
+        if grid.dp > 1:
+            _flat_all_reduce(self.computed, grid.dp_group, average=True)
+
+    def counted(self) -> set[int]:
+        """``id`` of the parameters whose gradient this rank counts in the global norm (each one on one rank)."""
+        return self.owned
+
+    # ------------------------------------------------------------------ stage sync
+    def sync(self, optimizers: Sequence[Any]) -> None:
+        """Every rank of the PP group gets the parameters and optimizer state the others own (collective)."""
+        if not self.dirty:
+            return
+        grid = self.grid
+        with torch.no_grad():
+            for r in range(grid.pp):
+                theirs = [p for p in self.params if min(self.ranks[id(p)]) == r and len(self.ranks[id(p)]) < grid.pp]
+                if not theirs:
+                    continue
+                flat = torch.cat([p.detach().reshape(-1) for p in theirs])
+                dist.broadcast(flat, group=grid.pp_group, group_src=r)
+                if r != grid.pp_rank:
+                    offset = 0
+                    for p in theirs:
+                        p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                        offset += p.numel()
+        for optimizer in optimizers:
+            inner = compat.unwrap_optimizer(optimizer)
+            params = [p for g in inner.param_groups for p in g["params"]]
+            mine = {i: {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in inner.state[p].items()}
+                    for i, p in enumerate(params) if id(p) in self.owned and p in inner.state}
+            every: list[Any] = [None] * grid.pp
+            dist.all_gather_object(every, mine, group=grid.pp_group)
+            for r, states in enumerate(every):
+                if r == grid.pp_rank:
+                    continue
+                for i, state in states.items():
+                    p = params[i]
+                    inner.state[p] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0 else v)
+                                      for k, v in state.items()}
+        self.dirty = False
+
+
+def _flat_all_reduce(params: Sequence[nn.Parameter], group: Any, average: bool) -> None:
+    """All-reduce the gradients of ``params`` (zeros for a missing one) in one flat tensor per dtype."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    size = dist.get_world_size(group)
+    for ps in by_dtype.values():
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        offset = 0
+        for p in ps:
+            piece = flat[offset: offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+            offset += p.numel()
+
+
+def _portable(kwargs: dict[str, Any], grid: Grid) -> dict[str, Any]:
+    """``self.log`` arguments that can travel to the other stages: our process groups by name."""
+    out = dict(kwargs)
+    group = out.get("sync_dist_group")
+    if group is not None:
+        names = {id(grid.dp_group): "dp", id(grid.mp_group): "mp", id(dist.group.WORLD): "world"}
+        if id(group) not in names:
+            raise ValueError("under pipeline parallelism self.log(sync_dist_group=...) takes the strategy's DP or MP "
+                             "group (trainer.strategy.grid.dp_group) or the world")
+        out["sync_dist_group"] = names[id(group)]
+    return out
+
+
+def _local(kwargs: dict[str, Any], grid: Grid) -> dict[str, Any]:
+    out = dict(kwargs)
+    if "sync_dist_group" in out:
+        out["sync_dist_group"] = {"dp": grid.dp_group, "mp": grid.mp_group, "world": dist.group.WORLD}[
+            out["sync_dist_group"]]
+    return out
+
+
+def build_pipeline(module: nn.Module, run_step: Any, batch: Any, grid: Grid, config: PipelineConfig,
+                   device: torch.device) -> Pipeline:
+    """Probe ``run_step`` (the first batch's training step), cut the stages and build this rank's schedule. Raises
+    :class:`~lightning_dpmp.planner.stages.StageCutError` on every rank when the step cannot be cut (every rank
+    probes the same model on the same batch)."""
+    from torch.utils._pytree import tree_flatten
+
+    sizes = [int(t.shape[0]) for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
+    if not sizes:
+        raise StageCutError("pipeline parallelism splits the batch into micro-batches along dim 0; the first batch "
+                            "holds no tensor")
+    if sizes[0] % config.microbatches:
+        raise StageCutError(f"pp_microbatches={config.microbatches} must divide the batch size; the first batch has "
+                            f"{sizes[0]} rows per DP rank")
+    profile = probe_stack(module, run_step, sizes[0])
+    return Pipeline(module, profile, grid, config, device)

@@ -1,0 +1,263 @@
+"""Pipeline stages of an unchanged step function, run by torch's schedules (``torch.distributed.pipelining``).
+
+A stage is a contiguous run ``[start, end)`` of the model's repeated blocks (:mod:`lightning_dpmp.planner.stages`
+chose and checked the cut). Rather than rewriting the user's step into per-stage programs, every stage runs the
+step itself, once per micro-batch, with the blocks it does not own replaced, for that call only, by stand-ins:
+
+* a block before ``start`` passes its stream argument through untouched, except the last one (``start - 1``), which
+  returns the activation received from the previous stage: from there on the step computes on real values;
+* block ``end`` (the first after the stage) raises, carrying its stream input, which is the stage's output: the rest
+  of the step (later blocks, the head, the loss) does not run on this stage;
+* the last stage runs to the end, and the step's loss is its output.
+
+So the embeddings run on every stage, but only the first stage's feed the stream; the side inputs of the blocks
+(masks, rotary tables, positions) are recomputed from the micro-batch on every stage, which the probe made sure
+depend on no parameter. The parameters of blocks a stage does not own get no gradient there.
+
+:class:`PipelineRunner` builds one ``PipelineStage`` per stage this rank holds (``stages_per_rank`` of them,
+looping: stage ``s`` lives on pipeline rank ``s % pp``) with static shapes (no shape exchange), and the schedule:
+``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``. Activations and their gradients cross stages as
+point-to-point sends on the PP group: ``2 * (stages - 1) * microbatches`` per step.
+
+Example:
+    >>> runner = PipelineRunner(blocks, ranges, profile, grid.pp_group, grid.pp_rank, grid.pp,
+    ...                         microbatches=4, schedule="1f1b", device=torch.device("cpu"))   # doctest: +SKIP
+    >>> losses = runner.step(micro_batches, lambda mb: module.training_step(mb, 0), scale=1 / 4)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SCHEDULES", "PipelineRunner", "bubble_fraction", "split_microbatches"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class _StageExit(Exception):
+    """Raised by the stand-in of the first block after a stage: carries the stage's output activation."""
+
+    def __init__(self, activation: Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.activation = activation
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The idle fraction of a rank in one step, ``(pp - 1) / (v * m + pp - 1)`` (GPipe and 1F1B: ``v = 1``;
+    interleaved: ``v`` stages per rank shrink the bubble ``v`` times).
+
+    Example:
+        >>> round(bubble_fraction("1f1b", pp=2, microbatches=4), 3)
+        0.2
+    """
+    v = stages_per_rank if schedule == "interleaved" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def split_microbatches(batch: Any, n: int) -> list[Any]:
+    """``batch`` (tensors in any nesting of tuples, lists and dicts) cut into ``n`` equal parts along dim 0; other
+    leaves are shared by every part. Raises ``ValueError`` naming the sizes when a tensor does not divide.
+
+    Example:
+        >>> [tuple(p["x"].shape) for p in split_microbatches({"x": torch.zeros(4, 3), "name": "a"}, 2)]
+        [(2, 3), (2, 3)]
+    """
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten(batch)
+    parts: list[list[Any]] = [[] for _ in range(n)]
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % n:
+                raise ValueError(
+                    f"pp_microbatches={n} must divide the batch: a batch tensor has {leaf.shape[0]} rows (shape "
+                    f"{tuple(leaf.shape)}). Use a batch size divisible by {n} (drop_last=True for the last batch)."
+                )
+            for part, chunk in zip(parts, leaf.chunk(n)):
+                part.append(chunk)
+        else:
+            for part in parts:
+                part.append(leaf)
+    return [tree_unflatten(p, spec) for p in parts]
+
+
+class _StageModule(nn.Module):
+    """What a ``PipelineStage`` calls: one stage of the step. It owns no parameters (the blocks stay in the user's
+    module), so torch's stage machinery never scales or moves them."""
+
+    def __init__(self, runner: "PipelineRunner", stage: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_runner", runner)  # not a submodule: no parameters through here
+        self.stage = stage
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return self._runner.run_stage(self.stage, inputs)
+
+
+class PipelineRunner:
+    """The stages this rank holds and the schedule that runs them.
+
+    Args:
+        blocks: the repeated blocks, in call order.
+        ranges: ``[start, end)`` block range of every stage (``pp * stages_per_rank`` of them).
+        stream: where a block takes its stream argument (a position or a keyword).
+        output_arity: 0 when a block returns the stream tensor, else the length of the tuple it returns.
+        stream_shape: the stream's shape for the full batch (dim 0 the batch), ``stream_dtype`` its dtype.
+        group, pp_rank, pp: the PP group and this rank's place in it.
+        microbatches: micro-batches per step; ``schedule`` one of :data:`SCHEDULES`.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        ranges: Sequence[tuple[int, int]],
+        stream: Union[int, str],
+        output_arity: int,
+        stream_shape: tuple[int, ...],
+        stream_dtype: torch.dtype,
+        group: Any,
+        pp_rank: int,
+        pp: int,
+        microbatches: int,
+        schedule: str,
+        device: torch.device,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {schedule!r}.")
+        self.blocks = list(blocks)
+        self.ranges = list(ranges)
+        self.stream, self.arity = stream, output_arity
+        self.stream_shape, self.stream_dtype = tuple(stream_shape), stream_dtype
+        self.group, self.pp_rank, self.pp = group, pp_rank, pp
+        self.microbatches, self.schedule_name, self.device = microbatches, schedule, device
+        self.n_stages = len(self.ranges)
+        self.my_stages = [s for s in range(self.n_stages) if s % pp == pp_rank]
+        self._schedules: dict[int, Any] = {}  # micro-batch size -> schedule (static shapes per size)
+        self._micro: list[Any] = []
+        self._step_fn: Optional[Callable[[Any], Any]] = None
+        self._next: dict[int, int] = {}
+        self.losses: list[Tensor] = []
+
+    # ------------------------------------------------------------------ one stage of one micro-batch
+    def _stream_arg(self, args: tuple, kwargs: dict) -> Tensor:
+        if isinstance(self.stream, int) and self.stream < len(args):
+            return args[self.stream]
+        return kwargs[str(self.stream)]
+
+    def _as_output(self, t: Tensor) -> Any:
+        return t if self.arity == 0 else (t,) + (None,) * (self.arity - 1)
+
+    @contextmanager
+    def _stand_ins(self, stage: int, received: Optional[Tensor]) -> Iterator[None]:
+        start, end = self.ranges[stage]
+        saved: list[tuple[nn.Module, Any]] = []
+
+        def passing(*args: Any, **kwargs: Any) -> Any:
+            return self._as_output(self._stream_arg(args, kwargs))
+
+        def entering(*args: Any, **kwargs: Any) -> Any:
+            return self._as_output(received)
+
+        def leaving(*args: Any, **kwargs: Any) -> Any:
+            raise _StageExit(self._stream_arg(args, kwargs))
+
+        for j, block in enumerate(self.blocks):
+            if start <= j < end:
+                continue
+            stand_in = entering if j == start - 1 else leaving if j == end else passing
+            saved.append((block, block.__dict__.get("forward")))  # a compiled block's own forward comes back
+            block.forward = stand_in
+        try:
+            yield
+        finally:
+            for block, own in saved:
+                if own is None:
+                    del block.forward
+                else:
+                    block.forward = own
+
+    def run_stage(self, stage: int, inputs: tuple[Tensor, ...]) -> Tensor:
+        """Run the step on one micro-batch as stage ``stage``: its output activation, or the loss on the last."""
+        index = self._next[stage]
+        self._next[stage] = index + 1
+        if stage == 0:
+            index = int(inputs[0].reshape(-1)[0])
+        received = inputs[0] if stage > 0 else None
+        assert self._step_fn is not None
+        with self._stand_ins(stage, received):
+            try:
+                loss = self._step_fn(self._micro[index])
+            except _StageExit as done:
+                return done.activation
+        if stage != self.n_stages - 1:
+            raise RuntimeError(f"pipeline stage {stage}: the step ended without reaching block {self.ranges[stage][1]}")
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise TypeError(f"under pipeline parallelism the step must return a scalar loss tensor, got {loss!r}")
+        self.losses.append(loss.detach())
+        return loss
+
+    # ------------------------------------------------------------------ the schedule
+    def _build(self, micro_size: int) -> Any:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        shape = (micro_size,) + self.stream_shape[1:]
+        stages = []
+        for s in self.my_stages:
+            def activation() -> Tensor:
+                return torch.empty(shape, dtype=self.stream_dtype, device=self.device, requires_grad=True)
+
+            first, last = s == 0, s == self.n_stages - 1
+            inputs = torch.zeros(1, dtype=torch.long, device=self.device) if first else activation()
+            outputs = torch.zeros((), dtype=self.stream_dtype, device=self.device) if last else activation()
+            stages.append(PipelineStage(_StageModule(self, s), s, self.n_stages, self.device, input_args=inputs,
+                                        output_args=outputs, group=self.group))
+        # the loss arrives scaled by the caller (1 / (micro-batches * accumulation)); torch must not rescale
+        loss_fn = self._scaled_loss
+        if self.schedule_name == "interleaved":
+            return ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+        return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    _scale = 1.0
+
+    def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return output * self._scale
+
+    def step(self, micro: list[Any], step_fn: Callable[[Any], Any], scale: float) -> list[Tensor]:
+        """Forward and backward of every micro-batch through the pipeline; the gradients of this rank's stages
+        accumulate into their parameters (``scale`` times each micro-batch's loss gradient). Returns the
+        micro-batches' losses (detached, unscaled) on the rank holding the last stage, ``[]`` elsewhere."""
+        if len(micro) != self.microbatches:
+            raise ValueError(f"{len(micro)} micro-batches given, the schedule runs {self.microbatches}")
+        size = self._micro_size(micro[0])
+        schedule = self._schedules.get(size)
+        if schedule is None:
+            schedule = self._schedules[size] = self._build(size)
+        self._micro, self._step_fn, self._scale, self.losses = micro, step_fn, scale, []
+        self._next = {s: 0 for s in self.my_stages}
+        holds_first, holds_last = 0 in self.my_stages, self.n_stages - 1 in self.my_stages
+        args = (torch.arange(self.microbatches, device=self.device),) if holds_first else ()
+        target = torch.zeros(self.microbatches, device=self.device) if holds_last else None
+        try:
+            schedule.step(*args, target=target, return_outputs=False)
+        finally:
+            self._micro, self._step_fn = [], None
+        return self.losses
+
+    def _micro_size(self, micro: Any) -> int:
+        from torch.utils._pytree import tree_flatten
+
+        for leaf in tree_flatten(micro)[0]:
+            if isinstance(leaf, Tensor) and leaf.dim() > 0:
+                return int(leaf.shape[0])
+        raise ValueError("a pipeline micro-batch holds no tensor to take its size from")
