@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +42,16 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction, split_microbatches
-from lightning_dpmp.planner.stages import BETWEEN, POST, PRE, StackProfile, StageCutError, balance, probe_stack
+from lightning_dpmp.planner.stages import (
+    BETWEEN,
+    POST,
+    PRE,
+    StackProfile,
+    StageCutError,
+    balance,
+    probe_stack,
+    stand_in_shape,
+)
 
 __all__ = ["Pipeline", "PipelineConfig", "build_pipeline", "check_pipeline_args"]
 
@@ -174,9 +184,12 @@ class Pipeline:
         self.computed = [p for p in self.params if me in self.ranks[id(p)] and p.requires_grad]
         self.shared = [p for p in self.params if len(self.ranks[id(p)]) > 1 and p.requires_grad]
         self.owned = {id(p) for p in self.params if min(self.ranks[id(p)]) == me}
+        modules = dict(module.named_modules())
+        pre = [(modules[name], functools.partial(stand_in_shape, recorded), recorded[2])
+               for name, recorded in profile.pre_modules.items()]
         self.runner = PipelineRunner(blocks, self.ranges, profile.stream, profile.output_arity, profile.stream_shape,
                                      profile.stream_dtype, grid.pp_group, me, grid.pp, config.microbatches,
-                                     config.schedule, device)
+                                     config.schedule, device, pre)
         self.device = device
         self.dirty = False  # trained since the last sync: other stages' parameters here are stale
 

@@ -10,9 +10,12 @@ step itself, once per micro-batch, with the blocks it does not own replaced, for
   of the step (later blocks, the head, the loss) does not run on this stage;
 * the last stage runs to the end, and the step's loss is its output.
 
-So the embeddings run on every stage, but only the first stage's feed the stream; the side inputs of the blocks
-(masks, rotary tables, positions) are recomputed from the micro-batch on every stage, which the probe made sure
-depend on no parameter. The parameters of blocks a stage does not own get no gradient there.
+The modules with parameters before the stack (embeddings) run on the first stage only: on the others they return
+zeros of their output's shape (``pre_modules``), which is all that the code before the stack needs there, since
+the stream it starts is replaced by the received activation; so a vocabulary-parallel embedding's all-reduce
+happens once per micro-batch, not once per stage. The side inputs of the blocks (masks, rotary tables, positions)
+are recomputed from the micro-batch on every stage, which the probe made sure depend on no parameter. The
+parameters of blocks a stage does not own get no gradient there.
 
 :class:`PipelineRunner` builds one ``PipelineStage`` per stage this rank holds (``stages_per_rank`` of them,
 looping: stage ``s`` lives on pipeline rank ``s % pp``) with static shapes (no shape exchange), and the schedule:
@@ -110,6 +113,9 @@ class PipelineRunner:
         stream_shape: the stream's shape for the full batch (dim 0 the batch), ``stream_dtype`` its dtype.
         group, pp_rank, pp: the PP group and this rank's place in it.
         microbatches: micro-batches per step; ``schedule`` one of :data:`SCHEDULES`.
+        pre_modules: ``(module, shape_of, dtype)`` of the modules with parameters before the stack: on stages
+            after the first, ``shape_of(first tensor input)`` gives the zeros they return instead (``None``: run
+            the module).
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class PipelineRunner:
         microbatches: int,
         schedule: str,
         device: torch.device,
+        pre_modules: Sequence[tuple[nn.Module, Callable[[Any], Optional[tuple[int, ...]]], torch.dtype]] = (),
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {schedule!r}.")
@@ -142,6 +149,7 @@ class PipelineRunner:
         self._step_fn: Optional[Callable[[Any], Any]] = None
         self._next: dict[int, int] = {}
         self.losses: list[Tensor] = []
+        self.pre_modules = list(pre_modules)
 
     # ------------------------------------------------------------------ one stage of one micro-batch
     def _stream_arg(self, args: tuple, kwargs: dict) -> Tensor:
@@ -166,12 +174,28 @@ class PipelineRunner:
         def leaving(*args: Any, **kwargs: Any) -> Any:
             raise _StageExit(self._stream_arg(args, kwargs))
 
+        def zeros_of(module: nn.Module, shape_of: Any, dtype: torch.dtype) -> Callable[..., Any]:
+            own = module.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+                shape = shape_of(first)
+                if shape is None:
+                    return own(*args, **kwargs)
+                return torch.zeros(shape, dtype=dtype, device=first.device if first is not None else self.device)
+
+            return forward
+
         for j, block in enumerate(self.blocks):
             if start <= j < end:
                 continue
             stand_in = entering if j == start - 1 else leaving if j == end else passing
             saved.append((block, block.__dict__.get("forward")))  # a compiled block's own forward comes back
             block.forward = stand_in
+        if stage > 0:
+            for module, shape_of, dtype in self.pre_modules:
+                saved.append((module, module.__dict__.get("forward")))
+                module.forward = zeros_of(module, shape_of, dtype)
         try:
             yield
         finally:

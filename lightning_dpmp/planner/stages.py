@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_dpmp.parallel.compiled import repeated_blocks
 
-__all__ = ["StackProfile", "StageCutError", "balance", "probe_stack"]
+__all__ = ["BETWEEN", "POST", "PRE", "StackProfile", "StageCutError", "balance", "probe_stack", "stand_in_shape"]
 
 PRE, POST, BETWEEN = -1, -2, -3  # outside the blocks: before the stack, after it, between two blocks
 _MATMULS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.nn.functional.linear,
@@ -63,6 +63,9 @@ class StackProfile:
         flops: matmul FLOPs of each block (list) and of the parts before and after the stack.
         params: parameter elements read by each block, and before and after the stack.
         param_regions: ``id(parameter) -> set of regions`` that read it (block indices, :data:`PRE`, :data:`POST`).
+        pre_modules: the outermost modules with parameters called before the stack (embeddings), by name:
+            ``(first input's shape, output shape, output dtype)``. The later stages need only their outputs' shapes
+            (the stream they start is received): :func:`stand_in_shape`.
     """
 
     names: list[str]
@@ -78,12 +81,29 @@ class StackProfile:
     pre_params: int
     post_params: int
     param_regions: dict[int, set[int]] = field(default_factory=dict)
+    pre_modules: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = field(default_factory=dict)
 
     def costs(self) -> tuple[list[float], float, float]:
         """``(per block, before, after)``: matmul FLOPs, or parameter elements when no matmul was seen."""
         if sum(self.flops) + self.pre_flops + self.post_flops > 0:
             return list(self.flops), self.pre_flops, self.post_flops
         return [float(p) for p in self.params], float(self.pre_params), float(self.post_params)
+
+
+def stand_in_shape(recorded: tuple[tuple[int, ...], tuple[int, ...], Any], first_input: Any
+                   ) -> Optional[tuple[int, ...]]:
+    """The output shape a :attr:`StackProfile.pre_modules` entry gives for ``first_input``: its shape followed by
+    the output's trailing dims, when the probed output had the probed input's shape as its prefix (an embedding:
+    ids ``(B, T)`` -> ``(B, T, H)``); ``None`` otherwise (run the module itself).
+
+    Example:
+        >>> stand_in_shape(((8, 16), (8, 16, 32), torch.float64), torch.zeros(2, 16, dtype=torch.long))
+        (2, 16, 32)
+    """
+    in_shape, out_shape, _ = recorded
+    if not isinstance(first_input, Tensor) or tuple(out_shape[: len(in_shape)]) != tuple(in_shape):
+        return None
+    return tuple(first_input.shape) + tuple(out_shape[len(in_shape):])
 
 
 def balance(costs: list[float], pre: float, post: float, n_stages: int) -> list[tuple[int, int]]:
@@ -261,7 +281,32 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
         # code between two blocks would run on both sides of a cut: it may not read the stream (a check above)
         watch.region = POST if i == len(names) - 1 else BETWEEN
 
-    handles = []
+    # the outermost modules with parameters called before the stack (not the model around the blocks)
+    module_names = {id(m): n for n, m in module.named_modules()}
+    around = {n for n in module_names.values() if any(b == n or b.startswith(f"{n}.") or not n for b in names)}
+    pre_modules: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+    open_pre: list[str] = []
+
+    def any_pre(mod: nn.Module, args: tuple) -> None:
+        name = module_names.get(id(mod))
+        if (watch.region == PRE and name is not None and name not in around and not open_pre
+                and next(mod.parameters(), None) is not None):
+            first = next((a for a in args if isinstance(a, Tensor)), None)
+            open_pre.append(name)
+            pre_modules[name] = (tuple(first.shape) if first is not None else (), (), torch.float32)
+
+    def any_post(mod: nn.Module, args: tuple, out: Any) -> None:
+        name = module_names.get(id(mod))
+        if open_pre and name == open_pre[-1]:
+            open_pre.pop()
+            if isinstance(out, Tensor) and watch.region == PRE:
+                pre_modules[name] = (pre_modules[name][0], tuple(out.shape), out.dtype)
+            else:
+                del pre_modules[name]
+
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    handles = [register_module_forward_pre_hook(any_pre), register_module_forward_hook(any_post)]
     for _, m in blocks:
         handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
@@ -294,5 +339,5 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
         output_arity=int(info["arity"] or 0), batch_size=batch_size,
         flops=[watch.flops.get(i, 0.0) for i in range(len(names))], pre_flops=watch.flops.get(PRE, 0.0),
         post_flops=watch.flops.get(POST, 0.0), params=per_block_params, pre_params=outside[PRE],
-        post_params=outside[POST], param_regions=watch.used,
+        post_params=outside[POST], param_regions=watch.used, pre_modules=pre_modules,
     )
