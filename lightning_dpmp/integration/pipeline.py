@@ -143,14 +143,19 @@ class _LogRecorder:
                 else:
                     setattr(module, name, own)
 
-    def averaged(self) -> list[tuple[str, float, dict[str, Any]]]:
-        """One entry per logged name: the mean over micro-batches, with the first call's arguments."""
-        sums: dict[str, list[Any]] = {}
+    def averaged(self) -> list[tuple[str, Any, dict[str, Any]]]:
+        """One entry per logged name: the mean over micro-batches (a CPU tensor of the logged dtype, or a float),
+        with the first call's arguments."""
+        values: dict[str, list[Any]] = {}
         for name, value, kwargs in self.records:
-            entry = sums.setdefault(name, [0.0, 0, kwargs])
-            entry[0] += float(value)
-            entry[1] += 1
-        return [(name, total / n, kwargs) for name, (total, n, kwargs) in sums.items()]
+            values.setdefault(name, [[], kwargs])[0].append(value)
+        out = []
+        for name, (seen, kwargs) in values.items():
+            if all(isinstance(v, Tensor) for v in seen):
+                out.append((name, torch.stack([v.reshape(()) for v in seen]).mean().cpu(), kwargs))
+            else:
+                out.append((name, sum(float(v) for v in seen) / len(seen), kwargs))
+        return out
 
 
 class Pipeline:
@@ -247,12 +252,13 @@ class Pipeline:
         payload: list[Any] = [None]
         if self.grid.pp_rank == last:
             logged = [(name, value, _portable(kwargs, self.grid)) for name, value, kwargs in recorder.averaged()]
-            payload = [(float(torch.stack(losses).mean()), str(losses[0].dtype), logged)]
+            payload = [(torch.stack(losses).mean().cpu(), logged)]
         dist.broadcast_object_list(payload, group=self.grid.pp_group, group_src=last)
-        loss, dtype, logged = payload[0]
+        loss, logged = payload[0]
         for name, value, kwargs in logged:
-            module.log(name, torch.tensor(value, device=self.device), **_local(kwargs, self.grid))
-        return torch.tensor(loss, dtype=getattr(torch, dtype.split(".")[-1]), device=self.device)
+            value = value.to(self.device) if isinstance(value, Tensor) else value
+            module.log(name, value, **_local(kwargs, self.grid))
+        return loss.to(self.device)
 
     # ------------------------------------------------------------------ gradients
     _pending: Optional[list[Optional[Tensor]]] = None
@@ -369,7 +375,11 @@ def build_pipeline(module: nn.Module, run_step: Any, batch: Any, grid: Grid, con
         raise StageCutError("pipeline parallelism splits the batch into micro-batches along dim 0; the first batch "
                             "holds no tensor")
     if sizes[0] % config.microbatches:
-        raise StageCutError(f"pp_microbatches={config.microbatches} must divide the batch size; the first batch has "
+        raise ValueError(f"pp_microbatches={config.microbatches} must divide the batch size; the first batch has "
                             f"{sizes[0]} rows per DP rank")
-    profile = probe_stack(module, run_step, sizes[0])
-    return Pipeline(module, profile, grid, config, device)
+    try:
+        profile = probe_stack(module, run_step, sizes[0])
+        return Pipeline(module, profile, grid, config, device)
+    except StageCutError as exc:
+        raise StageCutError(f"DPMPStrategy(pp={config.pp}) cannot cut this training step into pipeline stages: "
+                            f"{exc}") from None

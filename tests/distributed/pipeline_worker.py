@@ -1,7 +1,13 @@
-"""One launch per (dp, pp, mp): train models under DPMPStrategy(pp=...) with each schedule, as parity_worker does
-without a pipeline, and record the point-to-point sends of one step, the stages and what was logged.
+"""Pipeline launches for tests/distributed/test_pipeline.py.
 
-Usage (from the repo root): python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V],...
+Usage (from the repo root):
+    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2],...
+    python tests/distributed/pipeline_worker.py resume OUT    # 4 processes: save at (1,2,2), resume at (2,1,2)
+    python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
+
+The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
+``interleaved``; ``acc2``: ``accumulate_grad_batches=2``), as parity_worker does without a pipeline, and records
+the collectives and sends of one step, the analytic MP collectives, the stages and the logged loss.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
+from tests.distributed.checkpoint_worker import SaveAtTrainEnd  # noqa: E402
 from tests.distributed.parity_worker import CLIP, GLOBAL_BATCH, SEED, STEPS  # noqa: E402
 from tests.support.models import build  # noqa: E402
 
-MICROBATCHES = 4 // 1  # per DP rank's batch of GLOBAL_BATCH // dp rows (>= 4): 4 micro-batches of 1 or 2 rows
+MICROBATCHES = 4  # of each DP rank's batch of GLOBAL_BATCH // dp rows: 4 micro-batches of 2 or 1 rows
 
 
 class Counter(L.Callback):
@@ -46,28 +53,89 @@ class Counter(L.Callback):
         self.logged[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
 
 
+def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",
+                 stages_per_rank: int = 1, **kwargs) -> L.Trainer:
+    strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
+                            pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2))
+    return L.Trainer(
+        accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=steps,
+        gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), **kwargs,
+    )
+
+
 def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
-    name, schedule, *v = spec.split(":")
+    name, schedule, *extra = spec.split(":")
     L.seed_everything(SEED, workers=True)
     model, dataset = build(name)
     counter = Counter()
-    strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
-                            pp_stages_per_rank=int(v[0]) if v else 1, timeout=timedelta(minutes=2))
-    trainer = L.Trainer(
-        accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=STEPS,
-        gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[counter],
-    )
+    v = int(extra[0]) if extra and extra[0].isdigit() else 1
+    accumulate = 2 if "acc2" in extra else 1
+    trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, accumulate_grad_batches=accumulate)
+    strategy = trainer.strategy
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     tag = f"{spec.replace(':', '_')}_{precision.split('-')[0]}"
     trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))
+    analytic = strategy.applied_plan.plan.comm_per_step()
     return {"counts": counter.counts, "logged": counter.logged, "plan_text": strategy.applied_plan.text,
-            "ranges": strategy.pipeline.ranges if strategy.pipeline is not None else None}
+            "ranges": strategy.pipeline.ranges if strategy.pipeline is not None else None,
+            "analytic_all_reduce": analytic["forward"]["all_reduce"] + analytic["backward"]["all_reduce"],
+            "grid": [strategy.grid.dp_rank, strategy.grid.pp_rank, strategy.grid.mp_rank]}
+
+
+def resume(out: str) -> None:
+    """Train gpt 10 steps at (dp, pp, mp) = (1, 2, 2), save both formats while split; resume each at (2, 1, 2) to
+    20 steps and save consolidated (the test resumes that on one process to 30)."""
+    L.seed_everything(SEED, workers=True)
+    model, dataset = build("gpt")
+    save = SaveAtTrainEnd([(True, os.path.join(out, "s.ckpt")), (False, os.path.join(out, "c.ckpt"))])
+    make_trainer(1, 2, 2, STEPS // 2, callbacks=[save]).fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH))
+    for tag in ("c", "s"):
+        L.seed_everything(SEED, workers=True)
+        model, dataset = build("gpt")
+        trainer = make_trainer(2, 1, 2, STEPS)
+        trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // 2), ckpt_path=os.path.join(out, f"{tag}.ckpt"))
+        trainer.save_checkpoint(os.path.join(out, f"final_212_{tag}.ckpt"))
+
+
+class Reads(torch.nn.Module):
+    """GPT whose loss also reads each block's output: a step no pipeline cut can carry."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.hidden: list = []
+        for block in net.blocks:
+            block.register_forward_hook(lambda mod, args, out: self.hidden.append(out))
+
+    def forward(self, ids):
+        self.hidden.clear()
+        logits = self.net(ids)
+        return logits + 0.0 * sum(h.mean() for h in self.hidden)
+
+
+class Started(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        open(self.path, "w").close()
+
+
+def refuse(out: str) -> None:
+    L.seed_everything(SEED, workers=True)
+    model, dataset = build("gpt")
+    model.net = Reads(model.net)
+    started = os.path.join(out, f"started{dist.get_rank() if dist.is_initialized() else os.environ.get('RANK', 0)}")
+    trainer = make_trainer(1, 2, 1, STEPS, callbacks=[Started(started)])
+    trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH))
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    dp, pp, mp, out = (int(a) for a in sys.argv[1:4]), None, None, None
+    if sys.argv[1] in ("resume", "refuse"):
+        {"resume": resume, "refuse": refuse}[sys.argv[1]](sys.argv[2])
+        sys.exit(0)
     dp, pp, mp = (int(a) for a in sys.argv[1:4])
     out = sys.argv[4]
     specs = sys.argv[5].split(",")

@@ -8,27 +8,41 @@ import torch
 from tests.distributed import parity_worker as W
 from tests.support.models import build, reference_loader
 
-#: (model name, precision) -> the reference checkpoint: each reference is trained once per test session.
-_REFERENCES: dict[tuple[str, str], dict] = {}
+#: (model name, precision, extra Trainer arguments) -> the reference checkpoint: each reference is trained once per
+#: test session.
+_REFERENCES: dict[tuple, dict] = {}
+#: the same key -> the ``train_loss`` logged at each optimizer step (``{global_step: value}``)
+LOGGED: dict[tuple, dict[int, float]] = {}
 
 
-def reference_run(name: str, precision: str, path) -> dict:
+def reference_run(name: str, precision: str, path, **trainer_kwargs) -> dict:
     """Train ``name`` on one process exactly as the workers do on many; return its saved checkpoint (also written
-    to ``path``). Trained once per session and model/precision: later calls reuse it (the run is deterministic)."""
-    key = (name, precision)
+    to ``path``). Trained once per session and model/precision/``trainer_kwargs`` (e.g. ``max_steps``,
+    ``accumulate_grad_batches``): later calls reuse it (the run is deterministic)."""
+    key = (name, precision, tuple(sorted(trainer_kwargs.items())))
     if key not in _REFERENCES:
-        _REFERENCES[key] = _train_reference(name, precision, path)
+        _REFERENCES[key] = _train_reference(name, precision, path, key, **trainer_kwargs)
     torch.save(_REFERENCES[key], path)
     return torch.load(path, weights_only=True)  # a copy: a caller that edits it cannot change the next one's
 
 
-def _train_reference(name: str, precision: str, path) -> dict:
+class _Logged(L.Callback):
+    def __init__(self, into: dict[int, float]) -> None:
+        self.into = into
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "train_loss" in trainer.callback_metrics:
+            self.into[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+
+
+def _train_reference(name: str, precision: str, path, key: tuple = (), **trainer_kwargs) -> dict:
     L.seed_everything(W.SEED, workers=True)
     model, dataset = build(name)
+    settings = dict(max_steps=W.STEPS, gradient_clip_val=W.CLIP, gradient_clip_algorithm="norm")
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, precision=precision, max_steps=W.STEPS, gradient_clip_val=W.CLIP,
-        gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", devices=1, precision=precision, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[_Logged(LOGGED.setdefault(key, {}))],
+        **{**settings, **trainer_kwargs},
     )
     trainer.fit(model, reference_loader(dataset, W.GLOBAL_BATCH, W.SEED))
     trainer.save_checkpoint(path)

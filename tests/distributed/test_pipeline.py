@@ -1,0 +1,170 @@
+"""Pipeline parallelism (``DPMPStrategy(pp=...)``): the same weights as one process, the exact sends and MP
+collectives per step, logging, resuming at other layouts, and a refusal at setup for a step that cannot be cut.
+
+One launch per (dp, pp, mp) trains the GPT example (tied embeddings: a parameter on two stages) and transformers'
+Llama in float64 with GPipe and 1F1B; at (1, 2, 1) also both with 4 blocks under the interleaved schedule (2 stages
+per rank) and GPT with gradient accumulation. The oracle is single-process Lightning on the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from tests.conftest import run_ranks
+from tests.distributed import parity_worker as PW
+from tests.distributed import pipeline_worker as W
+from tests.distributed.checkpoint_worker import SaveAtTrainEnd
+from tests.support.models import build, reference_loader
+from tests.support.reference import LOGGED, max_weight_diff, one_process_trainer, reference_run
+
+WORKER = "tests/distributed/pipeline_worker.py"
+TOL = 1e-8
+BASIC = ["gpt:1f1b", "gpt:gpipe", "hf_llama:1f1b", "hf_llama:gpipe"]
+RUNS = {
+    (1, 2, 1): BASIC + ["gpt4:interleaved:2", "hf_llama4:interleaved:2", "gpt:1f1b:acc2"],
+    (1, 2, 2): BASIC,
+    (2, 2, 1): BASIC,
+}
+CASES = [(layout, spec) for layout, specs in RUNS.items() for spec in specs]
+
+
+def _tag(spec: str) -> str:
+    return f"{spec.replace(':', '_')}_64"
+
+
+def _reference_kwargs(spec: str) -> dict:
+    return {"accumulate_grad_batches": 2} if spec.endswith(":acc2") else {}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{(dp, pp, mp): (out dir, [rank results])}``, one launch per layout, launched when first needed."""
+    done: dict = {}
+
+    def get(layout):
+        if layout not in done:
+            dp, pp, mp = layout
+            out = tmp_path_factory.mktemp(f"pp_{dp}{pp}{mp}")
+            proc = run_ranks(dp * pp * mp, [WORKER, str(dp), str(pp), str(mp), str(out), ",".join(RUNS[layout])],
+                             timeout=600)
+            assert proc.returncode == 0, proc.stderr[-6000:]
+            done[layout] = out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * pp * mp)]
+        return done[layout]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp_reference")
+
+    def get(spec: str) -> tuple[dict, dict]:
+        name, kwargs = spec.split(":")[0], _reference_kwargs(spec)
+        ckpt = reference_run(name, "64-true", tmp / f"{_tag(spec)}.ckpt", **kwargs)
+        return ckpt, LOGGED[(name, "64-true", tuple(sorted(kwargs.items())))]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,spec", CASES, ids=[f"dp{a}pp{b}mp{c}-{s}" for (a, b, c), s in CASES])
+def test_weights_and_logged_loss_match_single_process(runs, references, layout, spec):
+    out, ranks = runs(layout)
+    ref, ref_logged = references(spec)
+    worst = max_weight_diff(torch.load(out / f"{_tag(spec)}.ckpt", weights_only=True), ref)
+    print(f"pipeline parity {spec} (dp, pp, mp)={layout} float64: max |w - w_ref| = {worst:.2e}")
+    assert worst <= TOL, (layout, spec, worst)
+    # every rank logs its DP replica's loss (the mean over micro-batches): with dp=1, the batch's one process logs
+    results = [r[_tag(spec)] for r in ranks]
+    for r in results:
+        logged = {int(k): v for k, v in r["logged"].items()}
+        first = next(q for q in results if q["grid"][0] == r["grid"][0])  # the same DP replica
+        assert r["logged"] == first["logged"], (layout, spec, r["grid"])
+        assert logged.keys() == ref_logged.keys()
+        if layout[0] == 1:
+            assert max(abs(logged[k] - ref_logged[k]) for k in logged) < 1e-9, (layout, spec, r["grid"])
+
+
+def _stages(spec: str) -> int:
+    return 2 * int(spec.split(":")[2]) if spec.split(":")[1] == "interleaved" else 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,spec", CASES, ids=[f"dp{a}pp{b}mp{c}-{s}" for (a, b, c), s in CASES])
+def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
+    dp, pp, mp = layout
+    _, ranks = runs(layout)
+    m, stages = W.MICROBATCHES, _stages(spec)
+    results = [r[_tag(spec)] for r in ranks]
+    # activations forward and their gradients back, once per micro-batch and cut: 2 (K - 1) M per pipeline
+    sends = sum(r["counts"].get("pp/send", 0) for r in results)
+    assert sends == dp * mp * 2 * (stages - 1) * m, [r["counts"] for r in results]
+    assert sum(r["counts"].get("pp/recv", 0) for r in results) == sends
+    assert all(r["counts"].get("pp/send", 0) == (stages - 1) * m * 2 // pp for r in results)
+    for r in results:
+        counts = r["counts"]
+        assert counts.get("dp/all_reduce", 0) == (1 if dp > 1 else 0), counts  # one flat gradient bucket
+        # the norm of the clipping; with GPT's tied table and head, their gradient summed over the two stages
+        assert counts["pp/all_reduce"] == 1 + spec.startswith("gpt"), counts
+        assert counts["pp/broadcast"] == 2, counts  # the logged values, from the last stage (one object)
+        assert set(counts) <= {"pp/send", "pp/recv", "pp/all_reduce", "pp/broadcast", "dp/all_reduce",
+                               "mp/all_reduce"}, counts
+    if mp > 1:  # each pipeline's MP collectives: every layer's once per micro-batch, on its own stage only
+        for d in range(dp):
+            for m_rank in range(mp):
+                pipe = [r for r in results if r["grid"][0] == d and r["grid"][2] == m_rank]
+                total = sum(r["counts"]["mp/all_reduce"] for r in pipe)
+                assert total == m * pipe[0]["analytic_all_reduce"] + pp, [r["counts"] for r in pipe]
+
+
+@pytest.mark.slow
+def test_plan_printout_names_stages_and_bubble(runs):
+    _, ranks = runs((1, 2, 1))
+    text = ranks[0][_tag("hf_llama4:interleaved:2")]["plan_text"]
+    assert "pipeline: pp=2 x 2 stage(s) per rank, schedule interleaved, 4 micro-batches per step; bubble 11.1%" in text
+    assert "stage 0 (pp_rank 0): net.model.layers.0 .. net.model.layers.0 (1 blocks) + the code before the stack" in text
+    assert "stage 3 (pp_rank 1): net.model.layers.3 .. net.model.layers.3 (1 blocks) + the code after it" in text
+    assert ranks[0][_tag("gpt4:interleaved:2")]["ranges"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert "read on several stages (gradients summed over PP): net.wte.weight" in ranks[0][_tag("gpt:1f1b")][
+        "plan_text"]
+
+
+def _fit_one_process(steps: int, ckpt=None, save=None) -> None:
+    L.seed_everything(PW.SEED, workers=True)
+    model, dataset = build("gpt")
+    model = model.double()  # one process restores before converting the precision: float64 from the start
+    trainer = one_process_trainer(max_steps=steps, gradient_clip_val=PW.CLIP, gradient_clip_algorithm="norm",
+                                  callbacks=[SaveAtTrainEnd([(False, str(save))])] if save else [])
+    trainer.fit(model, reference_loader(dataset, PW.GLOBAL_BATCH, PW.SEED), ckpt_path=ckpt)
+
+
+@pytest.mark.slow
+def test_resume_from_a_pipeline_at_other_layouts_and_on_one_process(tmp_path):
+    """10 steps at (1, 2, 2) saved in both formats, resumed at (2, 1, 2) to 20 and then on one process to 30: the
+    single-process run interrupted at the same steps (resuming decides which batches follow)."""
+    proc = run_ranks(4, [WORKER, "resume", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _fit_one_process(PW.STEPS // 2, save=tmp_path / "ref10.ckpt")
+    _fit_one_process(PW.STEPS, tmp_path / "ref10.ckpt", tmp_path / "ref20.ckpt")
+    ref20 = torch.load(tmp_path / "ref20.ckpt", weights_only=True)
+    for tag in ("c", "s"):
+        worst = max_weight_diff(torch.load(tmp_path / f"final_212_{tag}.ckpt", weights_only=True), ref20)
+        assert worst <= TOL, (tag, worst)
+    _fit_one_process(30, tmp_path / "ref20.ckpt", tmp_path / "ref30.ckpt")
+    _fit_one_process(30, tmp_path / "final_212_c.ckpt", tmp_path / "one30.ckpt")
+    worst = max_weight_diff(torch.load(tmp_path / "one30.ckpt", weights_only=True),
+                            torch.load(tmp_path / "ref30.ckpt", weights_only=True))
+    assert worst <= TOL, worst
+
+
+@pytest.mark.slow
+def test_a_step_that_cannot_be_cut_is_refused_at_setup(tmp_path):
+    proc = run_ranks(2, [WORKER, "refuse", str(tmp_path)], timeout=300)
+    assert proc.returncode != 0
+    assert ("cannot cut this training step into pipeline stages: the code after the block stack reads the output "
+            "of block net.net.blocks.0") in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("started*")), "a training step ran before the refusal"
