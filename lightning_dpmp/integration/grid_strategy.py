@@ -88,9 +88,10 @@ class GridStrategy(DDPStrategy):
         check_parallel_size("mp", mp, allow_auto=True)
         check_parallel_size("pp", pp)
         if pp > 1 and dp == "auto" and mp == "auto":
-            raise ValueError(f"DPMPStrategy(pp={pp}) needs dp or mp given (the other may be 'auto'): the layout search"
-                             f" of dp='auto', mp='auto' does not plan pipelines. For example DPMPStrategy(dp=1, pp={pp},"
-                             f" mp='auto').")
+            raise ValueError(
+                f"DPMPStrategy(pp={pp}) needs dp or mp given (the other may be 'auto'): the layout search of"
+                f" dp='auto', mp='auto' does not plan pipelines. For example DPMPStrategy(dp=1, pp={pp}, mp='auto')."
+            )
         self._dp_arg, self._mp_arg, self._pp = dp, mp, pp
         self._layout, self._grid, self._pending, self._chosen, self._layout_report = None, None, False, None, ""
 

@@ -15,7 +15,8 @@ Fitting only:
 4b. :func:`plan_pipeline`: with ``pp > 1``, the first batch's step is probed and the repeated blocks are cut into
     pipeline stages (:mod:`lightning_dpmp.integration.pipeline`); DP then averages the stages' gradients itself
     (no DDP: its reducer cannot follow a schedule's interleaved micro-batches);
-5. :func:`wrap_dp`: zero=0 with dp > 1 and no pipeline: ``DistributedDataParallel`` over the DP group (``find_unused_parameters``
+5. :func:`wrap_dp`: zero=0 with dp > 1 and no pipeline: ``DistributedDataParallel`` over the DP group
+   (``find_unused_parameters``
    when the trace saw a step leave parameters out);
 6. the user's ``configure_optimizers``, through the strategy's public ``setup_optimizers`` (so the LR finder's
    wrapper of it still applies), over the split parameters;
@@ -138,7 +139,10 @@ class Parallelized:
         return self.engine.no_sync() if self.engine is not None else None
 
     def whole(self) -> Any:
-        """Context in which every parameter holds its values (zero=3 gathers them over DP, then frees them)."""
+        """Context in which every parameter holds its values (zero=3 gathers them over DP, then frees them; a
+        pipeline brings the other stages' parameters, until its next step frees them again)."""
+        if self.pipeline is not None:
+            return self.pipeline.whole()
         return self.engine.gathered() if self.engine is not None else nullcontext()
 
     @contextmanager

@@ -133,7 +133,8 @@ class _LogRecorder:
                 log(k, v, **kwargs)
 
         saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
-        module.log, module.log_dict = log, log_dict  # type: ignore[method-assign]
+        setattr(module, "log", log)  # instance attributes over the methods, removed again below
+        setattr(module, "log_dict", log_dict)
         try:
             yield
         finally:
@@ -149,7 +150,7 @@ class _LogRecorder:
         values: dict[str, list[Any]] = {}
         for name, value, kwargs in self.records:
             values.setdefault(name, [[], kwargs])[0].append(value)
-        out = []
+        out: list[tuple[str, Any, dict[str, Any]]] = []
         for name, (seen, kwargs) in values.items():
             if all(isinstance(v, Tensor) for v in seen):
                 out.append((name, torch.stack([v.reshape(()) for v in seen]).mean().cpu(), kwargs))
@@ -190,13 +191,18 @@ class Pipeline:
         self.shared = [p for p in self.params if len(self.ranks[id(p)]) > 1 and p.requires_grad]
         self.owned = {id(p) for p in self.params if min(self.ranks[id(p)]) == me}
         modules = dict(module.named_modules())
-        pre = [(modules[name], functools.partial(stand_in_shape, recorded), recorded[2])
-               for name, recorded in profile.pre_modules.items()]
+        stand_ins: list[Any] = [(modules[name], functools.partial(stand_in_shape, recorded), recorded[2])
+                                for name, recorded in profile.pre_modules.items()]
         self.runner = PipelineRunner(blocks, self.ranges, profile.stream, profile.output_arity, profile.stream_shape,
                                      profile.stream_dtype, grid.pp_group, me, grid.pp, config.microbatches,
-                                     config.schedule, device, pre)
+                                     config.schedule, device, stand_ins)
+        # What this rank frees while training: the parameters none of its stages reads. Kept: those the code before
+        # the stack reads outside a stood-in module (it runs on every stage), and any that shares its storage.
+        keep = profile.pre_direct
+        self.remote = [p for p in self.params if me not in self.ranks[id(p)] and id(p) not in keep and _owns(p)]
         self.device = device
         self.dirty = False  # trained since the last sync: other stages' parameters here are stale
+        self.staged = False  # the remote parameters' storage is freed (between the first step and a sync)
 
     # ------------------------------------------------------------------ the printout
     def text(self) -> str:
@@ -221,9 +227,11 @@ class Pipeline:
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ the step
-    def training_step(self, module: Any, batch: Any, batch_idx: int, accumulate: int) -> Tensor:
+    def training_step(self, module: Any, batch: Any, batch_idx: int, accumulate: int,
+                      optimizers: Sequence[Any] = ()) -> Tensor:
         """Run the pipelined forward and backward of ``batch``; log what ``training_step`` logged (the mean over
         micro-batches) on every rank; return the step's loss (the mean of the micro-batches' losses)."""
+        self.stage(optimizers)
         micro = split_microbatches(batch, self.config.microbatches)
         recorder = _LogRecorder()
 
@@ -287,11 +295,41 @@ class Pipeline:
         return self.owned
 
     # ------------------------------------------------------------------ stage sync
-    def sync(self, optimizers: Sequence[Any]) -> None:
-        """Every rank of the PP group gets the parameters and optimizer state the others own (collective)."""
-        if not self.dirty:
+    def stage(self, optimizers: Sequence[Any] = ()) -> None:
+        """Free the storage of the parameters no stage of this rank reads, with their optimizer state (a sync
+        brings both back); a no-op while they are freed."""
+        if self.staged or not self.remote:
+            return
+        remote = {id(p) for p in self.remote}
+        for optimizer in optimizers:
+            inner = compat.unwrap_optimizer(optimizer)
+            for p in [p for p in inner.state if id(p) in remote]:
+                del inner.state[p]
+        for p in self.remote:
+            p.grad = None
+            p.untyped_storage().resize_(0)  # shape, dtype and identity stay: names, optimizer, checkpoints
+        self.staged = True
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every parameter current on this rank inside (collective); the next training step frees them again."""
+        self.sync(with_state=False)
+        yield
+
+    def memory_freed(self) -> int:
+        """Bytes of parameters this rank frees while it trains (the other stages' own)."""
+        return sum(p.numel() * p.element_size() for p in self.remote)
+
+    def sync(self, optimizers: Sequence[Any] = (), with_state: bool = True) -> None:
+        """Every rank of the PP group gets the parameters (and with ``with_state`` the optimizer state) the others
+        own, freed storage allocated again (collective)."""
+        if not self.dirty and not self.staged:
             return
         grid = self.grid
+        if self.staged:
+            for p in self.remote:
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+            self.staged = False
         with torch.no_grad():
             for r in range(grid.pp):
                 theirs = [p for p in self.params if min(self.ranks[id(p)]) == r and len(self.ranks[id(p)]) < grid.pp]
@@ -304,6 +342,8 @@ class Pipeline:
                     for p in theirs:
                         p.copy_(flat[offset: offset + p.numel()].view_as(p))
                         offset += p.numel()
+        if not with_state:  # the parameters are current; the optimizer state waits for the next full sync
+            return
         for optimizer in optimizers:
             inner = compat.unwrap_optimizer(optimizer)
             params = [p for g in inner.param_groups for p in g["params"]]
@@ -319,6 +359,11 @@ class Pipeline:
                     inner.state[p] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0 else v)
                                       for k, v in state.items()}
         self.dirty = False
+
+
+def _owns(p: Tensor) -> bool:
+    """Whether ``p`` alone uses its whole storage (freeing a shared storage would free another tensor too)."""
+    return p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()
 
 
 def _flat_all_reduce(params: Sequence[nn.Parameter], group: Any, average: bool) -> None:

@@ -203,7 +203,8 @@ class Grid:
 
 
 def build_grid(dp: int, mp: int, timeout: Optional[timedelta] = None, pp: int = 1) -> Grid:
-    """Create the MP and DP groups (and with ``pp > 1`` the PP groups and rows) of an initialised default process group and return this rank's :class:`Grid`.
+    """Create the MP and DP groups (and with ``pp > 1`` the PP groups and rows) of an initialised default process
+    group and return this rank's :class:`Grid`.
 
     Every rank must call this, in the same order: ``new_group`` is collective over the world even for groups a
     rank does not belong to, and a rank that skips one leaves the others waiting.

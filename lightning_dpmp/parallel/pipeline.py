@@ -95,11 +95,11 @@ class _StageModule(nn.Module):
 
     def __init__(self, runner: "PipelineRunner", stage: int) -> None:
         super().__init__()
-        object.__setattr__(self, "_runner", runner)  # not a submodule: no parameters through here
+        self._run = runner.run_stage  # a bound method, not a submodule: no parameters through here
         self.stage = stage
 
     def forward(self, *inputs: Tensor) -> Tensor:
-        return self._runner.run_stage(self.stage, inputs)
+        return self._run(self.stage, inputs)
 
 
 class PipelineRunner:
@@ -169,6 +169,7 @@ class PipelineRunner:
             return self._as_output(self._stream_arg(args, kwargs))
 
         def entering(*args: Any, **kwargs: Any) -> Any:
+            assert received is not None  # (stages after the first)
             return self._as_output(received)
 
         def leaving(*args: Any, **kwargs: Any) -> Any:
@@ -235,7 +236,7 @@ class PipelineRunner:
         )
 
         shape = (micro_size,) + self.stream_shape[1:]
-        stages = []
+        stages: list[Any] = []
         for s in self.my_stages:
             def activation() -> Tensor:
                 return torch.empty(shape, dtype=self.stream_dtype, device=self.device, requires_grad=True)
@@ -248,7 +249,7 @@ class PipelineRunner:
         # the loss arrives scaled by the caller (1 / (micro-batches * accumulation)); torch must not rescale
         loss_fn = self._scaled_loss
         if self.schedule_name == "interleaved":
-            return ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            return ScheduleInterleaved1F1B(list(stages), self.microbatches, loss_fn=loss_fn, scale_grads=False)
         cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
 

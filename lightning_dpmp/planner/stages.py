@@ -66,6 +66,8 @@ class StackProfile:
         pre_modules: the outermost modules with parameters called before the stack (embeddings), by name:
             ``(first input's shape, output shape, output dtype)``. The later stages need only their outputs' shapes
             (the stream they start is received): :func:`stand_in_shape`.
+        pre_direct: ``id`` of the parameters the code before the stack reads outside those modules (it runs on
+            every stage, so every stage keeps them).
     """
 
     names: list[str]
@@ -82,6 +84,7 @@ class StackProfile:
     post_params: int
     param_regions: dict[int, set[int]] = field(default_factory=dict)
     pre_modules: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    pre_direct: set[int] = field(default_factory=set)
 
     def costs(self) -> tuple[list[float], float, float]:
         """``(per block, before, after)``: matmul FLOPs, or parameter elements when no matmul was seen."""
@@ -166,6 +169,8 @@ class _Watch(TorchFunctionMode):
         self.allowed: set[int] = set()  # id of the stream tensor the running block may read
         self.flops: dict[int, float] = {}
         self.used: dict[int, set[int]] = {}
+        self.open_pre: list[str] = []  # the stood-in module running now (the probe's hooks keep it)
+        self.pre_direct: set[int] = set()
         self.problem: Optional[str] = None
 
     def _where(self, region: int) -> str:
@@ -188,9 +193,9 @@ class _Watch(TorchFunctionMode):
             return
         if src in (PRE, BETWEEN):  # every stage recomputes these: fine unless they depend on parameters
             if t.requires_grad:
-                self.problem = (f"{self._where(self.region)} reads a tensor computed {self._where(src)[9:]} that carries "
-                                f"gradients ({fname}, shape {tuple(t.shape)}), besides the stream: a side output "
-                                f"that would cross pipeline stages")
+                self.problem = (f"{self._where(self.region)} reads a tensor that {self._where(src)} computed and "
+                                f"that carries gradients ({fname}, shape {tuple(t.shape)}), besides the stream: a "
+                                f"side output that would cross pipeline stages")
             return
         block = self.outputs.get(id(t))
         if block is not None and (self.region == block + 1 or (self.region == POST and block == len(self.names) - 1)):
@@ -211,6 +216,11 @@ class _Watch(TorchFunctionMode):
             if isinstance(leaf, Tensor):
                 if id(leaf) in self.params:
                     self.used.setdefault(id(leaf), set()).add(self.region)
+                    if self.region == PRE and not self.open_pre:
+                        self.pre_direct.add(id(leaf))
+                    if self.region == BETWEEN and self.problem is None:
+                        self.problem = (f"code between two blocks reads a parameter ({fname}, shape "
+                                        f"{tuple(leaf.shape)}): it would run on both sides of a pipeline cut")
                 self._check_read(leaf, fname)
         if func in _MATMULS:
             self.flops[self.region] = self.flops.get(self.region, 0.0) + _matmul_flops(func, args, out)
@@ -285,7 +295,7 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
     module_names = {id(m): n for n, m in module.named_modules()}
     around = {n for n in module_names.values() if any(b == n or b.startswith(f"{n}.") or not n for b in names)}
     pre_modules: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
-    open_pre: list[str] = []
+    open_pre = watch.open_pre
 
     def any_pre(mod: nn.Module, args: tuple) -> None:
         name = module_names.get(id(mod))
@@ -299,10 +309,13 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
         name = module_names.get(id(mod))
         if open_pre and name == open_pre[-1]:
             open_pre.pop()
-            if isinstance(out, Tensor) and watch.region == PRE:
-                pre_modules[name] = (pre_modules[name][0], tuple(out.shape), out.dtype)
-            else:
+            recorded = (pre_modules[name][0], tuple(out.shape), out.dtype) if isinstance(out, Tensor) else None
+            first = next((a for a in args if isinstance(a, Tensor)), None)
+            if recorded is not None and watch.region == PRE and stand_in_shape(recorded, first) is not None:
+                pre_modules[name] = recorded
+            else:  # not stood in: it runs on every stage, so every stage keeps its parameters
                 del pre_modules[name]
+                watch.pre_direct.update(id(p) for p in mod.parameters())
 
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -339,5 +352,5 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
         output_arity=int(info["arity"] or 0), batch_size=batch_size,
         flops=[watch.flops.get(i, 0.0) for i in range(len(names))], pre_flops=watch.flops.get(PRE, 0.0),
         post_flops=watch.flops.get(POST, 0.0), params=per_block_params, pre_params=outside[PRE],
-        post_params=outside[POST], param_regions=watch.used, pre_modules=pre_modules,
+        post_params=outside[POST], param_regions=watch.used, pre_modules=pre_modules, pre_direct=watch.pre_direct,
     )

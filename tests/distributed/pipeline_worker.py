@@ -37,7 +37,7 @@ class Counter(L.Callback):
     """The collectives and sends of one whole training step (step 3), by group, and the logged values."""
 
     def __init__(self, step: int = 3) -> None:
-        self.step, self.mode, self.counts, self.logged = step, None, {}, {}
+        self.step, self.mode, self.counts, self.logged, self.memory = step, None, {}, {}, {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
@@ -47,6 +47,7 @@ class Counter(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.mode is not None:
+            self.memory = trainer.strategy.memory_report()
             self.mode.__exit__(None, None, None)
             self.counts = {f"{g}/{op}": n for (g, op), n in self.mode.counts.items()}
             self.mode = None
@@ -80,7 +81,9 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     return {"counts": counter.counts, "logged": counter.logged, "plan_text": strategy.applied_plan.text,
             "ranges": strategy.pipeline.ranges if strategy.pipeline is not None else None,
             "analytic_all_reduce": analytic["forward"]["all_reduce"] + analytic["backward"]["all_reduce"],
-            "grid": [strategy.grid.dp_rank, strategy.grid.pp_rank, strategy.grid.mp_rank]}
+            "grid": [strategy.grid.dp_rank, strategy.grid.pp_rank, strategy.grid.mp_rank],
+            "memory": counter.memory, "freed": strategy.pipeline.memory_freed() if strategy.pipeline else 0,
+            "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def resume(out: str) -> None:
@@ -94,7 +97,8 @@ def resume(out: str) -> None:
         L.seed_everything(SEED, workers=True)
         model, dataset = build("gpt")
         trainer = make_trainer(2, 1, 2, STEPS)
-        trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // 2), ckpt_path=os.path.join(out, f"{tag}.ckpt"))
+        trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // 2),
+                    ckpt_path=os.path.join(out, f"{tag}.ckpt"))
         trainer.save_checkpoint(os.path.join(out, f"final_212_{tag}.ckpt"))
 
 
@@ -140,7 +144,8 @@ if __name__ == "__main__":
     out = sys.argv[4]
     specs = sys.argv[5].split(",")
     precisions = os.environ.get("PRECISIONS", "64-true").split(",")
-    results = {f"{s.replace(':', '_')}_{p.split('-')[0]}": run(dp, pp, mp, p, out, s) for s in specs for p in precisions}
+    results = {f"{s.replace(':', '_')}_{p.split('-')[0]}": run(dp, pp, mp, p, out, s)
+               for s in specs for p in precisions}
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)

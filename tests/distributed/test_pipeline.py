@@ -126,7 +126,8 @@ def test_plan_printout_names_stages_and_bubble(runs):
     _, ranks = runs((1, 2, 1))
     text = ranks[0][_tag("hf_llama4:interleaved:2")]["plan_text"]
     assert "pipeline: pp=2 x 2 stage(s) per rank, schedule interleaved, 4 micro-batches per step; bubble 11.1%" in text
-    assert "stage 0 (pp_rank 0): net.model.layers.0 .. net.model.layers.0 (1 blocks) + the code before the stack" in text
+    assert ("stage 0 (pp_rank 0): net.model.layers.0 .. net.model.layers.0 (1 blocks) + the code before the stack"
+            in text)
     assert "stage 3 (pp_rank 1): net.model.layers.3 .. net.model.layers.3 (1 blocks) + the code after it" in text
     assert ranks[0][_tag("gpt4:interleaved:2")]["ranges"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     assert "read on several stages (gradients summed over PP): net.wte.weight" in ranks[0][_tag("gpt:1f1b")][

@@ -367,7 +367,8 @@ def freeze_attention(module: nn.Module) -> nn.Module:
 
 
 def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
-    """Test models by name: resmlp, gpt (tied), gpt4 (gpt with 4 blocks), gpt_untied, llama (GQA + gated MLP), fused (one qkv projection),
+    """Test models by name: resmlp, gpt (tied), gpt4 (gpt with 4 blocks), gpt_untied, llama (GQA + gated MLP),
+    fused (one qkv projection),
     gpt_frozen (gpt_untied with frozen attention), gpt_vocab61 (gpt with 61 tokens), moe_list (ResMLP with top-1
     ModuleList experts), layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under
     torch.utils.checkpoint), moe_ckpt (moe_list so), llama_gc (transformers' Llama with gradient checkpointing)."""
