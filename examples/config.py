@@ -47,6 +47,10 @@ class StrategyConfig:
     verify_plan: bool = True
     mp_batch: str = "broadcast"
     zero: int = 0
+    pp: int = 1
+    pp_microbatches: Optional[int] = None
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
     timeout: TimeoutConfig = field(default_factory=TimeoutConfig)
     ddp: Dict[str, Any] = field(default_factory=dict)
 
@@ -101,8 +105,8 @@ class TrainConfig:
     hparams_search: Any = None
 
 
-def _devices(dp: Any, mp: Any, num_nodes: Any = 1) -> int:
-    """``trainer.devices`` derived from the layout: processes per node = dp * mp / num_nodes.
+def _devices(dp: Any, mp: Any, num_nodes: Any = 1, pp: Any = 1) -> int:
+    """``trainer.devices`` derived from the layout: processes per node = dp * pp * mp / num_nodes.
 
     A non-positive ``dp``/``mp`` gets the strategy's own message (``check_parallel_size``), not a bare arithmetic
     error, whichever of the two resolves first.
@@ -111,9 +115,10 @@ def _devices(dp: Any, mp: Any, num_nodes: Any = 1) -> int:
 
     check_parallel_size("dp", dp)
     check_parallel_size("mp", mp)
-    world = dp * mp
+    check_parallel_size("pp", pp)
+    world = dp * pp * mp
     if not isinstance(num_nodes, int) or num_nodes < 1 or world % num_nodes:
-        raise ValueError(f"dp * mp = {world} processes cannot be split evenly over num_nodes = {num_nodes}")
+        raise ValueError(f"dp * pp * mp = {world} processes cannot be split evenly over num_nodes = {num_nodes}")
     return world // num_nodes
 
 

@@ -263,7 +263,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     The summary goes to ``<paths.output_dir>/summary.json`` and ``summary.md``. In a multirun, a failed job is
     recorded as ``status: failed`` and the sweep continues (the sweep summary callback exits non-zero at the end);
-    a job whose ``dp * mp`` exceeds :func:`max_world_size` is recorded as ``skipped``.
+    a job whose ``dp * pp * mp`` exceeds :func:`max_world_size` is recorded as ``skipped``.
     """
     from lightning_dpmp.integration.launcher import launch_environment
 
@@ -272,11 +272,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     multirun, job_num, overrides, failures_reported = _hydra_job()
     output_dir = Path(cfg.paths.output_dir)
     rank0 = _env_rank() == 0  # before the Trainer exists: this process is (or will be) global rank 0
-    dp, mp = cfg.strategy.get("dp", 1), cfg.strategy.get("mp", 1)
+    dp, mp, pp = cfg.strategy.get("dp", 1), cfg.strategy.get("mp", 1), cfg.strategy.get("pp", 1)
     summary: dict[str, Any] = {
         "job": job_num,
         "dp": dp,
         "mp": mp,
+        "pp": pp,
         "world_size": None,
         "status": "failed",
         "overrides": overrides,
@@ -296,14 +297,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         return summary
     limit = max_world_size(cfg)
     refusal = no_gpu_message(cfg)
-    if refusal is None and dp * mp > limit:
+    layout = f"dp={dp} x pp={pp} x mp={mp}" if pp != 1 else f"dp={dp} x mp={mp}"
+    if refusal is None and dp * pp * mp > limit:
         refusal = (
-            f"Layout dp={dp} x mp={mp} needs {dp * mp} processes; this machine allows {limit}"
+            f"Layout {layout} needs {dp * pp * mp} processes; this machine allows {limit}"
             f" (max_world_size={cfg.get('max_world_size')}). Skipped."
         )
     if refusal is not None:
         log.warning(refusal)
-        summary.update(status="skipped", world_size=dp * mp, error=refusal, wall_s=time.perf_counter() - started)
+        summary.update(status="skipped", world_size=dp * pp * mp, error=refusal, wall_s=time.perf_counter() - started)
         if rank0:
             _write_summary(summary, output_dir)
         if not multirun:
@@ -339,7 +341,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 torch.set_num_threads(summary["threads"])
                 os.environ["OMP_NUM_THREADS"] = str(summary["threads"])
             log.info(
-                f"rank {trainer.global_rank} (pid {os.getpid()}): dp={dp} x mp={mp},"
+                f"rank {trainer.global_rank} (pid {os.getpid()}): {layout},"
                 f" {trainer.num_devices} processes per node, {torch.get_num_threads()} torch threads"
             )
 

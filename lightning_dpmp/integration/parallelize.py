@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 import lightning_dpmp.compat as compat
@@ -210,6 +211,7 @@ def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig) -> Pipeli
     run = step_runner(trainer, strategy, batch)
     with isolated(lm):
         pipeline = build_pipeline(lm, run, batch, strategy.grid, config, strategy.root_device)
+    rank_zero_info(pipeline.text())
     return pipeline
 
 

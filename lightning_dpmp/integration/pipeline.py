@@ -133,8 +133,8 @@ class _LogRecorder:
                 log(k, v, **kwargs)
 
         saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
-        setattr(module, "log", log)  # instance attributes over the methods, removed again below
-        setattr(module, "log_dict", log_dict)
+        module.log = log  # instance attributes over the methods, removed again below
+        module.log_dict = log_dict
         try:
             yield
         finally:

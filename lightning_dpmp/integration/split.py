@@ -156,10 +156,17 @@ def split_model(
                " rank used (their gradients stay None, as on one process)"))
     summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""
     rank_zero_info(
-        f"{applied.text}\n  grid: dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank){summary}"
+        f"{applied.text}\n  grid: {_grid_line(strategy)}{summary}"
         + (f"\n{strategy.layout_report}" if getattr(strategy, "layout_report", "") else "")
     )
     return split
+
+
+def _grid_line(strategy: Any) -> str:
+    pp = getattr(strategy, "pp", 1)
+    if pp > 1:
+        return f"dp={strategy.dp} x pp={pp} x mp={strategy.mp} (rank = (dp_rank*pp + pp_rank)*mp + mp_rank)"
+    return f"dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank)"
 
 
 def unsplit_model(strategy: Any, everywhere: bool = True) -> None:

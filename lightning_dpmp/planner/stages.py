@@ -111,8 +111,8 @@ def stand_in_shape(recorded: tuple[tuple[int, ...], tuple[int, ...], Any], first
 
 def balance(costs: list[float], pre: float, post: float, n_stages: int) -> list[tuple[int, int]]:
     """Cut ``costs`` (one per block) into ``n_stages`` contiguous, non-empty ``[start, end)`` ranges minimising the
-    largest stage cost, with ``pre`` added to the first stage and ``post`` to the last; ties go to the cut that puts
-    more blocks early (the first stage also holds the embeddings' activations)."""
+    largest stage cost, with ``pre`` added to the first stage and ``post`` to the last; ties go to the earliest cut
+    (fewer blocks on earlier stages: under 1F1B the first stage keeps the most micro-batches' activations)."""
     n = len(costs)
     if n_stages > n:
         raise StageCutError(f"{n_stages} pipeline stages need at least {n_stages} repeated blocks; the model has {n}.")
@@ -131,7 +131,7 @@ def balance(costs: list[float], pre: float, post: float, n_stages: int) -> list[
         best[0][e] = stage_cost(0, 0, e)
     for s in range(1, n_stages):
         for e in range(s + 1, n + 1):
-            for a in range(e - 1, s - 1, -1):  # last stage [a, e); prefer the latest cut on ties
+            for a in range(s, e):  # last stage [a, e); the earliest cut wins ties
                 value = max(best[s - 1][a], stage_cost(s, a, e))
                 if value < best[s][e]:
                     best[s][e], cut[s][e] = value, a
@@ -334,10 +334,10 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
             f"the repeated blocks ran in the order {[names[i] for i in calls][:8]}, not once each in their list order "
             f"({names[:3]}...): pipeline stages are contiguous runs of blocks called one after another"
         )
+    if watch.problem:  # the first read that crosses a cut, with the op that read it
+        raise StageCutError(watch.problem)
     if problems:
         raise StageCutError(problems[0])
-    if watch.problem:
-        raise StageCutError(watch.problem)
     shape = info["shape"]
     if not shape or shape[0] != batch_size:
         raise StageCutError(f"the stream between blocks has shape {shape}, whose first dim is not the batch size "

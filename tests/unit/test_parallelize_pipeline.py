@@ -41,7 +41,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     plan = SimpleNamespace(conditional=conditional, text="plan")
     split = Split(applied_plan=plan, rng=None, partial_grads=[], split_params={id(module.weight)})  # type: ignore
     engine = _Engine(shard)
-    strategy = SimpleNamespace(lightning_module=module, model=module, grid=SimpleNamespace(dp=dp, mp=mp,
+    strategy = SimpleNamespace(lightning_module=module, model=module, grid=SimpleNamespace(dp=dp, mp=mp, pp=1,
                                dp_group="dp", mp_group="mp"), root_device=torch.device("cpu"),
                                precision_plugin="plugin")
     strategy.setup_optimizers = lambda trainer: calls.append("setup_optimizers")
@@ -59,7 +59,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     monkeypatch.setattr(pipeline, "wrap_dp", lambda s, cond: calls.append(f"wrap_dp(conditional={cond})"))
     monkeypatch.setattr(pipeline, "shard_dp", record("shard_dp", engine))
     monkeypatch.setattr(pipeline, "install_step_hooks",
-                        lambda plugin, parallel, dp_group: calls.append(f"install_step_hooks(dp_group={dp_group})"))
+                        lambda plugin, parallel, dp_group, pp_group=None: calls.append(
+                            f"install_step_hooks(dp_group={dp_group})"))
     config = ParallelConfig(PlanOverrides(), zero=zero, compile=True)
     trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
     return calls, pipeline.parallelize(strategy, trainer, config, meta=False), shard
