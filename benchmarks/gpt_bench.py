@@ -29,7 +29,14 @@ split), ``..._zero<k>`` (``zero=k``: 1 and 2 optimizer state and gradients, 3 + 
 DP), ``..._zero<k>_fsdp2`` (the same sharding over DP done by torch's FSDP2 ``fully_shard`` per repeated block and
 root instead of our ZeRO engine: issue 22's side-by-side), ``mps_<dp>x<mp>`` (ModelParallelStrategy:
 ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2 ``fully_shard`` over the data-parallel axis),
-``ddp_<n>`` (DDPStrategy).
+``ddp_<n>`` (DDPStrategy), ``dpmp_<dp>x<mp>_pp<k>[_gpipe|_interleaved]`` (DPMPStrategy(pp=k): pipeline stages,
+``--pp-microbatches`` per step, 1F1B by default; ``_interleaved`` runs 2 stages per rank). Pipeline layouts also
+report each rank's held bytes (the stages differ) and the schedule's bubble fraction.
+
+The pipeline side-by-side (issue 26): the 8-layer Llama at world 4::
+
+    python benchmarks/gpt_bench.py --model hf_llama --layers 8 --rounds 3 \
+        --configs dpmp_1x2_pp2,dpmp_1x4,dpmp_2x2,dpmp_4x1 --out benchmarks/results/pipeline
 """
 
 from __future__ import annotations
@@ -204,7 +211,8 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
         def _groups(self, trainer: Any) -> dict[str, Any]:
             s = trainer.strategy
             if kind == "dpmp":
-                return {"mp": s.grid.mp_group, "dp": s.grid.dp_group}
+                groups = {"mp": s.grid.mp_group, "dp": s.grid.dp_group}
+                return {**groups, "pp": s.grid.pp_group} if s.grid.pp > 1 else groups
             if kind == "mps":
                 mesh = s.device_mesh
                 return {"mp": mesh["tensor_parallel"].get_group(), "dp": mesh["data_parallel"].get_group()}
@@ -391,12 +399,15 @@ def worker(args: argparse.Namespace) -> None:
     from tests.support.models import make_lm_dataset
 
     name = args.config
-    m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3]|_fsdp2)*)", name)
+    m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3]|_fsdp2|_pp\d+|_gpipe"
+                     r"|_interleaved)*)", name)
     if not m:
         raise SystemExit(f"unknown config {name!r}")
     kind, a, b, flags = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4)
     dp, mp = (a, b) if kind != "ddp" else (a, 1)
-    world = dp * mp
+    pp_flag = re.search(r"_pp(\d+)", flags)
+    pp = int(pp_flag.group(1)) if pp_flag else 1
+    world = dp * mp * pp
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     callbacks = [_callback(args, out_dir, kind)]
@@ -408,7 +419,10 @@ def worker(args: argparse.Namespace) -> None:
             if not zero or zero.group(1) not in "23":
                 raise SystemExit(f"{name}: _fsdp2 replaces the ZeRO engine: give _zero2 or _zero3 with it")
             _shard_dp_with_fsdp2()
-        strategy: Any = DPMPStrategy(dp=dp, mp=mp, sequence_parallel="_sp" in flags, verify_plan=False,
+        schedule = "interleaved" if "_interleaved" in flags else "gpipe" if "_gpipe" in flags else "1f1b"
+        pipeline = dict(pp=pp, pp_microbatches=args.pp_microbatches, pp_schedule=schedule,
+                        pp_stages_per_rank=2 if schedule == "interleaved" else 1) if pp > 1 else {}
+        strategy: Any = DPMPStrategy(dp=dp, mp=mp, **pipeline, sequence_parallel="_sp" in flags, verify_plan=False,
                                      compile="_compiled" in flags, async_grad_allreduce="_async" in flags,
                                      zero=int(zero.group(1)) if zero else 0,
                                      # FSDP2's DTensors are not gathered back by our teardown: leave them
@@ -442,7 +456,8 @@ def _run_one(config: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("rank*.json"):
         f.unlink()
-    forwarded = ("model", "kv_heads", "layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps")
+    forwarded = ("model", "kv_heads", "layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps",
+                 "pp_microbatches")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", config, "--out", str(out),
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in forwarded]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -477,6 +492,8 @@ def summarise(config: str, runs: list[dict[str, Any]], args: argparse.Namespace)
         "param_numel": max(x["param_numel"] for x in runs[0]["ranks"]),
         "bucket_mb": max(x["bucket_bytes"] for x in runs[0]["ranks"]) / 2**20,
         "held_mb": max(x["held_bytes"] for x in runs[0]["ranks"]) / 2**20,
+        "held_mb_ranks": [x["held_bytes"] / 2**20 for x in sorted(runs[0]["ranks"], key=lambda x: x["rank"])],
+        "pp_mb_per_step": sum(v for k, v in comm.items() if k.startswith("pp/")) / 2**20,
         "peak_mb": max(x["peak_bytes"] for r in runs for x in r["ranks"]) / 2**20,
         "peak_rss_mb": max(x["peak_rss"] for r in runs for x in r["ranks"]) / 2**20,
         "mp_mb_per_step": mp_b / 2**20,
@@ -549,8 +566,18 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
                              f"{rows[a][key] / rows[b][key]:.3f}" + (f" (target <= 1: {'holds' if ok else 'MISSED'})"
                                                                       if a.endswith("zero3") else ""))
     for c, r in rows.items():
+        pp = re.search(r"_pp(\d+)", c)
+        if pp:  # the stages hold different blocks: every rank's bytes, and the schedule's idle share
+            from lightning_dpmp.parallel.pipeline import bubble_fraction
+
+            schedule = "interleaved" if "_interleaved" in c else "gpipe" if "_gpipe" in c else "1f1b"
+            bubble = bubble_fraction(schedule, int(pp.group(1)), args.pp_microbatches, 2 if "_interleaved" in c else 1)
+            held = ", ".join(f"{h:.2f}" for h in r["held_mb_ranks"])
+            lines.append(f"- {c}: {schedule}, {args.pp_microbatches} micro-batches, bubble {bubble:.1%}; held MB per "
+                         f"rank {held}; stage-to-stage (PP) MB per step on rank 0 {r['pp_mb_per_step']:.2f}")
+    for c, r in rows.items():
         m = re.fullmatch(r"dpmp_(\d+)x(\d+).*", c)
-        if m:
+        if m and "_pp" not in c:
             split, rep, exp = expected_param_numel(net, int(m.group(2)))
             lines.append(f"- {c}: parameters per rank {r['param_numel']:,} vs analytic split/mp + replicated "
                          f"{exp:,} ({split:,}/{m.group(2)} + {rep:,}): {100 * (r['param_numel'] / exp - 1):+.2f}%")
@@ -618,6 +645,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all DP ranks")
     p.add_argument("--world", type=int, default=4, help="processes (informational; configs name their layout)")
+    p.add_argument("--pp-microbatches", type=int, default=4, help="pipeline configs: micro-batches per step")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--out", default="benchmarks/results/gpt", help="output folder")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
