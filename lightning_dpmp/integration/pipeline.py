@@ -201,7 +201,8 @@ class Pipeline:
         keep = profile.pre_direct
         self.remote = [p for p in self.params if me not in self.ranks[id(p)] and id(p) not in keep and _owns(p)]
         self.device = device
-        self.dirty = False  # trained since the last sync: other stages' parameters here are stale
+        # trained since the last sync: other stages' parameters (and optimizer state) here are stale
+        self.stale_params = self.stale_state = False
         self.staged = False  # the remote parameters' storage is freed (between the first step and a sync)
 
     # ------------------------------------------------------------------ the printout
@@ -255,7 +256,7 @@ class Pipeline:
         finally:
             for p, g in zip(self.params, earlier):
                 p.grad = g
-        self.dirty = True
+        self.stale_params = self.stale_state = True
         last = (self.config.stages - 1) % self.grid.pp
         payload: list[Any] = [None]
         if self.grid.pp_rank == last:
@@ -323,8 +324,13 @@ class Pipeline:
     def sync(self, optimizers: Sequence[Any] = (), with_state: bool = True) -> None:
         """Every rank of the PP group gets the parameters (and with ``with_state`` the optimizer state) the others
         own, freed storage allocated again (collective)."""
-        if not self.dirty and not self.staged:
-            return
+        grid = self.grid
+        if self.staged or self.stale_params:
+            self._sync_params()
+        if with_state and self.stale_state:
+            self._sync_state(optimizers)
+
+    def _sync_params(self) -> None:
         grid = self.grid
         if self.staged:
             for p in self.remote:
@@ -342,8 +348,11 @@ class Pipeline:
                     for p in theirs:
                         p.copy_(flat[offset: offset + p.numel()].view_as(p))
                         offset += p.numel()
-        if not with_state:  # the parameters are current; the optimizer state waits for the next full sync
-            return
+        self.stale_params = False
+
+    def _sync_state(self, optimizers: Sequence[Any]) -> None:
+        # one pickled all-gather per optimizer over the PP group: a checkpoint's cost, not a step's
+        grid = self.grid
         for optimizer in optimizers:
             inner = compat.unwrap_optimizer(optimizer)
             params = [p for g in inner.param_groups for p in g["params"]]
@@ -358,7 +367,7 @@ class Pipeline:
                     p = params[i]
                     inner.state[p] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0 else v)
                                       for k, v in state.items()}
-        self.dirty = False
+        self.stale_state = False
 
 
 def _owns(p: Tensor) -> bool:

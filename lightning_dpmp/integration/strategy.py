@@ -237,12 +237,13 @@ class DPMPStrategy(GridStrategy):
         """The pipeline stages and schedule while fitting with ``pp > 1`` (``None`` otherwise)."""
         return self._parallel.pipeline if self._parallel is not None else None
 
-    def sync_stages(self) -> None:
-        """With a pipeline: every rank gets the parameters and optimizer state trained on the other stages
-        (collective; nothing to do when no step ran since the last sync). Evaluation, checkpoints and teardown call
-        it; call it yourself before reading another stage's parameters during training."""
+    def sync_stages(self, with_state: bool = True) -> None:
+        """With a pipeline: every rank gets the parameters (and with ``with_state`` the optimizer state) trained on
+        the other stages (collective; nothing to do when no step ran since the last sync). Evaluation (parameters
+        only), checkpoints and teardown call it; call it yourself before reading another stage's parameters while
+        training."""
         if self.pipeline is not None and not self._failed:
-            self.pipeline.sync(self.optimizers)
+            self.pipeline.sync(self.optimizers, with_state)
 
     @property
     def applied_plan(self) -> Optional[PlanResult]:
@@ -384,17 +385,17 @@ class DPMPStrategy(GridStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        self.sync_stages()
+        self.sync_stages(with_state=False)
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
-        self.sync_stages()
+        self.sync_stages(with_state=False)
         super().on_test_start()
 
     @override
     def on_predict_start(self) -> None:
-        self.sync_stages()
+        self.sync_stages(with_state=False)
         super().on_predict_start()
 
     @override
