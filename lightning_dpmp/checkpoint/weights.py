@@ -346,8 +346,8 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
         with torch.no_grad():
             for key, name in names.items():
                 target = state[key]
-                if id(target) in done:
-                    continue
+                if id(target) in done or (target.numel() and not target.untyped_storage().nbytes()):
+                    continue  # (a pipeline's other stage: freed; its owner reads it)
                 done.add(id(target))
                 dim = dims.get(key)
                 local = files.read(name, dim, parts if dim is not None else 1, part, blocks.get(key, 1))

@@ -12,9 +12,10 @@ the device (skipped for a meta model). The steps, each a short function below, r
 
 Fitting only:
 
-4b. :func:`plan_pipeline`: with ``pp > 1``, the first batch's step is probed and the repeated blocks are cut into
-    pipeline stages (:mod:`lightning_dpmp.integration.pipeline`); DP then averages the stages' gradients itself
-    (no DDP: its reducer cannot follow a schedule's interleaved micro-batches);
+0. before step 1, with ``pp > 1``, :func:`plan_pipeline`: the first batch's step is probed on the dense model and
+   the repeated blocks are cut into pipeline stages (:mod:`lightning_dpmp.integration.pipeline`), built over the
+   split model after step 4; DP then averages the stages' gradients itself (no DDP: its reducer cannot follow a
+   schedule's interleaved micro-batches);
 5. :func:`wrap_dp`: zero=0 with dp > 1 and no pipeline: ``DistributedDataParallel`` over the DP group
    (``find_unused_parameters``
    when the trace saw a step leave parameters out);
@@ -55,7 +56,14 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
-from lightning_dpmp.integration.pipeline import Pipeline, PipelineConfig, build_pipeline, check_pipeline_at_setup
+from lightning_dpmp.integration.pipeline import (
+    Pipeline,
+    PipelineConfig,
+    check_pipeline_at_setup,
+    probe_pipeline,
+    remote_parameters,
+    stage_ranges,
+)
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
@@ -64,6 +72,7 @@ from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
+from lightning_dpmp.planner.stages import StackProfile
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = [
@@ -172,10 +181,12 @@ def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[],
 
 
 # ---------------------------------------------------------------------------------------------- the steps
-def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool) -> Split:
-    """Step 1: trace, plan and split ``strategy.lightning_module`` over ``strategy.grid`` (collective)."""
+def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool,
+                   free: frozenset = frozenset()) -> Split:
+    """Step 1: trace, plan and split ``strategy.lightning_module`` over ``strategy.grid`` (collective); a meta
+    model's parameters named in ``free`` are initialised and their storage freed at once (other stages')."""
     return split_model(strategy, trainer, meta, config.plan_overrides, config.verify, config.sequence_parallel,
-                       config.zero)
+                       config.zero, free)
 
 
 def route_metrics(module: nn.Module, dp_group: Any) -> None:
@@ -197,22 +208,26 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
     return enabled
 
 
-def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig) -> Pipeline:
-    """Step 4b (fitting, ``pp > 1``): probe the first batch's training step on the split model and cut it into
-    stages (collective over each MP group: the probe runs the split layers); its plan joins the printout."""
+def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig, meta: bool) -> tuple[StackProfile, frozenset]:
+    """Step 0 (fitting, ``pp > 1``), before the split: probe the first batch's training step on the dense model (on
+    meta tensors for a meta model) and check that it can be cut into stages. Returns the probe's profile and, for a
+    meta model, the names of the parameters this rank's stages never read: the split initialises them and frees
+    their storage at once, so that no rank ever holds more than its stages and one module."""
     from lightning_dpmp.integration.autoplan import isolated
 
     lm = strategy.lightning_module
     check_pipeline_at_setup(trainer, lm)
-    batch, _ = first_batch(trainer, strategy)
+    batch, _ = first_batch(trainer, strategy)  # (rank 0 reads, every rank receives: the same probe everywhere)
     if batch is None:
         raise RuntimeError("DPMPStrategy(pp > 1) plans its stages from the first training batch; the train "
                            "dataloader gave none.")
-    run = step_runner(trainer, strategy, batch)
+    run = step_runner(trainer, strategy, batch, meta)
     with isolated(lm):
-        pipeline = build_pipeline(lm, run, batch, strategy.grid, config, strategy.root_device)
-    rank_zero_info(pipeline.text())
-    return pipeline
+        profile = probe_pipeline(lm, run, batch, config)
+    if not meta:
+        return profile, frozenset()
+    remote = remote_parameters(lm, profile, stage_ranges(profile, config), strategy.grid)
+    return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote)
 
 
 def wrap_dp(strategy: Any, conditional: bool) -> None:
@@ -256,15 +271,19 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     """
     module = strategy.lightning_module
     grid = strategy.grid
-    split = plan_and_split(strategy, trainer, config, meta)
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    profile, free = plan_pipeline(strategy, trainer, config.pipeline, meta) if fitting and grid.pp > 1 else (
+        None, frozenset())
+    split = plan_and_split(strategy, trainer, config, meta, free)
     route_metrics(strategy.model, grid.dp_group)
     overlap_grad_allreduce(strategy.model, config.async_grad_allreduce, strategy.root_device.type)
     compiled = compile_model(module, config.compile)
     engine = pipeline = None
-    if trainer.state.fn == TrainerFn.FITTING:
-        if grid.pp > 1:
-            pipeline = plan_pipeline(strategy, trainer, config.pipeline)
+    if fitting:
+        if profile is not None:  # the stages, over the split model
+            pipeline = Pipeline(module, profile, grid, config.pipeline, strategy.root_device)
             split.applied_plan.text += "\n" + pipeline.text()
+            rank_zero_info(pipeline.text())
         elif grid.dp > 1 and config.zero == 0:
             wrap_dp(strategy, bool(split.applied_plan.conditional))
         strategy.setup_optimizers(trainer)

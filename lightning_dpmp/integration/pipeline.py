@@ -1,7 +1,8 @@
 """The Lightning side of pipeline parallelism: stages planned at setup from the traced step, the step run by
 torch's schedule, and what the rest of the strategy needs around it.
 
-* **Setup** (:func:`build_pipeline`, after the MP split): the first batch's step is probed
+* **Setup** (:func:`probe_pipeline`, before the MP split; :class:`Pipeline` after it): the first batch's step is
+  probed
   (:func:`~lightning_dpmp.planner.stages.probe_stack`), refused with the reason and the layer when it cannot be cut
   between its repeated blocks, and the blocks are cut into ``pp * stages_per_rank`` stages balanced by matmul FLOPs
   (:func:`~lightning_dpmp.planner.stages.balance`); the embeddings join the first stage, the head and loss the last.
@@ -53,7 +54,16 @@ from lightning_dpmp.planner.stages import (
     stand_in_shape,
 )
 
-__all__ = ["Pipeline", "PipelineConfig", "build_pipeline", "check_pipeline_args"]
+__all__ = [
+    "Pipeline",
+    "PipelineConfig",
+    "check_pipeline_args",
+    "check_pipeline_at_setup",
+    "probe_pipeline",
+    "reading_ranks",
+    "remote_parameters",
+    "stage_ranges",
+]
 
 
 @dataclass(frozen=True)
@@ -133,8 +143,7 @@ class _LogRecorder:
                 log(k, v, **kwargs)
 
         saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
-        module.log = log  # instance attributes over the methods, removed again below
-        module.log_dict = log_dict
+        vars(module).update(log=log, log_dict=log_dict)  # instance attributes over the methods, removed below
         try:
             yield
         finally:
@@ -174,18 +183,11 @@ class Pipeline:
                  device: torch.device) -> None:
         self.grid, self.config, self.profile = grid, config, profile
         blocks = [m for _, m in repeated_blocks(module)]
-        costs, pre, post = profile.costs()
-        self.ranges = balance(costs, pre, post, config.stages)
-        stage_of_block = {j: s for s, (a, b) in enumerate(self.ranges) for j in range(a, b)}
-        region_stage = {PRE: 0, POST: config.stages - 1, BETWEEN: 0}
+        self.ranges = stage_ranges(profile, config)
         named = dict(module.named_parameters())  # tied parameters once, under their first name
         self.names = {id(p): n for n, p in named.items()}
         self.params = list(named.values())
-        self.ranks: dict[int, set[int]] = {}  # id(parameter) -> PP ranks whose stages read it
-        for p in self.params:
-            regions = profile.param_regions.get(id(p), set())
-            stages = {stage_of_block.get(r, region_stage.get(r, 0)) for r in regions} or {0}
-            self.ranks[id(p)] = {s % grid.pp for s in stages}
+        self.ranks = reading_ranks(module, profile, self.ranges, grid.pp)  # id(parameter) -> PP ranks reading it
         me = grid.pp_rank
         self.computed = [p for p in self.params if me in self.ranks[id(p)] and p.requires_grad]
         self.shared = [p for p in self.params if len(self.ranks[id(p)]) > 1 and p.requires_grad]
@@ -198,12 +200,14 @@ class Pipeline:
                                      config.schedule, device, stand_ins)
         # What this rank frees while training: the parameters none of its stages reads. Kept: those the code before
         # the stack reads outside a stood-in module (it runs on every stage), and any that shares its storage.
-        keep = profile.pre_direct
-        self.remote = [p for p in self.params if me not in self.ranks[id(p)] and id(p) not in keep and _owns(p)]
+        remote = remote_parameters(module, profile, self.ranges, grid)
+        self.remote = [p for p in self.params if id(p) in remote]
         self.device = device
         # trained since the last sync: other stages' parameters (and optimizer state) here are stale
         self.stale_params = self.stale_state = False
-        self.staged = False  # the remote parameters' storage is freed (between the first step and a sync)
+        # the remote parameters' storage is freed (from the first step, or from the start for a meta-device model,
+        # whose other stages' parameters were never allocated for longer than their initialisation, until a sync)
+        self.staged = any(p.untyped_storage().nbytes() == 0 and p.numel() > 0 for p in self.remote)
 
     # ------------------------------------------------------------------ the printout
     def text(self) -> str:
@@ -317,6 +321,13 @@ class Pipeline:
         self.sync(with_state=False)
         yield
 
+    def allocate(self) -> None:
+        """Give the freed parameters their storage back, without values (a checkpoint load fills them)."""
+        if self.staged:
+            for p in self.remote:
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+            self.staged = False
+
     def memory_freed(self) -> int:
         """Bytes of parameters this rank frees while it trains (the other stages' own)."""
         return sum(p.numel() * p.element_size() for p in self.remote)
@@ -324,7 +335,6 @@ class Pipeline:
     def sync(self, optimizers: Sequence[Any] = (), with_state: bool = True) -> None:
         """Every rank of the PP group gets the parameters (and with ``with_state`` the optimizer state) the others
         own, freed storage allocated again (collective)."""
-        grid = self.grid
         if self.staged or self.stale_params:
             self._sync_params()
         if with_state and self.stale_state:
@@ -332,10 +342,7 @@ class Pipeline:
 
     def _sync_params(self) -> None:
         grid = self.grid
-        if self.staged:
-            for p in self.remote:
-                p.untyped_storage().resize_(p.numel() * p.element_size())
-            self.staged = False
+        self.allocate()
         with torch.no_grad():
             for r in range(grid.pp):
                 theirs = [p for p in self.params if min(self.ranks[id(p)]) == r and len(self.ranks[id(p)]) < grid.pp]
@@ -370,9 +377,42 @@ class Pipeline:
         self.stale_state = False
 
 
+def stage_ranges(profile: StackProfile, config: PipelineConfig) -> list[tuple[int, int]]:
+    """The ``[start, end)`` block range of every stage: :func:`~lightning_dpmp.planner.stages.balance` of the
+    probed costs."""
+    costs, pre, post = profile.costs()
+    return balance(costs, pre, post, config.stages)
+
+
+def reading_ranks(module: nn.Module, profile: StackProfile, ranges: Sequence[tuple[int, int]], pp: int
+                  ) -> dict[int, set[int]]:
+    """``id(parameter) -> the PP ranks whose stages read it`` (stage ``s`` on rank ``s % pp``; the code before the
+    stack on the first stage, after it on the last; a parameter no region read goes to the first)."""
+    stage_of_block = {j: s for s, (a, b) in enumerate(ranges) for j in range(a, b)}
+    region_stage = {PRE: 0, POST: len(ranges) - 1, BETWEEN: 0}
+    ranks: dict[int, set[int]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):  # a tied parameter: every name's regions
+        regions = profile.param_regions.get(name, set())
+        stages = {stage_of_block.get(r, region_stage.get(r, 0)) for r in regions}
+        ranks.setdefault(id(p), set()).update(s % pp for s in stages)
+    return {pid: r or {0} for pid, r in ranks.items()}
+
+
+def remote_parameters(module: nn.Module, profile: StackProfile, ranges: Sequence[tuple[int, int]], grid: Grid
+                      ) -> set[int]:
+    """``id`` of the parameters of ``module`` this rank frees while training: none of its stages reads them.
+    Kept: those the code before the stack reads outside a stood-in module (it runs on every stage), and any that
+    shares its storage with another tensor."""
+    ranks = reading_ranks(module, profile, ranges, grid.pp)
+    keep = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in profile.pre_direct}
+    return {id(p) for p in module.parameters()
+            if grid.pp_rank not in ranks[id(p)] and id(p) not in keep and _owns(p)}
+
+
 def _owns(p: Tensor) -> bool:
-    """Whether ``p`` alone uses its whole storage (freeing a shared storage would free another tensor too)."""
-    return p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    """Whether ``p`` alone uses its whole storage (freeing a shared storage would free another tensor too), or
+    already freed it (a meta model's other stages)."""
+    return p.storage_offset() == 0 and p.untyped_storage().nbytes() in (0, p.numel() * p.element_size())
 
 
 def _flat_all_reduce(params: Sequence[nn.Parameter], group: Any, average: bool) -> None:
@@ -417,11 +457,10 @@ def _local(kwargs: dict[str, Any], grid: Grid) -> dict[str, Any]:
     return out
 
 
-def build_pipeline(module: nn.Module, run_step: Any, batch: Any, grid: Grid, config: PipelineConfig,
-                   device: torch.device) -> Pipeline:
-    """Probe ``run_step`` (the first batch's training step), cut the stages and build this rank's schedule. Raises
-    :class:`~lightning_dpmp.planner.stages.StageCutError` on every rank when the step cannot be cut (every rank
-    probes the same model on the same batch)."""
+def probe_pipeline(module: nn.Module, run_step: Any, batch: Any, config: PipelineConfig) -> StackProfile:
+    """Probe ``run_step`` (the first batch's training step, on the dense model: real or meta tensors) and check that
+    the stages can be cut. Raises :class:`~lightning_dpmp.planner.stages.StageCutError` on every rank when the step
+    cannot be cut (every rank probes the same model on the same batch)."""
     from torch.utils._pytree import tree_flatten
 
     sizes = [int(t.shape[0]) for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
@@ -433,7 +472,8 @@ def build_pipeline(module: nn.Module, run_step: Any, batch: Any, grid: Grid, con
                             f"{sizes[0]} rows per DP rank")
     try:
         profile = probe_stack(module, run_step, sizes[0])
-        return Pipeline(module, profile, grid, config, device)
+        stage_ranges(profile, config)  # enough blocks for the stages
+        return profile
     except StageCutError as exc:
         raise StageCutError(f"DPMPStrategy(pp={config.pp}) cannot cut this training step into pipeline stages: "
                             f"{exc}") from None

@@ -103,6 +103,7 @@ def split_module(
     training: bool,
     meta: bool,
     notes: Optional[list[str]] = None,
+    free: frozenset = frozenset(),
 ) -> Split:
     """Plan ``module`` from ``run`` (one step, or ``None`` when there is no batch) and split it in place over
     ``grid`` (collective over the world): every rank starts from rank 0's dense weights, the split regions get
@@ -114,7 +115,7 @@ def split_module(
     applied = plan_module(module, grid, run, plan_overrides, verify and not meta, device, notes, rng,
                           sequence_parallel, precision, training)
     if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
-        materialize(module, device, seed, grid.mp_rank)
+        materialize(module, device, seed, grid.mp_rank, free)
         load_deferred(module, grid.mp_group)  # pretrained weights: each rank reads only the slices it holds
     dims, partial = shard_dims(module), set(applied.plan.partial_params)
     return Split(
@@ -133,9 +134,11 @@ def split_model(
     verify: bool,
     sequence_parallel: bool,
     zero: int = 0,
+    free: frozenset = frozenset(),
 ) -> Split:
     """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world);
-    ``zero`` only words the printout's line on steps that leave parameters out."""
+    ``zero`` only words the printout's line on steps that leave parameters out; a meta model's parameters named in
+    ``free`` are freed right after their initialisation (a pipeline's other stages)."""
     lm = strategy.lightning_module
     assert lm is not None
     grid, device = strategy.grid, strategy.root_device
@@ -143,7 +146,7 @@ def split_model(
     batch, notes = first_batch(trainer, strategy)
     run = step_runner(trainer, strategy, batch, meta) if batch is not None else None
     split = split_module(lm, grid, device, run, plan_overrides, verify, sequence_parallel, str(trainer.precision),
-                         trainer.state.fn == TrainerFn.FITTING, meta, notes)
+                         trainer.state.fn == TrainerFn.FITTING, meta, notes, free)
     applied, split_params = split.applied_plan, split.split_params
     if strategy.is_global_zero:
         validate.warn_if_mp_idle(len(split_params), strategy.dp, strategy.mp)

@@ -491,6 +491,8 @@ class DPMPStrategy(GridStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.pipeline is not None:
+            self.pipeline.allocate()  # a meta model's other stages were freed: the load fills them
         self.checkpointer.load_module_state(checkpoint, strict)
 
     @override

@@ -108,10 +108,21 @@ def _as_linear(layer: ParallelLinear) -> nn.Linear:
     return proxy
 
 
-def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int) -> int:
+@contextmanager
+def _freed_after(params: list[nn.Parameter]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in params:
+            p.untyped_storage().resize_(0)
+
+
+def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int,
+                free: frozenset = frozenset()) -> int:
     """Allocate every meta parameter/buffer of ``module`` on ``device``, move real ones there (buffers computed at
     build, adapters added to a lazily loaded model), and initialise what was allocated; returns the number of
-    elements allocated."""
+    elements allocated. Parameters named in ``free`` (another pipeline stage's) get their storage freed right after
+    their module's initialisation: shape, dtype and identity stay, and at most one module's are held at a time."""
     made = 0
     devices = [device.index or 0] if device.type == "cuda" else []
     made_params: dict[int, nn.Parameter] = {}  # one new parameter per meta parameter: ties stay tied
@@ -145,7 +156,8 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
         split = isinstance(mod, ParallelLinear) and any(d is not None for d in mod._shard_dims.values())
         key = f"{seed}:{name}:{mp_rank if split else 'replicated'}".encode()
         init = model_init.get(name)
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        release = [p for k, p in mod._parameters.items() if p is not None and (f"{name}.{k}" if name else k) in free]
+        with _freed_after(release), torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(zlib.crc32(key))
             if init is not None:
                 init(_as_linear(mod) if isinstance(mod, ParallelLinear) else mod)

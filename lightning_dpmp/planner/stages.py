@@ -62,11 +62,12 @@ class StackProfile:
         batch_size: the probed batch's size (dim 0 of its tensors).
         flops: matmul FLOPs of each block (list) and of the parts before and after the stack.
         params: parameter elements read by each block, and before and after the stack.
-        param_regions: ``id(parameter) -> set of regions`` that read it (block indices, :data:`PRE`, :data:`POST`).
+        param_regions: parameter name (every name of a tied one) -> the regions that read it (block indices,
+            :data:`PRE`, :data:`POST`); by name, so that it holds for the split model the probed dense one becomes.
         pre_modules: the outermost modules with parameters called before the stack (embeddings), by name:
             ``(first input's shape, output shape, output dtype)``. The later stages need only their outputs' shapes
             (the stream they start is received): :func:`stand_in_shape`.
-        pre_direct: ``id`` of the parameters the code before the stack reads outside those modules (it runs on
+        pre_direct: names of the parameters the code before the stack reads outside those modules (it runs on
             every stage, so every stage keeps them).
     """
 
@@ -82,9 +83,9 @@ class StackProfile:
     params: list[int]
     pre_params: int
     post_params: int
-    param_regions: dict[int, set[int]] = field(default_factory=dict)
+    param_regions: dict[str, set[int]] = field(default_factory=dict)
     pre_modules: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = field(default_factory=dict)
-    pre_direct: set[int] = field(default_factory=set)
+    pre_direct: set[str] = field(default_factory=set)
 
     def costs(self) -> tuple[list[float], float, float]:
         """``(per block, before, after)``: matmul FLOPs, or parameter elements when no matmul was seen."""
@@ -347,10 +348,15 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
     for pid, regions in watch.used.items():
         for r in regions & {PRE, POST}:
             outside[r] += params[pid].numel()
+    names_of: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    by_name = {n: set(regions) for pid, regions in watch.used.items() for n in names_of.get(pid, [])}
+    direct = {n for pid in watch.pre_direct for n in names_of.get(pid, [])}
     return StackProfile(
         names=names, stream=info["stream"], stream_shape=shape, stream_dtype=info["dtype"],
         output_arity=int(info["arity"] or 0), batch_size=batch_size,
         flops=[watch.flops.get(i, 0.0) for i in range(len(names))], pre_flops=watch.flops.get(PRE, 0.0),
         post_flops=watch.flops.get(POST, 0.0), params=per_block_params, pre_params=outside[PRE],
-        post_params=outside[POST], param_regions=watch.used, pre_modules=pre_modules, pre_direct=watch.pre_direct,
+        post_params=outside[POST], param_regions=by_name, pre_modules=pre_modules, pre_direct=direct,
     )

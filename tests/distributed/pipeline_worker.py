@@ -4,6 +4,7 @@ Usage (from the repo root):
     python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2],...
     python tests/distributed/pipeline_worker.py resume OUT    # 4 processes: save at (1,2,2), resume at (2,1,2)
     python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
+    python tests/distributed/pipeline_worker.py meta OUT      # 2 processes: meta-device init at (1,2,1), (2,1,1)
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``), as parity_worker does without a pipeline, and records
@@ -102,6 +103,40 @@ def resume(out: str) -> None:
         trainer.save_checkpoint(os.path.join(out, f"final_212_{tag}.ckpt"))
 
 
+class Held(L.Callback):
+    """Parameter bytes this rank holds when training starts, and those of the whole (dense) model."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.held = trainer.strategy.memory_report()["parameters"]
+        self.dense = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+
+
+def meta(out: str) -> None:
+    """transformers' Llama built on the meta device (``init_module(empty_init=True)``): each rank initialises its
+    stage's parameters (the split seeds them by name, whatever the layout), trains 20 steps at (1,2,1) and at
+    (2,1,1), the same global batch; both save consolidated. Then a meta model at (1,2,1) resumes the (2,1,1)
+    checkpoint at its last step (nothing left to train) and saves it again."""
+    report = {}
+    for dp, pp in ((1, 2), (2, 1)):
+        L.seed_everything(SEED, workers=True)
+        held = Held()
+        trainer = make_trainer(dp, pp, 1, STEPS, callbacks=[held])
+        with trainer.init_module(empty_init=True):
+            model, dataset = build("hf_llama")
+        trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
+        trainer.save_checkpoint(os.path.join(out, f"meta_{dp}{pp}1.ckpt"))
+        report[f"{dp}{pp}1"] = {"held": held.held, "dense": held.dense}
+    # a meta model at (1,2,1) loading the (2,1,1) checkpoint: the other stage's freed parameters are filled too
+    L.seed_everything(SEED, workers=True)
+    trainer = make_trainer(1, 2, 1, STEPS)
+    with trainer.init_module(empty_init=True):
+        model, dataset = build("hf_llama")
+    trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH), ckpt_path=os.path.join(out, "meta_211.ckpt"))
+    trainer.save_checkpoint(os.path.join(out, "meta_loaded_121.ckpt"))
+    with open(os.path.join(out, f"meta_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
 class Reads(torch.nn.Module):
     """GPT whose loss also reads each block's output: a step no pipeline cut can carry."""
 
@@ -137,8 +172,8 @@ def refuse(out: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    if sys.argv[1] in ("resume", "refuse"):
-        {"resume": resume, "refuse": refuse}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] in ("resume", "refuse", "meta"):
+        {"resume": resume, "refuse": refuse, "meta": meta}[sys.argv[1]](sys.argv[2])
         sys.exit(0)
     dp, pp, mp = (int(a) for a in sys.argv[1:4])
     out = sys.argv[4]

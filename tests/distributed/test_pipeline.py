@@ -163,6 +163,24 @@ def test_resume_from_a_pipeline_at_other_layouts_and_on_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_meta_device_model_builds_only_its_stage(tmp_path):
+    """``init_module(empty_init=True)`` at (1,2,1): each rank holds about half the parameters when training starts
+    and trains to the weights the same meta model reaches at (2,1,1) (the split seeds each module's initialisation
+    by its name); the (2,1,1) checkpoint loads back into the pipelined meta model exactly."""
+    proc = run_ranks(2, [WORKER, "meta", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for r in range(2):
+        report = json.loads((tmp_path / f"meta_rank{r}.json").read_text())
+        assert report["211"]["held"] == report["211"]["dense"]
+        assert report["121"]["held"] < 0.55 * report["121"]["dense"], report  # its own stage's parameters
+    pipelined = torch.load(tmp_path / "meta_121.ckpt", weights_only=True)
+    plain = torch.load(tmp_path / "meta_211.ckpt", weights_only=True)
+    assert max_weight_diff(pipelined, plain) <= TOL
+    loaded = torch.load(tmp_path / "meta_loaded_121.ckpt", weights_only=True)
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in plain["state_dict"].items())
+
+
+@pytest.mark.slow
 def test_a_step_that_cannot_be_cut_is_refused_at_setup(tmp_path):
     proc = run_ranks(2, [WORKER, "refuse", str(tmp_path)], timeout=300)
     assert proc.returncode != 0
