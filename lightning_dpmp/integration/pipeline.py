@@ -261,17 +261,46 @@ class Pipeline:
             for p, g in zip(self.params, earlier):
                 p.grad = g
         self.stale_params = self.stale_state = True
-        last = (self.config.stages - 1) % self.grid.pp
-        payload: list[Any] = [None]
-        if self.grid.pp_rank == last:
-            logged = [(name, value, _portable(kwargs, self.grid)) for name, value, kwargs in recorder.averaged()]
-            payload = [(torch.stack(losses).mean().cpu(), logged)]
-        dist.broadcast_object_list(payload, group=self.grid.pp_group, group_src=last)
-        loss, logged = payload[0]
+        loss, logged = self._from_last_stage(losses, recorder)
         for name, value, kwargs in logged:
-            value = value.to(self.device) if isinstance(value, Tensor) else value
             module.log(name, value, **_local(kwargs, self.grid))
-        return loss.to(self.device)
+        return loss
+
+    _logged_layout: Optional[list[Any]] = None  # what the last stage logged last step: names, arguments, dtypes
+
+    def _from_last_stage(self, losses: list[Tensor], recorder: _LogRecorder) -> tuple[Tensor, list[Any]]:
+        """The step's loss and the logged values, on every rank of the pipeline from the rank holding the last stage:
+        one broadcast of a float64 tensor ``[same names?, loss, values...]`` while the logged names and arguments stay
+        those of the previous step, plus one object broadcast of the new layout when they change (the first step)."""
+        grid, last = self.grid, (self.config.stages - 1) % self.grid.pp
+        mine = grid.pp_rank == last
+        known = self._logged_layout
+        values: list[Any] = []
+        layout: list[Any] = []
+        if mine:
+            logged = recorder.averaged()
+            values = [float(torch.stack(losses).mean())] + [float(v) for _, v, _ in logged]
+            layout = [str(losses[0].dtype)] + [(n, _portable(k, grid), str(v.dtype) if isinstance(v, Tensor) else None)
+                                               for n, v, k in logged]
+        width = len(known) if known is not None else 0
+        packed = torch.zeros(1 + width, dtype=torch.float64, device=self.device)
+        if mine and layout == known:
+            packed[0] = 1.0
+            packed[1:] = torch.tensor(values, dtype=torch.float64)
+        dist.broadcast(packed, group=grid.pp_group, group_src=last)
+        if packed[0].item() == 1.0:
+            numbers = packed[1:].tolist()
+        else:  # the first step, or the step logged other names: their layout and values as one object
+            box: list[Any] = [(layout, values)]
+            dist.broadcast_object_list(box, group=grid.pp_group, group_src=last)
+            layout, numbers = box[0]
+            self._logged_layout = layout
+        assert self._logged_layout is not None
+        dtypes = [self._logged_layout[0]] + [d for _, _, d in self._logged_layout[1:]]
+        out = [torch.tensor(x, dtype=getattr(torch, d.split(".")[-1]), device=self.device) if d else x
+               for x, d in zip(numbers, dtypes)]
+        logged_out = [(n, v, k) for (n, k, _), v in zip(self._logged_layout[1:], out[1:])]
+        return out[0], logged_out
 
     # ------------------------------------------------------------------ gradients
     _pending: Optional[list[Optional[Tensor]]] = None

@@ -114,8 +114,7 @@ class PipelineRunner:
         group, pp_rank, pp: the PP group and this rank's place in it.
         microbatches: micro-batches per step; ``schedule`` one of :data:`SCHEDULES`.
         pre_modules: ``(module, shape_of, dtype)`` of the modules with parameters before the stack: on stages
-            after the first, ``shape_of(first tensor input)`` gives the zeros they return instead (``None``: run
-            the module).
+            after the first, ``shape_of(first tensor input)`` gives the shape of the zeros they return instead.
     """
 
     def __init__(
@@ -150,6 +149,7 @@ class PipelineRunner:
         self._next: dict[int, int] = {}
         self.losses: list[Tensor] = []
         self.pre_modules = list(pre_modules)
+        self._scale = 1.0  # of each micro-batch's loss gradient, set per step
 
     # ------------------------------------------------------------------ one stage of one micro-batch
     def _stream_arg(self, args: tuple, kwargs: dict) -> Tensor:
@@ -176,14 +176,13 @@ class PipelineRunner:
             raise _StageExit(self._stream_arg(args, kwargs))
 
         def zeros_of(module: nn.Module, shape_of: Any, dtype: torch.dtype) -> Callable[..., Any]:
-            own = module.forward
-
             def forward(*args: Any, **kwargs: Any) -> Any:
                 first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-                shape = shape_of(first)
-                if shape is None:
-                    return own(*args, **kwargs)
-                return torch.zeros(shape, dtype=dtype, device=first.device if first is not None else self.device)
+                shape = shape_of(first) if first is not None else None
+                if first is None or shape is None:  # (its parameters may be freed here: it cannot run)
+                    raise RuntimeError(f"pipeline stage {stage}: {type(module).__name__} before the block stack was "
+                                       f"called without the tensor input it had when the stages were planned")
+                return torch.zeros(shape, dtype=dtype, device=first.device)
 
             return forward
 
@@ -252,8 +251,6 @@ class PipelineRunner:
             return ScheduleInterleaved1F1B(list(stages), self.microbatches, loss_fn=loss_fn, scale_grads=False)
         cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         return cls(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
-
-    _scale = 1.0
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return output * self._scale
