@@ -1,13 +1,14 @@
 """Pipeline launches for tests/distributed/test_pipeline.py.
 
 Usage (from the repo root):
-    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2],...
+    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard],...
     python tests/distributed/pipeline_worker.py resume OUT    # 4 processes: save at (1,2,2), resume at (2,1,2)
     python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
     python tests/distributed/pipeline_worker.py meta OUT      # 2 processes: meta-device init at (1,2,1), (2,1,1)
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
-``interleaved``; ``acc2``: ``accumulate_grad_batches=2``), as parity_worker does without a pipeline, and records
+``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps), as
+parity_worker does without a pipeline, and records
 the collectives and sends of one step, the analytic MP collectives, the stages and the logged loss.
 """
 
@@ -56,9 +57,10 @@ class Counter(L.Callback):
 
 
 def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",
-                 stages_per_rank: int = 1, **kwargs) -> L.Trainer:
+                 stages_per_rank: int = 1, guard: int = 0, **kwargs) -> L.Trainer:
     strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
-                            pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2))
+                            pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2),
+                            check_consistency_every_n_steps=guard)
     return L.Trainer(
         accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=steps,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
@@ -73,7 +75,8 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     counter = Counter()
     v = int(extra[0]) if extra and extra[0].isdigit() else 1
     accumulate = 2 if "acc2" in extra else 1
-    trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, accumulate_grad_batches=accumulate)
+    trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, guard=5 if "guard" in extra else 0,
+                           accumulate_grad_batches=accumulate)
     strategy = trainer.strategy
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     tag = f"{spec.replace(':', '_')}_{precision.split('-')[0]}"

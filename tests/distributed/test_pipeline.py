@@ -27,7 +27,7 @@ BASIC = ["gpt:1f1b", "gpt:gpipe", "hf_llama:1f1b", "hf_llama:gpipe"]
 RUNS = {
     (1, 2, 1): BASIC + ["gpt4:interleaved:2", "hf_llama4:interleaved:2", "gpt:1f1b:acc2"],
     (1, 2, 2): BASIC,
-    (2, 2, 1): BASIC,
+    (2, 2, 1): BASIC + ["gpt:1f1b:guard"],  # the guard gathers every stage's parameters every 5 steps
 }
 CASES = [(layout, spec) for layout, specs in RUNS.items() for spec in specs]
 
