@@ -82,7 +82,7 @@ class PipelineConfig:
 
 
 def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any, *, zero: int,
-                        compile: bool, sequence_parallel: bool) -> PipelineConfig:
+                        sequence_parallel: bool) -> PipelineConfig:
     """Refuse, naming the values, a pipeline configuration that cannot run (before any process starts)."""
     for name, value in (("pp", pp), ("pp_stages_per_rank", stages_per_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -104,8 +104,7 @@ def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_ra
     if schedule == "interleaved" and microbatches % pp:
         raise ValueError(f"pp_schedule='interleaved' needs pp_microbatches ({microbatches}) to be a multiple of "
                          f"pp ({pp}).")
-    unsupported = [f for f, on in (("zero >= 1", zero >= 1), ("compile=True", compile),
-                                   ("sequence_parallel=True", sequence_parallel)) if on]
+    unsupported = [f for f, on in (("zero >= 1", zero >= 1), ("sequence_parallel=True", sequence_parallel)) if on]
     if unsupported:
         raise ValueError(f"DPMPStrategy(pp={pp}) does not combine with {', '.join(unsupported)} yet: use pp=1 for "
                          f"those, or turn them off with the pipeline.")

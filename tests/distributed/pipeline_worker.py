@@ -1,13 +1,13 @@
 """Pipeline launches for tests/distributed/test_pipeline.py.
 
 Usage (from the repo root):
-    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard],...
+    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard|:compile],...
     python tests/distributed/pipeline_worker.py resume OUT    # 4 processes: save at (1,2,2), resume at (2,1,2)
     python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
     python tests/distributed/pipeline_worker.py meta OUT      # 2 processes: meta-device init at (1,2,1), (2,1,1)
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
-``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps), as
+``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps; ``compile``: ``compile=True``), as
 parity_worker does without a pipeline, and records
 the collectives and sends of one step, the analytic MP collectives, the stages and the logged loss.
 """
@@ -40,6 +40,7 @@ class Counter(L.Callback):
 
     def __init__(self, step: int = 3) -> None:
         self.step, self.mode, self.counts, self.logged, self.memory = step, None, {}, {}, {}
+        self.compiled_blocks = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
@@ -50,6 +51,7 @@ class Counter(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.mode is not None:
             self.memory = trainer.strategy.memory_report()
+            self.compiled_blocks = sum("_dpmp_compiled" in vars(m) for m in pl_module.modules())
             self.mode.__exit__(None, None, None)
             self.counts = {f"{g}/{op}": n for (g, op), n in self.mode.counts.items()}
             self.mode = None
@@ -57,10 +59,10 @@ class Counter(L.Callback):
 
 
 def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",
-                 stages_per_rank: int = 1, guard: int = 0, **kwargs) -> L.Trainer:
+                 stages_per_rank: int = 1, guard: int = 0, compile: bool = False, **kwargs) -> L.Trainer:
     strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
                             pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2),
-                            check_consistency_every_n_steps=guard)
+                            check_consistency_every_n_steps=guard, compile=compile)
     return L.Trainer(
         accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=steps,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
@@ -76,7 +78,7 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     v = int(extra[0]) if extra and extra[0].isdigit() else 1
     accumulate = 2 if "acc2" in extra else 1
     trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, guard=5 if "guard" in extra else 0,
-                           accumulate_grad_batches=accumulate)
+                           compile="compile" in extra, accumulate_grad_batches=accumulate)
     strategy = trainer.strategy
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     tag = f"{spec.replace(':', '_')}_{precision.split('-')[0]}"
@@ -86,6 +88,7 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
             "ranges": strategy.pipeline.ranges if strategy.pipeline is not None else None,
             "analytic_all_reduce": analytic["forward"]["all_reduce"] + analytic["backward"]["all_reduce"],
             "grid": [strategy.grid.dp_rank, strategy.grid.pp_rank, strategy.grid.mp_rank],
+            "compiled_blocks": counter.compiled_blocks,
             "memory": counter.memory, "freed": strategy.pipeline.memory_freed() if strategy.pipeline else 0,
             "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
