@@ -208,11 +208,12 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
     return enabled
 
 
-def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig, meta: bool) -> tuple[StackProfile, frozenset]:
+def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig, meta: bool
+                  ) -> tuple[StackProfile, frozenset, Any]:
     """Step 0 (fitting, ``pp > 1``), before the split: probe the first batch's training step on the dense model (on
     meta tensors for a meta model) and check that it can be cut into stages. Returns the probe's profile and, for a
     meta model, the names of the parameters this rank's stages never read: the split initialises them and frees
-    their storage at once, so that no rank ever holds more than its stages and one module."""
+    their storage at once, so that no rank ever holds more than its stages and one module; and the probed batch."""
     from lightning_dpmp.integration.autoplan import isolated
 
     lm = strategy.lightning_module
@@ -225,9 +226,9 @@ def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig, meta: boo
     with isolated(lm):
         profile = probe_pipeline(lm, run, batch, config)
     if not meta:
-        return profile, frozenset()
+        return profile, frozenset(), batch
     remote = remote_parameters(lm, profile, stage_ranges(profile, config), strategy.grid)
-    return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote)
+    return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote), batch
 
 
 def wrap_dp(strategy: Any, conditional: bool) -> None:
@@ -272,8 +273,8 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     module = strategy.lightning_module
     grid = strategy.grid
     fitting = trainer.state.fn == TrainerFn.FITTING
-    profile, free = plan_pipeline(strategy, trainer, config.pipeline, meta) if fitting and grid.pp > 1 else (
-        None, frozenset())
+    profile, free, batch = plan_pipeline(strategy, trainer, config.pipeline, meta) if fitting and grid.pp > 1 else (
+        None, frozenset(), None)
     split = plan_and_split(strategy, trainer, config, meta, free)
     route_metrics(strategy.model, grid.dp_group)
     overlap_grad_allreduce(strategy.model, config.async_grad_allreduce, strategy.root_device.type)
@@ -281,7 +282,7 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     engine = pipeline = None
     if fitting:
         if profile is not None:  # the stages, over the split model
-            pipeline = Pipeline(module, profile, grid, config.pipeline, strategy.root_device)
+            pipeline = Pipeline(module, profile, grid, config.pipeline, strategy.root_device, batch)
             split.applied_plan.text += "\n" + pipeline.text()
             rank_zero_info(pipeline.text())
         elif grid.dp > 1 and config.zero == 0:

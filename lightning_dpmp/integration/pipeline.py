@@ -58,6 +58,8 @@ __all__ = [
     "Pipeline",
     "PipelineConfig",
     "check_pipeline_args",
+    "batch_shapes",
+    "check_batch_shapes",
     "check_pipeline_at_setup",
     "probe_pipeline",
     "reading_ranks",
@@ -176,11 +178,14 @@ class Pipeline:
         grid: this rank's grid (``pp > 1``).
         config: the pipeline arguments.
         device: where activations live.
+        batch: the batch the stages were planned from: every later batch must have its tensors' shapes past dim 0
+            (the stages pass activations of a fixed shape).
     """
 
     def __init__(self, module: nn.Module, profile: StackProfile, grid: Grid, config: PipelineConfig,
-                 device: torch.device) -> None:
+                 device: torch.device, batch: Any = None) -> None:
         self.grid, self.config, self.profile = grid, config, profile
+        self.batch_shapes = batch_shapes(batch) if batch is not None else None
         blocks = [m for _, m in repeated_blocks(module)]
         self.ranges = stage_ranges(profile, config)
         named = dict(module.named_parameters())  # tied parameters once, under their first name
@@ -236,6 +241,7 @@ class Pipeline:
         """Run the pipelined forward and backward of ``batch``; log what ``training_step`` logged (the mean over
         micro-batches) on every rank; return the step's loss (the mean of the micro-batches' losses)."""
         self.stage(optimizers)
+        check_batch_shapes(self.batch_shapes, batch)
         micro = split_microbatches(batch, self.config.microbatches)
         recorder = _LogRecorder()
 
@@ -403,6 +409,33 @@ class Pipeline:
                     inner.state[p] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0 else v)
                                       for k, v in state.items()}
         self.stale_state = False
+
+
+def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shapes past dim 0 of the tensors in ``batch`` (any nesting), in order.
+
+    Example:
+        >>> batch_shapes((torch.zeros(8, 16, dtype=torch.long), {"mask": torch.ones(8, 16), "n": 3}))
+        [(16,), (16,)]
+    """
+    from torch.utils._pytree import tree_flatten
+
+    return [tuple(t.shape[1:]) for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
+
+
+def check_batch_shapes(expected: Optional[list[tuple[int, ...]]], batch: Any) -> None:
+    """Raise ``ValueError`` (on every rank of the row: they hold one batch) when ``batch``'s tensors differ past dim
+    0 from the batch the stages were planned from: the stages send activations of fixed shape, and a different one
+    would leave a receiving stage waiting for bytes that never come."""
+    if expected is None:
+        return
+    got = batch_shapes(batch)
+    if got != expected:
+        raise ValueError(
+            f"DPMPStrategy(pp > 1) plans fixed activation shapes from the first batch, whose tensors had shapes "
+            f"(past the batch dim) {expected}; this batch has {got}. Pad every batch to one sequence length (e.g. "
+            f"padding='max_length' or a fixed block size)."
+        )
 
 
 def stage_ranges(profile: StackProfile, config: PipelineConfig) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.integration.pipeline import check_pipeline_args
+from lightning_dpmp.integration.pipeline import batch_shapes, check_batch_shapes, check_pipeline_args
 from lightning_dpmp.parallel.grid import (
     Grid,
     check_world_size,
@@ -86,6 +86,14 @@ def test_stand_in_shapes_follow_the_input():
     assert stand_in_shape(recorded, torch.zeros(2, 16, dtype=torch.long)) == (2, 16, 32)
     assert stand_in_shape(((16,), (16, 32), torch.float32), torch.arange(16)) == (16, 32)
     assert stand_in_shape(((8, 16), (4, 32), torch.float32), torch.zeros(8, 16)) is None  # not a prefix: run it
+
+
+def test_a_batch_of_another_shape_is_refused_before_any_send():
+    planned = batch_shapes((torch.zeros(8, 16, dtype=torch.long), torch.zeros(8, 16, dtype=torch.long)))
+    check_batch_shapes(planned, (torch.zeros(4, 16), torch.zeros(4, 16)))  # a smaller batch: fine
+    with pytest.raises(ValueError, match=r"had shapes \(past the batch dim\) \[\(16,\), \(16,\)\]; this batch has "
+                                         r"\[\(12,\), \(12,\)\]"):
+        check_batch_shapes(planned, (torch.zeros(8, 12), torch.zeros(8, 12)))
 
 
 # ---------------------------------------------------------------------------------------------- the probe
