@@ -236,18 +236,24 @@ class Pipeline:
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ the step
-    def training_step(self, module: Any, batch: Any, batch_idx: int, accumulate: int,
+    def training_step(self, module: Any, args: Sequence[Any], step_kwargs: Mapping[str, Any], accumulate: int,
                       optimizers: Sequence[Any] = ()) -> Tensor:
-        """Run the pipelined forward and backward of ``batch``; log what ``training_step`` logged (the mean over
-        micro-batches) on every rank; return the step's loss (the mean of the micro-batches' losses)."""
+        """Run the pipelined forward and backward of the batch (``args[0]`` or ``step_kwargs["batch"]``, the arguments
+        Lightning calls ``training_step`` with, the others passed on as they are); log what ``training_step`` logged
+        (the mean over micro-batches) on every rank; return the step's loss (the mean of the micro-batches' losses)."""
         self.stage(optimizers)
+        in_kwargs = not args
+        batch = step_kwargs["batch"] if in_kwargs else args[0]
         check_batch_shapes(self.batch_shapes, batch)
         micro = split_microbatches(batch, self.config.microbatches)
         recorder = _LogRecorder()
 
         def step_fn(mb: Any) -> Any:
             with recorder.recording(module):
-                out = module.training_step(mb, batch_idx)
+                if in_kwargs:
+                    out = module.training_step(**{**step_kwargs, "batch": mb})
+                else:
+                    out = module.training_step(mb, *args[1:], **step_kwargs)
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if loss is None:
                 raise TypeError("under pipeline parallelism training_step must return the loss (a tensor, or a dict "

@@ -362,10 +362,9 @@ class DPMPStrategy(GridStrategy):
             pipeline = self.pipeline
             if pipeline is None:
                 return super().training_step(*args, **kwargs)
-            batch, batch_idx = (list(args) + [kwargs.get("batch"), kwargs.get("batch_idx", 0)])[:2]
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
-            return pipeline.training_step(self.lightning_module, batch, batch_idx, trainer.accumulate_grad_batches,
+            return pipeline.training_step(self.lightning_module, args, kwargs, trainer.accumulate_grad_batches,
                                           self.optimizers)
 
     @override
