@@ -72,9 +72,14 @@ def check_even_batches(counts: Sequence[Any], where: str, grid: Any, device: tor
     table = [t.tolist() for t in every]
     if all(row == table[0] for row in table):
         return
+    pp = getattr(grid, "pp", 1)
+
+    def coords(r: int) -> str:
+        stage = f", pp_rank {(r // grid.mp) % pp}" if pp > 1 else ""
+        return f"dp_rank {r // (grid.mp * pp)}{stage}, mp_rank {r % grid.mp}"
+
     shown = "; ".join(
-        f"rank {r} (dp_rank {r // grid.mp}, mp_rank {r % grid.mp}): "
-        + ", ".join("unsized" if n < 0 else str(n) for n in row)
+        f"rank {r} ({coords(r)}): " + ", ".join("unsized" if n < 0 else str(n) for n in row)
         for r, row in enumerate(table)
     )
     raise UnevenBatchesError(

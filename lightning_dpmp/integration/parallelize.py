@@ -17,8 +17,7 @@ Fitting only:
    split model after step 4; DP then averages the stages' gradients itself (no DDP: its reducer cannot follow a
    schedule's interleaved micro-batches);
 5. :func:`wrap_dp`: zero=0 with dp > 1 and no pipeline: ``DistributedDataParallel`` over the DP group
-   (``find_unused_parameters``
-   when the trace saw a step leave parameters out);
+   (``find_unused_parameters`` when the trace saw a step leave parameters out);
 6. the user's ``configure_optimizers``, through the strategy's public ``setup_optimizers`` (so the LR finder's
    wrapper of it still applies), over the split parameters;
 7. :func:`shard_dp`: zero >= 1 with dp > 1: the ZeRO engine shards gradients, optimizer state (and at 3 the
@@ -130,8 +129,8 @@ class Parallelized:
         clips and steps."""
         if self.engine is not None:
             return then_finish_zero(closure, self.engine, self.mp_group)
-        if self.pipeline is not None:
-            return _then(closure, self.pipeline.reduce_grads)
+        if self.pipeline is not None:  # then the partial sums too (a LoRA A inside a column region): both linear
+            closure = _then(closure, self.pipeline.reduce_grads)
         if not self.partial_grads:
             return closure
         mine = {id(p) for p in stepped}
