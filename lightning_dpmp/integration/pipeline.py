@@ -37,12 +37,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction, split_microbatches
+from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction
 from lightning_dpmp.planner.stages import (
     BETWEEN,
     POST,
@@ -63,6 +64,7 @@ __all__ = [
     "check_pipeline_at_setup",
     "probe_pipeline",
     "reading_ranks",
+    "split_microbatches",
     "remote_parameters",
     "stage_ranges",
 ]
@@ -246,6 +248,7 @@ class Pipeline:
         batch = step_kwargs["batch"] if in_kwargs else args[0]
         check_batch_shapes(self.batch_shapes, batch)
         micro = split_microbatches(batch, self.config.microbatches)
+        micro_size = _tensors(micro[0])[0].shape[0]
         recorder = _LogRecorder()
 
         def step_fn(mb: Any) -> Any:
@@ -266,7 +269,7 @@ class Pipeline:
         for p in self.params:
             p.grad = None
         try:
-            losses = self.runner.step(micro, step_fn, 1.0 / (self.config.microbatches * accumulate))
+            losses = self.runner.step(micro, micro_size, step_fn, 1.0 / (self.config.microbatches * accumulate))
             self._pending = [p.grad for p in self.params]
         finally:
             for p, g in zip(self.params, earlier):
@@ -424,9 +427,33 @@ def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
         >>> batch_shapes((torch.zeros(8, 16, dtype=torch.long), {"mask": torch.ones(8, 16), "n": 3}))
         [(16,), (16,)]
     """
-    from torch.utils._pytree import tree_flatten
+    return [tuple(t.shape[1:]) for t in _tensors(batch)]
 
-    return [tuple(t.shape[1:]) for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
+
+def _tensors(batch: Any) -> list[Tensor]:
+    """The tensors of ``batch`` with a batch dim, in order, through any collection Lightning moves to a device
+    (mappings such as transformers' ``BatchEncoding``, sequences, namedtuples, dataclasses)."""
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.dim() > 0 else None)
+    return found
+
+
+def split_microbatches(batch: Any, n: int) -> list[Any]:
+    """``batch`` cut into ``n`` equal parts along dim 0, the collections around its tensors rebuilt as Lightning
+    rebuilds them (a ``BatchEncoding`` stays one); other leaves are shared by every part. Raises ``ValueError``
+    naming the sizes when a tensor does not divide.
+
+    Example:
+        >>> [tuple(p["x"].shape) for p in split_microbatches({"x": torch.zeros(4, 3), "name": "a"}, 2)]
+        [(2, 3), (2, 3)]
+    """
+    for t in _tensors(batch):
+        if t.shape[0] % n:
+            raise ValueError(
+                f"pp_microbatches={n} must divide the batch: a batch tensor has {t.shape[0]} rows (shape "
+                f"{tuple(t.shape)}). Use a batch size divisible by {n} (drop_last=True for the last batch)."
+            )
+    return [apply_to_collection(batch, Tensor, lambda t, i=i: t.chunk(n)[i] if t.dim() > 0 else t) for i in range(n)]
 
 
 def check_batch_shapes(expected: Optional[list[tuple[int, ...]]], batch: Any) -> None:
@@ -528,9 +555,7 @@ def probe_pipeline(module: nn.Module, run_step: Any, batch: Any, config: Pipelin
     """Probe ``run_step`` (the first batch's training step, on the dense model: real or meta tensors) and check that
     the stages can be cut. Raises :class:`~lightning_dpmp.planner.stages.StageCutError` on every rank when the step
     cannot be cut (every rank probes the same model on the same batch)."""
-    from torch.utils._pytree import tree_flatten
-
-    sizes = [int(t.shape[0]) for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
+    sizes = [int(t.shape[0]) for t in _tensors(batch)]
     if not sizes:
         raise StageCutError("pipeline parallelism splits the batch into micro-batches along dim 0; the first batch "
                             "holds no tensor")

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SCHEDULES", "PipelineRunner", "bubble_fraction", "split_microbatches"]
+__all__ = ["SCHEDULES", "PipelineRunner", "bubble_fraction"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -60,33 +60,6 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
     """
     v = stages_per_rank if schedule == "interleaved" else 1
     return (pp - 1) / (v * microbatches + pp - 1)
-
-
-def split_microbatches(batch: Any, n: int) -> list[Any]:
-    """``batch`` (tensors in any nesting of tuples, lists and dicts) cut into ``n`` equal parts along dim 0; other
-    leaves are shared by every part. Raises ``ValueError`` naming the sizes when a tensor does not divide.
-
-    Example:
-        >>> [tuple(p["x"].shape) for p in split_microbatches({"x": torch.zeros(4, 3), "name": "a"}, 2)]
-        [(2, 3), (2, 3)]
-    """
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    leaves, spec = tree_flatten(batch)
-    parts: list[list[Any]] = [[] for _ in range(n)]
-    for leaf in leaves:
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            if leaf.shape[0] % n:
-                raise ValueError(
-                    f"pp_microbatches={n} must divide the batch: a batch tensor has {leaf.shape[0]} rows (shape "
-                    f"{tuple(leaf.shape)}). Use a batch size divisible by {n} (drop_last=True for the last batch)."
-                )
-            for part, chunk in zip(parts, leaf.chunk(n)):
-                part.append(chunk)
-        else:
-            for part in parts:
-                part.append(leaf)
-    return [tree_unflatten(p, spec) for p in parts]
 
 
 class _StageModule(nn.Module):
@@ -255,13 +228,13 @@ class PipelineRunner:
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return output * self._scale
 
-    def step(self, micro: list[Any], step_fn: Callable[[Any], Any], scale: float) -> list[Tensor]:
-        """Forward and backward of every micro-batch through the pipeline; the gradients of this rank's stages
-        accumulate into their parameters (``scale`` times each micro-batch's loss gradient). Returns the
-        micro-batches' losses (detached, unscaled) on the rank holding the last stage, ``[]`` elsewhere."""
+    def step(self, micro: list[Any], micro_size: int, step_fn: Callable[[Any], Any], scale: float) -> list[Tensor]:
+        """Forward and backward of every micro-batch (``micro_size`` rows each) through the pipeline; the gradients
+        of this rank's stages accumulate into their parameters (``scale`` times each micro-batch's loss gradient).
+        Returns the micro-batches' losses (detached, unscaled) on the rank holding the last stage, ``[]`` elsewhere."""
         if len(micro) != self.microbatches:
             raise ValueError(f"{len(micro)} micro-batches given, the schedule runs {self.microbatches}")
-        size = self._micro_size(micro[0])
+        size = micro_size
         schedule = self._schedules.get(size)
         if schedule is None:
             schedule = self._schedules[size] = self._build(size)
@@ -275,11 +248,3 @@ class PipelineRunner:
         finally:
             self._micro, self._step_fn = [], None
         return self.losses
-
-    def _micro_size(self, micro: Any) -> int:
-        from torch.utils._pytree import tree_flatten
-
-        for leaf in tree_flatten(micro)[0]:
-            if isinstance(leaf, Tensor) and leaf.dim() > 0:
-                return int(leaf.shape[0])
-        raise ValueError("a pipeline micro-batch holds no tensor to take its size from")

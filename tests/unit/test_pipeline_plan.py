@@ -9,7 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.integration.pipeline import batch_shapes, check_batch_shapes, check_pipeline_args
+from lightning_dpmp.integration.pipeline import (
+    batch_shapes,
+    check_batch_shapes,
+    check_pipeline_args,
+    split_microbatches,
+)
 from lightning_dpmp.parallel.grid import (
     Grid,
     check_world_size,
@@ -18,7 +23,7 @@ from lightning_dpmp.parallel.grid import (
     pp_group_ranks,
     pp_rank_of,
 )
-from lightning_dpmp.parallel.pipeline import bubble_fraction, split_microbatches
+from lightning_dpmp.parallel.pipeline import bubble_fraction
 from lightning_dpmp.planner.stages import StageCutError, balance, probe_stack, stand_in_shape
 
 
@@ -79,6 +84,17 @@ def test_microbatches_split_every_tensor_along_dim0():
     assert all(p[1]["n"] == 7 and p[1]["mask"].shape == (2, 3) for p in parts)
     with pytest.raises(ValueError, match=r"pp_microbatches=3 must divide the batch: a batch tensor has 4 rows"):
         split_microbatches(batch, 3)
+
+
+def test_microbatches_keep_a_mapping_type_and_its_tensors_count():
+    """transformers' ``BatchEncoding`` is one leaf to torch's pytree: it must still be cut, and stay itself."""
+    from transformers import BatchEncoding
+
+    batch = BatchEncoding({"input_ids": torch.arange(8).view(4, 2), "attention_mask": torch.ones(4, 2)})
+    parts = split_microbatches(batch, 2)
+    assert all(isinstance(p, BatchEncoding) for p in parts)
+    assert [p["input_ids"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert batch_shapes(batch) == [(2,), (2,)]
 
 
 def test_stand_in_shapes_follow_the_input():
