@@ -32,14 +32,21 @@ def _node(node_rank: int, port: int, out: Path) -> subprocess.Popen:
 def test_two_nodes_keep_mp_inside_a_node_and_match_one_node(tmp_path):
     two, one = tmp_path / "two_nodes", tmp_path / "one_node"
     two.mkdir(), one.mkdir()
-    port = free_port()
-    nodes = [_node(r, port, two) for r in (0, 1)]
-    try:
-        logs = [p.communicate(timeout=300) for p in nodes]
-    except subprocess.TimeoutExpired:
-        for p in nodes:
-            p.kill()
-        pytest.fail("the two-node job did not finish in 300 s")
+    # The two torchrun agents sometimes never complete their rendezvous on this machine (seen about 1 run in 8, at
+    # the stop's start commit too; the job itself takes 10-20 s): a launch stuck for 120 s is tried once more on a
+    # new port, and a second one fails the test.
+    for attempt in (1, 2):
+        port = free_port()
+        nodes = [_node(r, port, two) for r in (0, 1)]
+        try:
+            logs = [p.communicate(timeout=120) for p in nodes]
+            break
+        except subprocess.TimeoutExpired:
+            for p in nodes:
+                p.kill()
+                p.communicate()
+            if attempt == 2:
+                pytest.fail("the two-node job did not finish in 120 s, twice")
     for p, (_, err) in zip(nodes, logs):
         assert p.returncode == 0, err[-4000:]
 
