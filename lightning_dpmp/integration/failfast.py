@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -40,6 +41,7 @@ __all__ = [
     "DataShardingWarning",
     "check_backend",
     "check_sync_batchnorm",
+    "close_gloo_groups_at_exit",
     "die_with_parent",
     "is_launched_rank",
     "loaders_of",
@@ -156,6 +158,32 @@ def die_with_parent() -> bool:
     if os.getppid() == 1:  # the parent died before the request: it will never fire
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def close_gloo_groups_at_exit() -> None:
+    """Have this process destroy its gloo process groups when the interpreter exits, while it is still whole
+    (registered once per process, however often it is called).
+
+    Left to the interpreter's teardown, gloo's threads were sometimes destroyed while still joinable: "terminate
+    called without an active exception", a SIGABRT after all the work was done (seen in torchrun and two-node launches
+    on 2 busy cores). NCCL groups are left alone, and so is every group of a process dying of an exception: destroying
+    a group that still has work queued can block the exit.
+
+    Example:
+        >>> close_gloo_groups_at_exit()   # in setup_environment, once the process group exists
+    """
+    atexit.unregister(_close_gloo_groups)  # at most one registration
+    atexit.register(_close_gloo_groups)
+
+
+def _close_gloo_groups() -> None:
+    if getattr(sys, "last_value", None) is not None:  # dying of an exception: a peer may be stuck, leave at once
+        return
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # exiting anyway: a group that cannot be closed must not turn a clean exit into an error
+        pass
 
 
 def is_launched_rank(environment: Any, local_rank: int) -> bool:

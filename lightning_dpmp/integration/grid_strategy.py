@@ -42,6 +42,7 @@ from lightning_dpmp.integration.data_path import (
 from lightning_dpmp.integration.failfast import (
     check_backend,
     check_sync_batchnorm,
+    close_gloo_groups_at_exit,
     die_with_parent,
     is_launched_rank,
     warn_if_mp_spans_nodes,
@@ -239,6 +240,7 @@ class GridStrategy(DDPStrategy):
         if is_launched_rank(self.cluster_environment, self.local_rank):
             die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
         super().setup_environment()  # initialises the default process group
+        close_gloo_groups_at_exit()
         if not self._pending:  # else the groups are built in set_layout, once the subclass has chosen (dp, mp)
             self._build_grid()
 
