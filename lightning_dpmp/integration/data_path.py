@@ -27,6 +27,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from lightning_dpmp.parallel.grid import coords_of, pp_rank_of
+
 __all__ = [
     "UnevenBatchesError",
     "check_even_batches",
@@ -75,8 +77,9 @@ def check_even_batches(counts: Sequence[Any], where: str, grid: Any, device: tor
     pp = getattr(grid, "pp", 1)
 
     def coords(r: int) -> str:
-        stage = f", pp_rank {(r // grid.mp) % pp}" if pp > 1 else ""
-        return f"dp_rank {r // (grid.mp * pp)}{stage}, mp_rank {r % grid.mp}"
+        dp_rank, mp_rank = coords_of(r, grid.mp, pp)
+        stage = f", pp_rank {pp_rank_of(r, grid.mp, pp)}" if pp > 1 else ""
+        return f"dp_rank {dp_rank}{stage}, mp_rank {mp_rank}"
 
     shown = "; ".join(
         f"rank {r} ({coords(r)}): " + ", ".join("unsized" if n < 0 else str(n) for n in row)

@@ -64,7 +64,7 @@ from lightning_dpmp.integration.mp_batch import broadcast_batch
 from lightning_dpmp.integration.split import Split, split_module
 from lightning_dpmp.integration.stepdata import real_tensors_on_meta, to_meta
 from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
-from lightning_dpmp.parallel.comm import all_reduce_sum
+from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
@@ -338,19 +338,8 @@ class FabricDPMPStrategy(FabricDDPStrategy):
             return state
         params = {id(p): p for opt in state.optimizers for g in opt.param_groups for p in g["params"]
                   if p.requires_grad}
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for p in params.values():
-            by_dtype.setdefault((p.dtype, p.device), []).append(p)
-        for (dtype, dev), ps in by_dtype.items():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]
-                             + [torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=dev)])
-            all_reduce_sum(flat, grid.dp_group)
-            used = flat[-len(ps):].tolist()
-            offset = 0
-            for p, u in zip(ps, used):
-                if u > 0:  # a parameter no DP rank used keeps None, as on one process
-                    p.grad = flat[offset:offset + p.numel()].view_as(p).div(grid.dp)
-                offset += p.numel()
+        # a parameter no DP rank used keeps None, as on one process
+        all_reduce_grads(params.values(), grid.dp_group, average=True, keep_unused=True)
         return state
 
     @override

@@ -50,7 +50,15 @@ from lightning_dpmp.integration.failfast import (
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.integration.layout import Layout, resolve_layout
 from lightning_dpmp.integration.mp_batch import broadcast_batch, check_batch
-from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size, device_mesh
+from lightning_dpmp.parallel.grid import (
+    Grid,
+    build_grid,
+    check_parallel_size,
+    check_world_size,
+    coords_of,
+    device_mesh,
+    pp_rank_of,
+)
 
 __all__ = ["GridStrategy"]
 
@@ -176,12 +184,12 @@ class GridStrategy(DDPStrategy):
     @property
     def dp_rank(self) -> int:
         """Index of this rank's data shard (also the DistributedSampler rank)."""
-        return self.global_rank // (self.mp * self._pp)
+        return coords_of(self.global_rank, self.mp, self._pp)[0]
 
     @property
     def pp_rank(self) -> int:
         """This rank's pipeline stage (0 without a pipeline)."""
-        return (self.global_rank // self.mp) % self._pp
+        return pp_rank_of(self.global_rank, self.mp, self._pp)
 
     @property
     def mp_rank(self) -> int:

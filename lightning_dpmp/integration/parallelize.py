@@ -60,6 +60,7 @@ from lightning_dpmp.integration.pipeline import (
     PipelineConfig,
     check_pipeline_at_setup,
     probe_pipeline,
+    reading_ranks,
     remote_parameters,
     stage_ranges,
 )
@@ -226,7 +227,9 @@ def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig, meta: boo
         profile = probe_pipeline(lm, run, batch, config)
     if not meta:
         return profile, frozenset(), batch
-    remote = remote_parameters(lm, profile, stage_ranges(profile, config), strategy.grid)
+    grid = strategy.grid
+    ranks = reading_ranks(lm, profile, stage_ranges(profile, config), grid.pp)
+    remote = remote_parameters(lm, profile, ranks, grid.pp_rank)
     return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote), batch
 
 

@@ -41,6 +41,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 import lightning_dpmp.compat as compat
+from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction
@@ -206,7 +207,7 @@ class Pipeline:
                                      config.schedule, device, stand_ins)
         # What this rank frees while training: the parameters none of its stages reads. Kept: those the code before
         # the stack reads outside a stood-in module (it runs on every stage), and any that shares its storage.
-        remote = remote_parameters(module, profile, self.ranges, grid)
+        remote = remote_parameters(module, profile, self.ranks, me)
         self.remote = [p for p in self.params if id(p) in remote]
         self.device = device
         # trained since the last sync: other stages' parameters (and optimizer state) here are stale
@@ -334,9 +335,9 @@ class Pipeline:
         DP (flat, one all-reduce per dtype). Every rank of a DP group holds the same stages, so the same list."""
         grid = self.grid
         if self.shared:
-            _flat_all_reduce(self.shared, grid.pp_group, average=False)
+            all_reduce_grads(self.shared, grid.pp_group, average=False)
         if grid.dp > 1:
-            _flat_all_reduce(self.computed, grid.dp_group, average=True)
+            all_reduce_grads(self.computed, grid.dp_group, average=True)
 
     def counted(self) -> set[int]:
         """``id`` of the parameters whose gradient this rank counts in the global norm (each one on one rank)."""
@@ -492,42 +493,20 @@ def reading_ranks(module: nn.Module, profile: StackProfile, ranges: Sequence[tup
     return {pid: r or {0} for pid, r in ranks.items()}
 
 
-def remote_parameters(module: nn.Module, profile: StackProfile, ranges: Sequence[tuple[int, int]], grid: Grid
+def remote_parameters(module: nn.Module, profile: StackProfile, ranks: Mapping[int, set[int]], pp_rank: int
                       ) -> set[int]:
-    """``id`` of the parameters of ``module`` this rank frees while training: none of its stages reads them.
-    Kept: those the code before the stack reads outside a stood-in module (it runs on every stage), and any that
-    shares its storage with another tensor."""
-    ranks = reading_ranks(module, profile, ranges, grid.pp)
+    """``id`` of the parameters of ``module`` that pipeline rank ``pp_rank`` frees while training: none of its stages
+    reads them (``ranks``: :func:`reading_ranks`). Kept: those the code before the stack reads outside a stood-in
+    module (it runs on every stage), and any that shares its storage with another tensor."""
     keep = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in profile.pre_direct}
     return {id(p) for p in module.parameters()
-            if grid.pp_rank not in ranks[id(p)] and id(p) not in keep and _owns(p)}
+            if pp_rank not in ranks[id(p)] and id(p) not in keep and _owns(p)}
 
 
 def _owns(p: Tensor) -> bool:
     """Whether ``p`` alone uses its whole storage (freeing a shared storage would free another tensor too), or
     already freed it (a meta model's other stages)."""
     return p.storage_offset() == 0 and p.untyped_storage().nbytes() in (0, p.numel() * p.element_size())
-
-
-def _flat_all_reduce(params: Sequence[nn.Parameter], group: Any, average: bool) -> None:
-    """All-reduce the gradients of ``params`` (zeros for a missing one) in one flat tensor per dtype."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    size = dist.get_world_size(group)
-    for ps in by_dtype.values():
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        offset = 0
-        for p in ps:
-            piece = flat[offset: offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = piece.clone()
-            else:
-                p.grad.copy_(piece)
-            offset += p.numel()
 
 
 def _portable(kwargs: dict[str, Any], grid: Grid) -> dict[str, Any]:

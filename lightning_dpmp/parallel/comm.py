@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_dpmp.compat import functional_collectives as funcol  # private torch module: see compat
 
 __all__ = [
+    "all_reduce_grads",
     "all_reduce_sum",
     "copy_to_group",
     "gather_from_group",
@@ -62,6 +63,35 @@ def all_reduce_sum(tensor: Tensor, group: Optional[Any]) -> Tensor:
     if group_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def all_reduce_grads(params: Any, group: Optional[Any], *, average: bool, keep_unused: bool = False) -> None:
+    """Sum the gradients of ``params`` over ``group`` (divided by its size with ``average``), one flat all-reduce
+    per (dtype, device); a rank without a gradient contributes zeros. ``keep_unused``: a parameter no rank had a
+    gradient for keeps ``None`` (so an optimizer skips it, as on one process), found from one more element per
+    parameter in the same all-reduce; otherwise every parameter ends with a gradient.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.full((2,), 3.0)
+        >>> all_reduce_grads([p], None, average=True); p.grad.tolist()   # one process: unchanged
+        [3.0, 3.0]
+    """
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for p in params:
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    size = group_size(group)
+    for (dtype, device), ps in by_kind.items():
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]
+        if keep_unused:
+            parts.append(torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=device))
+        flat = all_reduce_sum(torch.cat(parts), group)
+        used = flat[-len(ps):].tolist() if keep_unused else [1.0] * len(ps)
+        offset = 0
+        for p, u in zip(ps, used):
+            if u > 0:
+                total = flat[offset:offset + p.numel()].view_as(p)
+                p.grad = total.div(size) if average else total.clone()
+            offset += p.numel()
 
 
 # torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor (the old names warn); older torch has only those.
