@@ -129,6 +129,8 @@ class Parallelized:
         parameters the optimizer steps; read only when there are partial gradients), before the precision plugin
         clips and steps."""
         if self.engine is not None:
+            if self.pipeline is not None:  # the engine reduce-scatters the schedule's gradients there
+                closure = _then(closure, self.pipeline.reduce_grads)
             return then_finish_zero(closure, self.engine, self.mp_group)
         if self.pipeline is not None:  # then the partial sums too (a LoRA A inside a column region): both linear
             closure = _then(closure, self.pipeline.reduce_grads)
@@ -245,13 +247,18 @@ def wrap_dp(strategy: Any, conditional: bool) -> None:
     strategy.configure_ddp()
 
 
-def shard_dp(strategy: Any, split: Split, zero: int, mixed_precision: Optional[Any] = None) -> Optional[ZeroEngine]:
+def shard_dp(strategy: Any, split: Split, zero: int, mixed_precision: Optional[Any] = None,
+             pipeline: Optional[Pipeline] = None) -> Optional[ZeroEngine]:
     """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild the strategy's optimizers over the shards (their LR
-    schedulers re-pointed), with ``mixed_precision`` (zero >= 2); ``None`` when there is nothing to shard."""
+    schedulers re-pointed), with ``mixed_precision`` (zero >= 2); with a ``pipeline``, buckets by stage and the
+    engine attached to it; ``None`` when there is nothing to shard."""
     optimizers, engine = shard_optimizers(strategy.lightning_module, strategy.optimizers,
                                           strategy.lr_scheduler_configs, zero, strategy.grid, split.split_params,
-                                          split.partial_grads, split.applied_plan, mixed_precision)
+                                          split.partial_grads, split.applied_plan, mixed_precision,
+                                          pipeline.keys if pipeline is not None else None)
     strategy.optimizers = optimizers
+    if engine is not None and pipeline is not None:
+        pipeline.attach_engine(engine)
     return engine
 
 
@@ -291,7 +298,7 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
             wrap_dp(strategy, bool(split.applied_plan.conditional))
         strategy.setup_optimizers(trainer)
         if grid.dp > 1 and config.zero >= 1:
-            engine = shard_dp(strategy, split, config.zero, config.mixed_precision)
+            engine = shard_dp(strategy, split, config.zero, config.mixed_precision, pipeline)
     # the engine's flat shards of MP-split parameters are MP shards too
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -45,6 +46,8 @@ from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction
+from lightning_dpmp.parallel.zero_engine import ZeroEngine
+from lightning_dpmp.parallel.zero_shard import Bucket, gather_buckets
 from lightning_dpmp.planner.stages import (
     BETWEEN,
     POST,
@@ -63,6 +66,7 @@ __all__ = [
     "batch_shapes",
     "check_batch_shapes",
     "check_pipeline_at_setup",
+    "kept_everywhere",
     "probe_pipeline",
     "reading_ranks",
     "split_microbatches",
@@ -86,8 +90,8 @@ class PipelineConfig:
         return self.pp * self.stages_per_rank
 
 
-def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any, *, zero: int,
-                        sequence_parallel: bool) -> PipelineConfig:
+def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any, *, sequence_parallel: bool,
+                        mixed_precision: bool = False) -> PipelineConfig:
     """Refuse, naming the values, a pipeline configuration that cannot run (before any process starts)."""
     for name, value in (("pp", pp), ("pp_stages_per_rank", stages_per_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -109,10 +113,13 @@ def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_ra
     if schedule == "interleaved" and microbatches % pp:
         raise ValueError(f"pp_schedule='interleaved' needs pp_microbatches ({microbatches}) to be a multiple of "
                          f"pp ({pp}).")
-    unsupported = [f for f, on in (("zero >= 1", zero >= 1), ("sequence_parallel=True", sequence_parallel)) if on]
+    # (sequence parallelism changes the activation a stage sends; a mixed-precision policy its dtype: the stages
+    # send fixed shapes and dtypes, probed from the dense step)
+    unsupported = [f for f, on in (("sequence_parallel=True", sequence_parallel),
+                                   ("mixed_precision=", mixed_precision)) if on]
     if unsupported:
         raise ValueError(f"DPMPStrategy(pp={pp}) does not combine with {', '.join(unsupported)} yet: use pp=1 for "
-                         f"those, or turn them off with the pipeline.")
+                         f"those, or turn them off with the pipeline (precision='bf16-mixed' works with it).")
     return PipelineConfig(pp, microbatches, schedule, stages_per_rank)
 
 
@@ -207,6 +214,9 @@ class Pipeline:
                                      config.schedule, device, stand_ins)
         # What this rank frees while training: the parameters none of its stages reads. Kept: those the code before
         # the stack reads outside a stood-in module (it runs on every stage), and any that shares its storage.
+        kept = kept_everywhere(module, profile)
+        self.local = {id(p) for p in self.params if me in self.ranks[id(p)] or id(p) in kept}
+        self.keys = {id(p): (tuple(sorted(self.ranks[id(p)])), id(p) in kept) for p in self.params}
         remote = remote_parameters(module, profile, self.ranks, me)
         self.remote = [p for p in self.params if id(p) in remote]
         self.device = device
@@ -215,6 +225,36 @@ class Pipeline:
         # the remote parameters' storage is freed (from the first step, or from the start for a meta-device model,
         # whose other stages' parameters were never allocated for longer than their initialisation, until a sync)
         self.staged = any(p.untyped_storage().nbytes() == 0 and p.numel() > 0 for p in self.remote)
+        # What a stage sync sends: each tensor the optimizers step (a parameter; under ZeRO, a bucket's DP shard)
+        # that some stage does not read, from the PP rank that owns it (the first that reads it)
+        self.owner = {id(p): min(self.ranks[id(p)]) for p in self.params}
+        self.synced = [p for p in self.params if len(self.ranks[id(p)]) < grid.pp]
+        self.engine: Optional[ZeroEngine] = None
+        self.local_buckets: list[Bucket] = []
+        self.remote_buckets: list[Bucket] = []
+        self.shared_shards: list[nn.Parameter] = []
+
+    def attach_engine(self, engine: ZeroEngine) -> None:
+        """ZeRO over the DP group (built after the stages, with :attr:`keys` as its ``stage_of``, so no bucket mixes
+        stages): this rank trains its stages' buckets only, frees the others' (their shards stay, synced from their
+        owners at a stage sync), and the stage sync sends shards instead of whole parameters."""
+        self.engine = engine
+        held = {id(p) for b in engine.buckets for p in b.params}
+        self.remote = [p for p in self.remote if id(p) not in held]
+        self.local_buckets = [b for b in engine.buckets if id(b.params[0]) in self.local]
+        self.remote_buckets = [b for b in engine.buckets if id(b.params[0]) not in self.local]
+        ranks_of = {id(b): self.ranks[id(b.params[0])] for b in engine.buckets}
+        self.owner.update({id(b.shard): min(ranks_of[id(b)]) for b in engine.buckets})
+        self.synced = [p for p in self.synced if id(p) not in held] + [
+            b.shard for b in engine.buckets if len(ranks_of[id(b)]) < self.grid.pp]
+        self.shared_shards = [b.shard for b in engine.buckets if b.trainable and len(ranks_of[id(b)]) > 1]
+        self.local |= {id(b.shard) for b in self.local_buckets}
+        self.shared = [p for p in self.shared if id(p) not in held]
+        self.computed = [p for p in self.computed if id(p) not in held]
+        mine = self.grid.pp_rank
+        self.owned = {i for i, r in self.owner.items() if r == mine}
+        self.staged = False
+        self.stage()
 
     # ------------------------------------------------------------------ the printout
     def text(self) -> str:
@@ -266,14 +306,18 @@ class Pipeline:
 
         # Lightning zeroes the gradients between training_step and backward: this step's gradients wait aside
         # until the strategy's backward adds them (apply_grads), as if the backward ran there
-        earlier = [p.grad for p in self.params]
-        for p in self.params:
+        # (under ZeRO the shards' too: zero=3 reduce-scatters each micro-batch's gradients into them; zero=1/2 keep
+        # them local, reduce-scattered once per step by reduce_grads)
+        holders = self._grad_holders()
+        earlier = [p.grad for p in holders]
+        for p in holders:
             p.grad = None
         try:
-            losses = self.runner.step(micro, micro_size, step_fn, 1.0 / (self.config.microbatches * accumulate))
-            self._pending = [p.grad for p in self.params]
+            with self.engine.no_sync() if self.engine is not None else contextlib.nullcontext():
+                losses = self.runner.step(micro, micro_size, step_fn, 1.0 / (self.config.microbatches * accumulate))
+            self._pending = [p.grad for p in holders]
         finally:
-            for p, g in zip(self.params, earlier):
+            for p, g in zip(holders, earlier):
                 p.grad = g
         self.stale_params = self.stale_state = True
         loss, logged = self._from_last_stage(losses, recorder)
@@ -326,17 +370,29 @@ class Pipeline:
         if pending is None:
             raise RuntimeError("DPMPStrategy(pp > 1): backward without a pipelined training_step before it")
         with torch.no_grad():
-            for p, g in zip(self.params, pending):
+            for p, g in zip(self._grad_holders(), pending):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
 
+    def _grad_holders(self) -> list[nn.Parameter]:
+        """Where a step's gradients land: the parameters, and under ZeRO the DP shards of this rank's buckets."""
+        return self.params + [b.shard for b in self.local_buckets if b.trainable]
+
     def reduce_grads(self) -> None:
         """Sum the gradients of parameters read on several stages over PP, then average this rank's gradients over
-        DP (flat, one all-reduce per dtype). Every rank of a DP group holds the same stages, so the same list."""
+        DP (flat, one all-reduce per dtype). Every rank of a DP group holds the same stages, so the same list.
+        Under ZeRO the engine reduce-scatters over DP instead, and the shards of parameters read on several stages
+        (sliced alike on every stage) are summed over PP: the same sums, on 1/dp of the bytes."""
         grid = self.grid
-        if self.shared:
-            all_reduce_grads(self.shared, grid.pp_group, average=False)
-        if grid.dp > 1:
+        if self.engine is not None:
+            self.engine.finish_backward()
+        for shared in (self.shared, self.shared_shards):
+            if shared:
+                all_reduce_grads(shared, grid.pp_group, average=False)
+                for p in shared:
+                    if id(p) not in self.local:
+                        p.grad = None  # not read here: its storage may be freed, and the stages reading it step it
+        if grid.dp > 1 and self.engine is None:
             all_reduce_grads(self.computed, grid.dp_group, average=True)
 
     def counted(self) -> set[int]:
@@ -345,11 +401,12 @@ class Pipeline:
 
     # ------------------------------------------------------------------ stage sync
     def stage(self, optimizers: Sequence[Any] = ()) -> None:
-        """Free the storage of the parameters no stage of this rank reads, with their optimizer state (a sync
-        brings both back); a no-op while they are freed."""
-        if self.staged or not self.remote:
+        """Free the storage of the parameters no stage of this rank reads (under ZeRO: the full buffers of the other
+        stages' buckets, and the engine then gathers and reduce-scatters this rank's buckets only), with their
+        optimizer state (a sync brings both back); a no-op while they are freed."""
+        if self.staged or not (self.remote or self.remote_buckets):
             return
-        remote = {id(p) for p in self.remote}
+        remote = {id(p) for p in self.remote} | {id(b.shard) for b in self.remote_buckets}
         for optimizer in optimizers:
             inner = compat.unwrap_optimizer(optimizer)
             for p in [p for p in inner.state if id(p) in remote]:
@@ -357,24 +414,58 @@ class Pipeline:
         for p in self.remote:
             p.grad = None
             p.untyped_storage().resize_(0)  # shape, dtype and identity stay: names, optimizer, checkpoints
+        if self.engine is not None:
+            self.engine.set_active(self.local_buckets)
+            for b in self.remote_buckets:
+                b.shard.grad = None
+                b.free()
+                b.shard.untyped_storage().resize_(0)  # (its owner's shard comes back at a stage sync)
         self.staged = True
 
     @contextmanager
     def whole(self) -> Iterator[None]:
-        """Every parameter current on this rank inside (collective); the next training step frees them again."""
+        """Every parameter current on this rank inside (collective); the next training step frees them again
+        (zero=3 gathers every bucket for the duration, and frees them after)."""
         self.sync(with_state=False)
-        yield
+        if self.engine is not None and self.engine.level == 3:
+            with self.engine.gathered():
+                yield
+        else:
+            yield
 
     def allocate(self) -> None:
-        """Give the freed parameters their storage back, without values (a checkpoint load fills them)."""
+        """Give the freed parameters their storage back, without values (a checkpoint load fills them: under ZeRO
+        the load writes the shards and regathers every bucket held whole)."""
         if self.staged:
-            for p in self.remote:
-                p.untyped_storage().resize_(p.numel() * p.element_size())
+            self._allocate_remote()
+            self._unstage_engine(gather=False)
             self.staged = False
 
+    def _allocate_remote(self) -> None:
+        for p in self.remote + [b.shard for b in self.remote_buckets]:
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+
+    def _unstage_engine(self, gather: bool) -> None:
+        """The engine's step may use every bucket again; zero=1/2 hold the other stages' buckets whole again
+        (``gather``: their current shards gathered over DP; else only allocated)."""
+        engine = self.engine
+        if engine is None:
+            return
+        engine.set_active(None)
+        if engine.level < 3:
+            if gather:
+                gather_buckets(self.remote_buckets, self.grid.dp_group, async_op=False)
+            else:
+                for b in self.remote_buckets:
+                    b.begin_gather()
+
     def memory_freed(self) -> int:
-        """Bytes of parameters this rank frees while it trains (the other stages' own)."""
-        return sum(p.numel() * p.element_size() for p in self.remote)
+        """Bytes of parameters this rank frees while it trains (the other stages' own; under ZeRO-1/2 their
+        buckets' gathered buffers)."""
+        freed = sum(p.numel() * p.element_size() for p in self.remote)
+        if self.engine is not None and self.engine.level < 3:
+            freed += sum(b.layout.total * b.full.element_size() for b in self.remote_buckets)
+        return freed
 
     def sync(self, optimizers: Sequence[Any] = (), with_state: bool = True) -> None:
         """Every rank of the PP group gets the parameters (and with ``with_state`` the optimizer state) the others
@@ -385,30 +476,41 @@ class Pipeline:
             self._sync_state(optimizers)
 
     def _sync_params(self) -> None:
+        # one broadcast per owning PP rank and dtype: the whole parameters, or under ZeRO the buckets' DP shards
+        # (each DP rank of a stage sends its slice to the same slice's holders on the other stages)
         grid = self.grid
-        self.allocate()
+        was_staged = self.staged
+        if was_staged:
+            self._allocate_remote()
         with torch.no_grad():
             for r in range(grid.pp):
-                theirs = [p for p in self.params if min(self.ranks[id(p)]) == r and len(self.ranks[id(p)]) < grid.pp]
-                if not theirs:
-                    continue
-                flat = torch.cat([p.detach().reshape(-1) for p in theirs])
-                dist.broadcast(flat, group=grid.pp_group, group_src=r)
-                if r != grid.pp_rank:
-                    offset = 0
-                    for p in theirs:
-                        p.copy_(flat[offset: offset + p.numel()].view_as(p))
-                        offset += p.numel()
-        self.stale_params = False
+                theirs = [p for p in self.synced if self.owner[id(p)] == r]
+                by_dtype: dict[torch.dtype, list[Tensor]] = {}
+                for p in theirs:
+                    by_dtype.setdefault(p.dtype, []).append(p)
+                for ps in by_dtype.values():
+                    flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                    dist.broadcast(flat, group=grid.pp_group, group_src=r)
+                    if r != grid.pp_rank:
+                        offset = 0
+                        for p in ps:
+                            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                            offset += p.numel()
+        if was_staged:
+            self._unstage_engine(gather=True)
+        elif self.engine is not None and self.engine.level < 3:
+            self.engine.refresh()  # the received shards into the buckets held whole
+        self.staged = self.stale_params = False
 
     def _sync_state(self, optimizers: Sequence[Any]) -> None:
         # one pickled all-gather per optimizer over the PP group: a checkpoint's cost, not a step's
         grid = self.grid
+        synced = {id(p) for p in self.synced}
         for optimizer in optimizers:
             inner = compat.unwrap_optimizer(optimizer)
             params = [p for g in inner.param_groups for p in g["params"]]
             mine = {i: {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in inner.state[p].items()}
-                    for i, p in enumerate(params) if id(p) in self.owned and p in inner.state}
+                    for i, p in enumerate(params) if id(p) in self.owned and id(p) in synced and p in inner.state}
             every: list[Any] = [None] * grid.pp
             dist.all_gather_object(every, mine, group=grid.pp_group)
             for r, states in enumerate(every):
@@ -493,12 +595,18 @@ def reading_ranks(module: nn.Module, profile: StackProfile, ranges: Sequence[tup
     return {pid: r or {0} for pid, r in ranks.items()}
 
 
+def kept_everywhere(module: nn.Module, profile: StackProfile) -> set[int]:
+    """``id`` of the parameters every stage keeps: the code before the stack reads them outside a stood-in module,
+    and that code runs on every stage."""
+    return {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in profile.pre_direct}
+
+
 def remote_parameters(module: nn.Module, profile: StackProfile, ranks: Mapping[int, set[int]], pp_rank: int
                       ) -> set[int]:
     """``id`` of the parameters of ``module`` that pipeline rank ``pp_rank`` frees while training: none of its stages
     reads them (``ranks``: :func:`reading_ranks`). Kept: those the code before the stack reads outside a stood-in
-    module (it runs on every stage), and any that shares its storage with another tensor."""
-    keep = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in profile.pre_direct}
+    module (:func:`kept_everywhere`), and any that shares its storage with another tensor."""
+    keep = kept_everywhere(module, profile)
     return {id(p) for p in module.parameters()
             if pp_rank not in ranks[id(p)] and id(p) not in keep and _owns(p)}
 

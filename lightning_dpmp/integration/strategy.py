@@ -174,8 +174,9 @@ class DPMPStrategy(GridStrategy):
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
         validate.check_mixed_precision(mixed_precision, zero, dp)
-        pipeline = check_pipeline_args(pp, pp_microbatches, pp_schedule, pp_stages_per_rank, zero=zero,
-                                       sequence_parallel=bool(sequence_parallel))
+        pipeline = check_pipeline_args(pp, pp_microbatches, pp_schedule, pp_stages_per_rank,
+                                       sequence_parallel=bool(sequence_parallel),
+                                       mixed_precision=mixed_precision is not None)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -358,6 +359,8 @@ class DPMPStrategy(GridStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.pipeline is not None:  # other stages' parameters freed before zero=3 gathers this step's own
+            self.pipeline.stage(self.optimizers)
         with self._in_step(training=True):
             pipeline = self.pipeline
             if pipeline is None:

@@ -27,6 +27,11 @@
   (MAX) of a used-here flag per bucket tells which shards get a gradient. Units are never the children of a
   container whose enclosing forward branches on the data (LayerDrop could skip them on one rank): those join the
   root.
+* **Under a pipeline** (``stage_of``, :meth:`ZeroEngine.set_active`). Buckets never mix parameters of different
+  pipeline stages, so a bucket is either this rank's or another stage's. While training only this rank's buckets
+  are gathered and reduce-scattered (the others' are freed); the pipeline's schedule runs its micro-batches with
+  gradients kept local, and :meth:`ZeroEngine.finish_backward` reduce-scatters them once per step. A stage sync
+  (evaluation, checkpoints) brings the other stages' shards, which every stage's DP group slices alike.
 
 Example:
     >>> engine = ZeroEngine(module, optimizers, 3, grid.dp_group, split_ids, partial_ids)  # doctest: +SKIP
@@ -152,11 +157,15 @@ class ZeroEngine:
             parameters are gathered and computed with in ``param_dtype`` (each module's floating inputs cast to
             it), gradients reduce-scattered in ``reduce_dtype``, and the shards the optimizer steps, checkpoints and
             teardown keep the parameters' own dtype (FSDP2's semantics).
+        stage_of: ``id(parameter) -> a key`` (a pipeline: which stages read it); parameters of different keys never
+            share a bucket. A parameter whose storage is freed (another stage's, on a meta-device model) enters its
+            bucket as zeros.
     """
 
     def __init__(self, module: nn.Module, optimizers: list[Optimizer], level: int, dp_group: Any,
                  split: set[int], partial: set[int], conditional: bool = False,
-                 branches: tuple[str, ...] = (), mixed_precision: Optional[Any] = None) -> None:
+                 branches: tuple[str, ...] = (), mixed_precision: Optional[Any] = None,
+                 stage_of: Optional[dict[int, Any]] = None) -> None:
         self.level, self.group, self.conditional = level, dp_group, conditional
         param_dtype = getattr(mixed_precision, "param_dtype", None)
         reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
@@ -183,15 +192,16 @@ class ZeroEngine:
             if kind == "frozen" and level < 3:
                 continue  # zero=2 leaves parameters nobody steps as they are
             own = id(p) if conditional and kind != "frozen" else 0  # its own shard: its own optimizer state
-            keyed.setdefault((unit_of.get(id(p), -1), key_opt, kind, p.dtype, p.device, own), []).append(p)
+            stage = stage_of.get(id(p)) if stage_of is not None else None
+            keyed.setdefault((unit_of.get(id(p), -1), key_opt, kind, p.dtype, p.device, own, stage), []).append(p)
         self.buckets = [Bucket(ps, key[2], key[0], key[1], dp_group, self.dp, self.rank,
                                param_dtype if ps[0].is_floating_point() else None, reduce_dtype)
                         for key, ps in keyed.items()]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}  # parameter -> place
         self.by_unit: dict[int, list[Bucket]] = {}
-        for b in self.buckets:
-            self.by_unit.setdefault(b.unit, []).append(b)
-        self._trainable_by_unit = {u: [b for b in bs if b.trainable] for u, bs in self.by_unit.items()}
+        self._trainable_by_unit: dict[int, list[Bucket]] = {}
+        self.active: Optional[set[int]] = None  # set_active: id() of the buckets a pipeline stage trains here
+        self._index_units()
         self.plain_groups = [[dict(g) for g in opt.param_groups] for opt in optimizers]
         self.optimizers = [
             rebuild_optimizer(opt, [[b.shard for b in self.buckets if b.opt_key == (i, j)]
@@ -227,6 +237,24 @@ class ZeroEngine:
                     self._handles.append(mod.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
 
     # ------------------------------------------------------------------ setup helpers
+    def _index_units(self) -> None:
+        """The buckets of each unit that the step's collectives touch: every bucket, or the active ones."""
+        self.by_unit = {}
+        for b in self.live():
+            self.by_unit.setdefault(b.unit, []).append(b)
+        self._trainable_by_unit = {u: [b for b in bs if b.trainable] for u, bs in self.by_unit.items()}
+
+    def live(self) -> list[Bucket]:
+        """The buckets a step gathers and reduce-scatters: all of them, or those :meth:`set_active` named."""
+        return self.buckets if self.active is None else [b for b in self.buckets if id(b) in self.active]
+
+    def set_active(self, buckets: Optional[list[Bucket]]) -> None:
+        """Restrict the step's gathers and reduce-scatters to ``buckets`` (a pipeline stage's own, while it
+        trains), or lift the restriction (``None``: evaluation and checkpoints use every bucket). Every rank of the
+        DP group must name the same buckets (the ranks of one stage do)."""
+        self.active = None if buckets is None else {id(b) for b in buckets}
+        self._index_units()
+
     def _assign_units(self, module: nn.Module) -> dict[int, int]:
         """Parameter id -> unit index; one reachable from two units (a tied weight) goes to the root (absent)."""
         seen: dict[int, set[int]] = {}
@@ -244,7 +272,7 @@ class ZeroEngine:
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for t in list(_unique_params(module)) + list(module.buffers()):
-                if t.device.type != "meta":
+                if t.device.type != "meta" and not _freed(t):  # (a pipeline's other stage: synced later)
                     dist.broadcast(t.data, src=src, group=self.group)
 
     # ------------------------------------------------------------------ hooks
@@ -261,7 +289,7 @@ class ZeroEngine:
                 # accumulating locally (zero=2): one reduce-scatter on the last micro-batch
                 return
             b.fired.add(id(p))
-            unit = self._trainable_by_unit[b.unit]
+            unit = self._trainable_by_unit.get(b.unit, [])
             if len(b.fired) == len(b.params) and all(len(x.fired) == len(x.params) for x in unit):
                 reduce_scatter_buckets(unit, self.group)  # the unit's buckets in one collective
                 if self.level == 3 and b.unit >= 0:
@@ -315,8 +343,8 @@ class ZeroEngine:
                 self._flush_conditional()
             else:
                 # Parameters that got no gradient this time: whatever is left, in one collective.
-                reduce_scatter_buckets([b for b in self.buckets if b.trainable and b.has_grads()], self.group)
-                for b in self.buckets:
+                reduce_scatter_buckets([b for b in self.live() if b.trainable and b.has_grads()], self.group)
+                for b in self.live():
                     b.finish_reduce_scatter()
                     b.fired.clear()
         self._fired.clear()
@@ -338,7 +366,7 @@ class ZeroEngine:
         for u in self._trainable_by_unit:
             if u not in self._fired:
                 reduce_scatter_buckets(self._trainable_by_unit[u], self.group)
-        trainable = [b for b in self.buckets if b.trainable]
+        trainable = [b for b in self.live() if b.trainable]
         if trainable:
             flags = torch.tensor([float(b.used_here) for b in trainable], device=trainable[0].full.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
@@ -385,6 +413,16 @@ class ZeroEngine:
         finally:
             self.sync = old
 
+    def finish_backward(self) -> None:
+        """End a backward that ran with gradients kept local (a pipeline's schedule runs its micro-batches under
+        :meth:`no_sync`): reduce-scatter what the active buckets hold, as the end of a synchronised backward
+        would."""
+        old, self.sync = self.sync, True
+        try:
+            self._end_of_backward()
+        finally:
+            self.sync = old
+
     def gather_root(self) -> None:
         """Before a step's forward (zero=3): the parameters outside every unit."""
         if self.level == 3:
@@ -401,7 +439,7 @@ class ZeroEngine:
             for b in self.buckets:
                 b.free()
             return
-        works = [b for b in self.buckets if b.trainable]
+        works = [b for b in self.live() if b.trainable]
         for b in works:
             b.gathered = False  # stale: the shard was updated
         gather_buckets(works, self.group, async_op=False)  # every bucket in one collective
@@ -517,3 +555,8 @@ class ZeroEngine:
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
     return list(module.parameters())
+
+
+def _freed(t: Tensor) -> bool:
+    """Whether ``t``'s storage was released (``resize_(0)``: a pipeline's other stage on a meta-device model)."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0

@@ -137,7 +137,8 @@ class Bucket:
         master = torch.zeros(self.layout.total, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
             for p, off in zip(params, self.layout.offsets):
-                master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                if p.untyped_storage().nbytes():  # (freed: a pipeline's other stage, zeros until a stage sync)
+                    master[off : off + p.numel()].copy_(p.detach().reshape(-1))
         # Mixed precision (MixedPrecisionPolicy): the shard the optimizer steps keeps the parameters' own dtype (the
         # master copy); the gathered buffer the module computes with is in param_dtype; gradients are reduced in
         # reduce_dtype. Without a policy all three are the parameters' dtype and the buffer is the master itself.

@@ -1,14 +1,15 @@
 """Pipeline launches for tests/distributed/test_pipeline.py.
 
 Usage (from the repo root):
-    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard|:compile],...
+    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard|:compile|:zN],...
     python tests/distributed/pipeline_worker.py resume OUT    # 4 processes: save at (1,2,2), resume at (2,1,2)
     python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
     python tests/distributed/pipeline_worker.py meta OUT      # 2 processes: meta-device init at (1,2,1), (2,1,1)
+    python tests/distributed/pipeline_worker.py zero OUT      # 4 processes: ZeRO under a pipeline, saved and resumed
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps;
-``compile``: ``compile=True``), as parity_worker does without a pipeline, and records the collectives and sends of
+``compile``: ``compile=True``; ``zN``: ``zero=N``), as parity_worker does without a pipeline, and records the collectives and sends of
 one step, the analytic MP collectives, the stages and the logged loss.
 """
 
@@ -59,10 +60,11 @@ class Counter(L.Callback):
 
 
 def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",
-                 stages_per_rank: int = 1, guard: int = 0, compile: bool = False, **kwargs) -> L.Trainer:
+                 stages_per_rank: int = 1, guard: int = 0, compile: bool = False, zero: int = 0, **kwargs
+                 ) -> L.Trainer:
     strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
                             pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2),
-                            check_consistency_every_n_steps=guard, compile=compile)
+                            check_consistency_every_n_steps=guard, compile=compile, zero=zero)
     return L.Trainer(
         accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=steps,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
@@ -77,8 +79,9 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     counter = Counter()
     v = int(extra[0]) if extra and extra[0].isdigit() else 1
     accumulate = 2 if "acc2" in extra else 1
+    zero = next((int(e[1:]) for e in extra if e.startswith("z")), 0)
     trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, guard=5 if "guard" in extra else 0,
-                           compile="compile" in extra, accumulate_grad_batches=accumulate)
+                           compile="compile" in extra, zero=zero, accumulate_grad_batches=accumulate)
     strategy = trainer.strategy
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     tag = f"{spec.replace(':', '_')}_{precision.split('-')[0]}"
@@ -143,6 +146,49 @@ def meta(out: str) -> None:
         json.dump(report, f)
 
 
+def _val_step(self, batch, batch_idx):
+    x, y = batch
+    logits = self(x)
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+    self.log("val_loss", loss, sync_dist=True)
+
+
+def zero(out: str) -> None:
+    """ZeRO under a pipeline at (dp, pp, mp) = (2, 2, 1): GPT trained 10 steps at zero=2 with a validation run at
+    step 10 (every stage evaluates the whole model), saved in both formats; the consolidated file resumed at zero=3
+    under the pipeline to 20 steps, the sharded folder at (2, 1, 2) zero=1. Then transformers' Llama built on the
+    meta device trains 20 steps at zero=3 under the pipeline (each rank initialises its stage, and holds 1/dp of it),
+    and at (4, 1, 1) without ZeRO or a pipeline (the meta model's oracle: the split seeds each module by name)."""
+    import types
+
+    L.seed_everything(SEED, workers=True)
+    model, dataset = build("gpt")
+    model.validation_step = types.MethodType(_val_step, model)
+    save = SaveAtTrainEnd([(True, os.path.join(out, "zs.ckpt")), (False, os.path.join(out, "zc.ckpt"))])
+    trainer = make_trainer(2, 2, 1, STEPS // 2, callbacks=[save], zero=2, val_check_interval=STEPS // 2,
+                           limit_val_batches=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // 2), DataLoader(dataset, batch_size=GLOBAL_BATCH))
+    report = {"val_loss": float(trainer.callback_metrics["val_loss"])}
+    for tag, (dp, pp, mp, level) in (("c", (2, 2, 1, 3)), ("s", (2, 1, 2, 1))):
+        L.seed_everything(SEED, workers=True)
+        model, dataset = build("gpt")
+        trainer = make_trainer(dp, pp, mp, STEPS, zero=level)
+        trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp),
+                    ckpt_path=os.path.join(out, f"z{tag}.ckpt"))
+        trainer.save_checkpoint(os.path.join(out, f"zfinal_{tag}.ckpt"))
+    for tag, (dp, pp, level) in (("zmeta", (2, 2, 3)), ("zmeta_411", (4, 1, 0))):  # the second: the oracle
+        L.seed_everything(SEED, workers=True)
+        held = Held()
+        trainer = make_trainer(dp, pp, 1, STEPS, callbacks=[held], zero=level)
+        with trainer.init_module(empty_init=True):
+            model, dataset = build("hf_llama")
+        trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
+        trainer.save_checkpoint(os.path.join(out, f"{tag}.ckpt"))
+        report[tag] = {"held": held.held, "dense": held.dense}
+    with open(os.path.join(out, f"zero_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
 class Reads(torch.nn.Module):
     """GPT whose loss also reads each block's output: a step no pipeline cut can carry."""
 
@@ -178,8 +224,8 @@ def refuse(out: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    if sys.argv[1] in ("resume", "refuse", "meta"):
-        {"resume": resume, "refuse": refuse, "meta": meta}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] in ("resume", "refuse", "meta", "zero"):
+        {"resume": resume, "refuse": refuse, "meta": meta, "zero": zero}[sys.argv[1]](sys.argv[2])
         sys.exit(0)
     dp, pp, mp = (int(a) for a in sys.argv[1:4])
     out = sys.argv[4]

@@ -189,3 +189,36 @@ def test_a_step_that_cannot_be_cut_is_refused_at_setup(tmp_path):
     assert ("cannot cut this training step into pipeline stages: the code after the block stack reads the output "
             "of block net.net.blocks.0") in proc.stderr, proc.stderr[-3000:]
     assert not list(tmp_path.glob("started*")), "a training step ran before the refusal"
+
+
+@pytest.mark.slow
+def test_zero_under_a_pipeline_evaluates_saves_and_resumes(tmp_path):
+    """ZeRO at (dp, pp, mp) = (2, 2, 1): 10 steps at zero=2 with a validation run, saved in both formats; resumed
+    under the pipeline at zero=3 and at (2, 1, 2) zero=1 to 20 steps: the single-process run interrupted at the
+    same step. A meta-device Llama at zero=3 under the pipeline holds 1/(dp pp) of its parameters and trains to the
+    weights of the same meta model at (4, 1, 1)."""
+    proc = run_ranks(4, [WORKER, "zero", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    _fit_one_process(PW.STEPS // 2, save=tmp_path / "ref10.ckpt")
+    _fit_one_process(PW.STEPS, tmp_path / "ref10.ckpt", tmp_path / "ref20.ckpt")
+    ref20 = torch.load(tmp_path / "ref20.ckpt", weights_only=True)
+    for tag in ("c", "s"):
+        worst = max_weight_diff(torch.load(tmp_path / f"zfinal_{tag}.ckpt", weights_only=True), ref20)
+        assert worst <= TOL, (tag, worst)
+    # the validation run at step 10 saw the whole trained model on every stage: one batch of 8 per DP rank (the
+    # even and the odd samples of the first 16), the loss averaged over DP
+    model, dataset = build("gpt")
+    model = model.double()
+    model.load_state_dict(torch.load(tmp_path / "ref10.ckpt", weights_only=True)["state_dict"])
+    x, y = (torch.stack(t) for t in zip(*(dataset[i] for i in range(2 * PW.GLOBAL_BATCH))))
+    with torch.no_grad():
+        logits = model(x)
+        expected = float(torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)))
+    reports = [json.loads((tmp_path / f"zero_rank{r}.json").read_text()) for r in range(4)]
+    for report in reports:
+        assert abs(report["val_loss"] - expected) < 1e-12, (report["val_loss"], expected)
+        meta = report["zmeta"]
+        assert meta["held"] < 0.26 * meta["dense"], meta  # its stage's parameters, 1/dp of them
+    worst = max_weight_diff(torch.load(tmp_path / "zmeta.ckpt", weights_only=True),
+                            torch.load(tmp_path / "zmeta_411.ckpt", weights_only=True))
+    assert worst <= TOL, worst
