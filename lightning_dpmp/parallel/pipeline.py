@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SCHEDULES", "PipelineRunner", "bubble_fraction"]
+__all__ = ["SCHEDULES", "PipelineRunner", "bubble_fraction", "stood_in"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -62,6 +62,21 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
+_STAND_IN = "pipeline_stand_in"  # the mark on a stand-in forward (an attribute of the function)
+
+
+def stood_in(module: nn.Module) -> bool:
+    """Whether ``module`` runs a stand-in forward now: another stage's block, or a module before the stack on a later
+    stage. Its own code (and its parameters) takes no part in this call, so hooks that gather or count parameters
+    for a forward (ZeRO-3's) leave it alone.
+
+    Example:
+        >>> stood_in(nn.Linear(2, 2))
+        False
+    """
+    return bool(getattr(module.__dict__.get("forward"), _STAND_IN, False))
+
+
 class _StageModule(nn.Module):
     """What a ``PipelineStage`` calls: one stage of the step. It owns no parameters (the blocks stay in the user's
     module), so torch's stage machinery never scales or moves them."""
@@ -73,6 +88,14 @@ class _StageModule(nn.Module):
 
     def forward(self, *inputs: Tensor) -> Tensor:
         return self._run(self.stage, inputs)
+
+
+def _marked(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    setattr(stand_in, _STAND_IN, True)
+    return stand_in
 
 
 class PipelineRunner:
@@ -164,11 +187,11 @@ class PipelineRunner:
                 continue
             stand_in = entering if j == start - 1 else leaving if j == end else passing
             saved.append((block, block.__dict__.get("forward")))  # a compiled block's own forward comes back
-            block.forward = stand_in
+            block.forward = _marked(stand_in)
         if stage > 0:
             for module, shape_of, dtype in self.pre_modules:
                 saved.append((module, module.__dict__.get("forward")))
-                module.forward = zeros_of(module, shape_of, dtype)
+                module.forward = _marked(zeros_of(module, shape_of, dtype))
         try:
             yield
         finally:

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dpmp.compat import queue_backward_callback
+from lightning_dpmp.parallel.pipeline import stood_in
 from lightning_dpmp.parallel.zero_shard import (
     Bucket,
     gather_buckets,
@@ -306,8 +307,9 @@ class ZeroEngine:
 
     def _wrap_inputs(self, u: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            if not torch.is_grad_enabled() or self._in_backward:
-                return None  # no graph, or a recompute in the backward (its original call was wrapped)
+            if not torch.is_grad_enabled() or self._in_backward or stood_in(module):
+                return None  # no graph, a recompute in the backward (its original call was wrapped), or another
+                # pipeline stage's block standing in
             keys = [("a", i) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
             keys += [("k", k) for k, v in kwargs.items() if isinstance(v, Tensor) and v.requires_grad]
             if not keys:
@@ -382,6 +384,8 @@ class ZeroEngine:
 
     def _pre_forward(self, u: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
+            if stood_in(module):
+                return  # another pipeline stage's block, standing in: its parameters take no part
             self._gather(u)
             # prefetch: overlaps this unit's compute; not when activation checkpointing recomputes this forward in
             # the backward, where the next unit is done (and freed) already
@@ -391,6 +395,8 @@ class ZeroEngine:
 
     def _post_forward(self, u: int) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if stood_in(module):
+                return
             _on_output_grads(out, self._pre_backward(u))
             self._free(u)
         return hook

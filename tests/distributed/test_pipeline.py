@@ -3,7 +3,8 @@ collectives per step, logging, resuming at other layouts, and a refusal at setup
 
 One launch per (dp, pp, mp) trains the GPT example (tied embeddings: a parameter on two stages) and transformers'
 Llama in float64 with GPipe and 1F1B; at (1, 2, 1) also both with 4 blocks under the interleaved schedule (2 stages
-per rank) and GPT with gradient accumulation. The oracle is single-process Lightning on the same global batch.
+per rank) and GPT with gradient accumulation; at (2, 2, 1) also under ZeRO 1, 2 and 3. The oracle is single-process
+Lightning on the same global batch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ BASIC = ["gpt:1f1b", "gpt:gpipe", "hf_llama:1f1b", "hf_llama:gpipe"]
 RUNS = {
     (1, 2, 1): BASIC + ["gpt4:interleaved:2", "hf_llama4:interleaved:2", "gpt:1f1b:acc2"],
     (1, 2, 2): BASIC + ["gpt:1f1b:compile"],  # torch.compile'd blocks inside the stages
-    (2, 2, 1): BASIC + ["gpt:1f1b:guard"],  # the guard gathers every stage's parameters every 5 steps
+    # the guard gathers every stage's parameters every 5 steps; ZeRO over each stage's DP group
+    (2, 2, 1): BASIC + ["gpt:1f1b:guard", "gpt:1f1b:z1", "gpt:gpipe:z2", "hf_llama:gpipe:z2", "gpt:1f1b:z3",
+                        "hf_llama:1f1b:z3", "gpt:1f1b:z3:acc2", "gpt4:interleaved:2:z3"],
 }
 CASES = [(layout, spec) for layout, specs in RUNS.items() for spec in specs]
 
@@ -95,6 +98,10 @@ def _stages(spec: str) -> int:
     return 2 * int(spec.split(":")[2]) if spec.split(":")[1] == "interleaved" else 2
 
 
+def _zero(spec: str) -> int:
+    return next((int(e[1:]) for e in spec.split(":")[2:] if e.startswith("z")), 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,spec", CASES, ids=[f"dp{a}pp{b}mp{c}-{s}" for (a, b, c), s in CASES])
 def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
@@ -107,14 +114,23 @@ def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
     assert sends == dp * mp * 2 * (stages - 1) * m, [r["counts"] for r in results]
     assert sum(r["counts"].get("pp/recv", 0) for r in results) == sends
     assert all(r["counts"].get("pp/send", 0) == (stages - 1) * m * 2 // pp for r in results)
+    zero, blocks = _zero(spec), _stages(spec) // pp  # (every model here has one block per stage)
     for r in results:
         counts = r["counts"]
-        assert counts.get("dp/all_reduce", 0) == (1 if dp > 1 else 0), counts  # one flat gradient bucket
+        # one flat gradient bucket; under ZeRO the norm of the clipping (the gradients are DP shards)
+        assert counts.get("dp/all_reduce", 0) == (1 if dp > 1 else 0), counts
         # the norm of the clipping; with GPT's tied table and head, their gradient summed over the two stages
         assert counts["pp/all_reduce"] == 1 + spec.startswith("gpt"), counts
         assert counts["pp/broadcast"] == 1, counts  # the loss and logged values, from the last stage
+        if zero in (1, 2):  # the schedule's gradients reduce-scattered once per step; the updated shards gathered
+            assert (counts["dp/reduce_scatter"], counts["dp/all_gather"]) == (1, 1), counts
+        elif zero == 3:  # each block gathered for its forward and its backward and reduce-scattered, per
+            # micro-batch; the rest of the stage (embeddings, or norm and head) gathered once per optimizer step
+            # (with accumulation the counted batch is the window's second: gathered already), reduce-scattered each
+            assert counts["dp/all_gather"] == 2 * m * blocks + (not spec.endswith(":acc2")), (spec, counts)
+            assert counts["dp/reduce_scatter"] == m * (blocks + 1), counts
         assert set(counts) <= {"pp/send", "pp/recv", "pp/all_reduce", "pp/broadcast", "dp/all_reduce",
-                               "mp/all_reduce"}, counts
+                               "mp/all_reduce"} | ({"dp/reduce_scatter", "dp/all_gather"} if zero else set()), counts
     if mp > 1:  # each pipeline's MP collectives: every layer's once per micro-batch, on its own stage only
         for d in range(dp):
             for m_rank in range(mp):
