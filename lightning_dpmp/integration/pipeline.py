@@ -485,17 +485,17 @@ class Pipeline:
         with torch.no_grad():
             for r in range(grid.pp):
                 theirs = [p for p in self.synced if self.owner[id(p)] == r]
-                by_dtype: dict[torch.dtype, list[Tensor]] = {}
+                by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
                 for p in theirs:
                     by_dtype.setdefault(p.dtype, []).append(p)
                 for ps in by_dtype.values():
-                    flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                    flat = torch.cat([t.detach().reshape(-1) for t in ps])
                     dist.broadcast(flat, group=grid.pp_group, group_src=r)
                     if r != grid.pp_rank:
                         offset = 0
-                        for p in ps:
-                            p.copy_(flat[offset: offset + p.numel()].view_as(p))
-                            offset += p.numel()
+                        for t in ps:
+                            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                            offset += t.numel()
         if was_staged:
             self._unstage_engine(gather=True)
         elif self.engine is not None and self.engine.level < 3:

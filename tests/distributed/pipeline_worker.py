@@ -9,8 +9,8 @@ Usage (from the repo root):
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps;
-``compile``: ``compile=True``; ``zN``: ``zero=N``), as parity_worker does without a pipeline, and records the collectives and sends of
-one step, the analytic MP collectives, the stages and the logged loss.
+``compile``: ``compile=True``; ``zN``: ``zero=N``), as parity_worker does without a pipeline, and records the
+collectives and sends of one step, the analytic MP collectives, the stages and the logged loss.
 """
 
 from __future__ import annotations
