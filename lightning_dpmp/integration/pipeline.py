@@ -386,14 +386,16 @@ class Pipeline:
         grid = self.grid
         if self.engine is not None:
             self.engine.finish_backward()
+        # (keep_unused: a parameter no rank had a gradient for keeps None, so AdamW skips it as on one process; an
+        # expert no token chose in this step, anywhere)
         for shared in (self.shared, self.shared_shards):
             if shared:
-                all_reduce_grads(shared, grid.pp_group, average=False)
+                all_reduce_grads(shared, grid.pp_group, average=False, keep_unused=True)
                 for p in shared:
                     if id(p) not in self.local:
                         p.grad = None  # not read here: its storage may be freed, and the stages reading it step it
         if grid.dp > 1 and self.engine is None:
-            all_reduce_grads(self.computed, grid.dp_group, average=True)
+            all_reduce_grads(self.computed, grid.dp_group, average=True, keep_unused=True)
 
     def counted(self) -> set[int]:
         """``id`` of the parameters whose gradient this rank counts in the global norm (each one on one rank)."""
@@ -584,12 +586,16 @@ def stage_ranges(profile: StackProfile, config: PipelineConfig) -> list[tuple[in
 def reading_ranks(module: nn.Module, profile: StackProfile, ranges: Sequence[tuple[int, int]], pp: int
                   ) -> dict[int, set[int]]:
     """``id(parameter) -> the PP ranks whose stages read it`` (stage ``s`` on rank ``s % pp``; the code before the
-    stack on the first stage, after it on the last; a parameter no region read goes to the first)."""
+    stack on the first stage, after it on the last; a parameter no region read goes to the first). A parameter
+    inside a block belongs to that block's stage even where the probed step did not read it: a data-dependent step
+    (an expert no token chose on the first batch) reads it later, there."""
     stage_of_block = {j: s for s, (a, b) in enumerate(ranges) for j in range(a, b)}
     region_stage = {PRE: 0, POST: len(ranges) - 1, BETWEEN: 0}
+    prefixes = [(f"{name}.", j) for j, name in enumerate(profile.names)]
     ranks: dict[int, set[int]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):  # a tied parameter: every name's regions
-        regions = profile.param_regions.get(name, set())
+        regions = set(profile.param_regions.get(name, set()))
+        regions.update(j for prefix, j in prefixes if name.startswith(prefix))
         stages = {stage_of_block.get(r, region_stage.get(r, 0)) for r in regions}
         ranks.setdefault(id(p), set()).update(s % pp for s in stages)
     return {pid: r or {0} for pid, r in ranks.items()}

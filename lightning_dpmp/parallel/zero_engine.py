@@ -328,7 +328,9 @@ class ZeroEngine:
     def _reached(self, u: int) -> Any:
         def reached() -> None:
             self._queue_end_of_backward()
-            self._calls[u] -= 1
+            # (absent: an earlier backward ended since this call's forward, as a pipeline's schedule interleaves
+            # micro-batches; then no other call of the unit is pending)
+            self._calls[u] = self._calls.get(u, 0) - 1
             if self._calls[u] > 0 or u in self._fired or not (self.sync or self.level == 3):
                 return  # an earlier call's backward is still to come, or accumulating locally (zero=2)
             self._fired.add(u)
@@ -422,7 +424,9 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """End a backward that ran with gradients kept local (a pipeline's schedule runs its micro-batches under
         :meth:`no_sync`): reduce-scatter what the active buckets hold, as the end of a synchronised backward
-        would."""
+        would. zero=3 has nothing left: it reduce-scatters at the end of every backward."""
+        if self.level == 3:
+            return
         old, self.sync = self.sync, True
         try:
             self._end_of_backward()

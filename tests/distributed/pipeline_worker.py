@@ -56,7 +56,8 @@ class Counter(L.Callback):
             self.mode.__exit__(None, None, None)
             self.counts = {f"{g}/{op}": n for (g, op), n in self.mode.counts.items()}
             self.mode = None
-        self.logged[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+        if "train_loss" in trainer.callback_metrics:  # (not every model logs it)
+            self.logged[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
 
 
 def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",

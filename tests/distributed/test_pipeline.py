@@ -29,8 +29,12 @@ RUNS = {
     (1, 2, 1): BASIC + ["gpt4:interleaved:2", "hf_llama4:interleaved:2", "gpt:1f1b:acc2"],
     (1, 2, 2): BASIC + ["gpt:1f1b:compile"],  # torch.compile'd blocks inside the stages
     # the guard gathers every stage's parameters every 5 steps; ZeRO over each stage's DP group
+    # a ModuleList MoE (an expert no token chose keeps no gradient) without and with ZeRO
     (2, 2, 1): BASIC + ["gpt:1f1b:guard", "gpt:1f1b:z1", "gpt:gpipe:z2", "hf_llama:gpipe:z2", "gpt:1f1b:z3",
-                        "hf_llama:1f1b:z3", "gpt:1f1b:z3:acc2", "gpt4:interleaved:2:z3"],
+                        "hf_llama:1f1b:z3", "gpt:1f1b:z3:acc2", "gpt4:interleaved:2:z3", "moe_list:1f1b",
+                        "moe_list:1f1b:z2", "moe_list:gpipe:z3"],
+    (1, 3, 1): ["gpt4:1f1b"],  # the tied table and head on the first and last of three stages, not the middle
+    (2, 2, 2): ["gpt:1f1b:z2", "hf_llama:1f1b:z3"],  # ZeRO and MP inside each stage
 }
 CASES = [(layout, spec) for layout, specs in RUNS.items() for spec in specs]
 
@@ -94,8 +98,14 @@ def test_weights_and_logged_loss_match_single_process(runs, references, layout, 
             assert max(abs(logged[k] - ref_logged[k]) for k in logged) < 1e-9, (layout, spec, r["grid"])
 
 
-def _stages(spec: str) -> int:
-    return 2 * int(spec.split(":")[2]) if spec.split(":")[1] == "interleaved" else 2
+def _stages(spec: str, pp: int) -> int:
+    return pp * int(spec.split(":")[2]) if spec.split(":")[1] == "interleaved" else pp
+
+
+def _sends(pp_rank: int, pp: int, stages: int, m: int) -> int:
+    """Sends of one rank per step: each of its stages sends its activation on (but the last) and its input's
+    gradient back (but the first), once per micro-batch."""
+    return m * sum((s < stages - 1) + (s > 0) for s in range(pp_rank, stages, pp))
 
 
 def _zero(spec: str) -> int:
@@ -107,23 +117,27 @@ def _zero(spec: str) -> int:
 def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
     dp, pp, mp = layout
     _, ranks = runs(layout)
-    m, stages = W.MICROBATCHES, _stages(spec)
+    m, stages = W.MICROBATCHES, _stages(spec, pp)
     results = [r[_tag(spec)] for r in ranks]
     # activations forward and their gradients back, once per micro-batch and cut: 2 (K - 1) M per pipeline
     sends = sum(r["counts"].get("pp/send", 0) for r in results)
     assert sends == dp * mp * 2 * (stages - 1) * m, [r["counts"] for r in results]
     assert sum(r["counts"].get("pp/recv", 0) for r in results) == sends
-    assert all(r["counts"].get("pp/send", 0) == (stages - 1) * m * 2 // pp for r in results)
-    zero, blocks = _zero(spec), _stages(spec) // pp  # (every model here has one block per stage)
+    assert all(r["counts"].get("pp/send", 0) == _sends(r["grid"][1], pp, stages, m) for r in results)
+    zero, blocks = _zero(spec), stages // pp  # (every model here has one block per stage)
+    # a step that may leave parameters out (experts): ZeRO agrees over DP which buckets got a gradient, one flag
+    # per bucket in one all-reduce at the end of each backward (zero=3: every micro-batch's), and reduce-scatters
+    # unit by unit
+    flags = {0: 0, 1: 1, 2: 1, 3: m}[zero] if spec.startswith("moe") else 0
     for r in results:
         counts = r["counts"]
         # one flat gradient bucket; under ZeRO the norm of the clipping (the gradients are DP shards)
-        assert counts.get("dp/all_reduce", 0) == (1 if dp > 1 else 0), counts
+        assert counts.get("dp/all_reduce", 0) == (1 + flags if dp > 1 else 0), counts
         # the norm of the clipping; with GPT's tied table and head, their gradient summed over the two stages
         assert counts["pp/all_reduce"] == 1 + spec.startswith("gpt"), counts
         assert counts["pp/broadcast"] == 1, counts  # the loss and logged values, from the last stage
         if zero in (1, 2):  # the schedule's gradients reduce-scattered once per step; the updated shards gathered
-            assert (counts["dp/reduce_scatter"], counts["dp/all_gather"]) == (1, 1), counts
+            assert (counts["dp/reduce_scatter"], counts["dp/all_gather"]) == (1 + bool(flags), 1), counts
         elif zero == 3:  # each block gathered for its forward and its backward and reduce-scattered, per
             # micro-batch; the rest of the stage (embeddings, or norm and head) gathered once per optimizer step
             # (with accumulation the counted batch is the window's second: gathered already), reduce-scattered each
