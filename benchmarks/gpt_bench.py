@@ -20,7 +20,8 @@ global batch, AdamW, no gradient clipping (ModelParallelStrategy cannot clip by 
   gathered parameters, communication buffers, the optimizer's temporaries).
 * MP and DP bytes per step: the collectives one extra (untimed) step issues from Python/autograd, by group, sized
   as the full tensor of the collective (all-reduce: the tensor; all-gather: the output; reduce-scatter: the input);
-  DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient bytes).
+  DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient bytes;
+  under a pipeline, without DDP, the flat all-reduce's copy of the stage's gradients).
 
 Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy, eager, ``async_grad_allreduce=False``), ``..._sp`` (sequence
 parallel), ``..._async`` (``async_grad_allreduce=True``: the input-gradient all-reduce overlapped with the
@@ -37,6 +38,11 @@ The pipeline side-by-side (issue 26): the 8-layer Llama at world 4::
 
     python benchmarks/gpt_bench.py --model hf_llama --layers 8 --rounds 3 \
         --configs dpmp_1x2_pp2,dpmp_1x4,dpmp_2x2,dpmp_4x1 --out benchmarks/results/pipeline
+
+and ZeRO under the pipeline, (dp, pp, mp) = (2, 2, 1) at zero 0, 1, 3 beside (4, 1, 1) at zero 3 and 0::
+
+    python benchmarks/gpt_bench.py --model hf_llama --layers 8 --rounds 3 --out benchmarks/results/pipeline_zero \
+        --configs dpmp_2x1_pp2,dpmp_2x1_pp2_zero1,dpmp_2x1_pp2_zero3,dpmp_4x1_zero3,dpmp_4x1
 """
 
 from __future__ import annotations
@@ -168,8 +174,11 @@ def _held(trainer: Any, pl_module: Any, kind: str) -> dict[str, int]:
                                    if isinstance(v, torch.Tensor) and v.dim() > 0),
         }
     s = trainer.strategy
-    ddp = kind == "ddp" or (kind == "dpmp" and s.dp > 1 and s.zero < 1)
+    pipelined = kind == "dpmp" and getattr(s, "pp", 1) > 1
+    ddp = kind == "ddp" or (kind == "dpmp" and s.dp > 1 and s.zero < 1 and not pipelined)
     out["ddp_buckets"] = sum(_nbytes(p) for p in params if p.requires_grad) if ddp else 0
+    if pipelined and s.dp > 1 and s.zero < 1:  # no DDP: one flat all-reduce copies the stage's gradients
+        out["ddp_buckets"] = out["gradients"]
     return out
 
 

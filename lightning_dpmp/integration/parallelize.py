@@ -184,11 +184,12 @@ def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[],
 
 # ---------------------------------------------------------------------------------------------- the steps
 def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool,
-                   free: frozenset = frozenset()) -> Split:
+                   free: frozenset = frozenset(), batch: Optional[Any] = None) -> Split:
     """Step 1: trace, plan and split ``strategy.lightning_module`` over ``strategy.grid`` (collective); a meta
-    model's parameters named in ``free`` are initialised and their storage freed at once (other stages')."""
+    model's parameters named in ``free`` are initialised and their storage freed at once (other stages'); ``batch``:
+    the first batch if step 0 read it already."""
     return split_model(strategy, trainer, meta, config.plan_overrides, config.verify, config.sequence_parallel,
-                       config.zero, free)
+                       config.zero, free, batch)
 
 
 def route_metrics(module: nn.Module, dp_group: Any) -> None:
@@ -284,7 +285,7 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     fitting = trainer.state.fn == TrainerFn.FITTING
     profile, free, batch = plan_pipeline(strategy, trainer, config.pipeline, meta) if fitting and grid.pp > 1 else (
         None, frozenset(), None)
-    split = plan_and_split(strategy, trainer, config, meta, free)
+    split = plan_and_split(strategy, trainer, config, meta, free, batch)
     route_metrics(strategy.model, grid.dp_group)
     overlap_grad_allreduce(strategy.model, config.async_grad_allreduce, strategy.root_device.type)
     compiled = compile_model(module, config.compile)

@@ -16,6 +16,9 @@ torch's schedule, and what the rest of the strategy needs around it.
   stage (tied embeddings and head) gets its gradients summed over the PP group, then every gradient this rank
   computed is averaged over the DP group in flat buckets (no DDP: its reducer cannot follow a schedule's
   interleaved micro-batches). Clipping counts each parameter once, on the rank that owns it, and sums over PP.
+* **ZeRO** (:meth:`Pipeline.attach_engine`): the engine's buckets never mix stages; each rank gathers and
+  reduce-scatters its own stages' buckets only (zero=1/2: once per step, after the schedule), the shards of a
+  bucket read on several stages are summed over PP, and a stage sync sends DP shards.
 * **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the whole (MP-split) model, but only its stages' parameters
   train there. Before a validation, test or prediction run, a checkpoint or teardown, each rank broadcasts the
   parameters (and optimizer state) it owns to its PP group, and then every rank holds the trained model: evaluation
@@ -236,8 +239,8 @@ class Pipeline:
 
     def attach_engine(self, engine: ZeroEngine) -> None:
         """ZeRO over the DP group (built after the stages, with :attr:`keys` as its ``stage_of``, so no bucket mixes
-        stages): this rank trains its stages' buckets only, frees the others' (their shards stay, synced from their
-        owners at a stage sync), and the stage sync sends shards instead of whole parameters."""
+        stages): this rank trains its stages' buckets only and frees the others' buffers and DP shards while it
+        trains; a stage sync sends each bucket's DP shard from its owner instead of whole parameters."""
         self.engine = engine
         held = {id(p) for b in engine.buckets for p in b.params}
         self.remote = [p for p in self.remote if id(p) not in held]

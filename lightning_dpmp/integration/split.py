@@ -135,15 +135,17 @@ def split_model(
     sequence_parallel: bool,
     zero: int = 0,
     free: frozenset = frozenset(),
+    batch: Optional[Any] = None,
 ) -> Split:
     """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world);
     ``zero`` only words the printout's line on steps that leave parameters out; a meta model's parameters named in
-    ``free`` are freed right after their initialisation (a pipeline's other stages)."""
+    ``free`` are freed right after their initialisation (a pipeline's other stages); ``batch``: the first batch, when
+    an earlier step (the pipeline's probe) read and broadcast it already."""
     lm = strategy.lightning_module
     assert lm is not None
     grid, device = strategy.grid, strategy.root_device
     validate.check_plan_at_setup(lm, plan_overrides, strategy.mp, strategy.global_rank)  # a configure_model model
-    batch, notes = first_batch(trainer, strategy)
+    batch, notes = (batch, []) if batch is not None else first_batch(trainer, strategy)
     run = step_runner(trainer, strategy, batch, meta) if batch is not None else None
     split = split_module(lm, grid, device, run, plan_overrides, verify, sequence_parallel, str(trainer.precision),
                          trainer.state.fn == TrainerFn.FITTING, meta, notes, free)

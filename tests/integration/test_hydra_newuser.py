@@ -267,7 +267,8 @@ def test_pipeline_run_validates_tests_checkpoints_and_evaluates_elsewhere(tmp_pa
     validation (a MeanMetric), ModelCheckpoint and the test after fit run on the pipelined model under ZeRO-3; its
     checkpoint evaluates at dp=2 x mp=1 without a pipeline or ZeRO (the same test samples per DP rank)."""
     proc, _ = _run(tmp_path, TRAIN, *TINY, "callbacks=default", "test=true", "strategy.dp=2", "strategy.mp=1",
-                   "strategy.pp=2", "strategy.zero=3", "trainer.max_steps=4", "trainer.val_check_interval=4")  # fmt: skip
+                   "strategy.pp=2", "strategy.zero=3", "trainer.max_steps=4",
+                   "trainer.val_check_interval=4")  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     (run,) = _run_dirs(tmp_path, "gpt_tiny")

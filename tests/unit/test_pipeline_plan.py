@@ -14,6 +14,7 @@ from lightning_dpmp.integration.pipeline import (
     batch_shapes,
     check_batch_shapes,
     check_pipeline_args,
+    reading_ranks,
     split_microbatches,
 )
 from lightning_dpmp.parallel.grid import (
@@ -166,6 +167,22 @@ def test_probe_records_the_stream_costs_and_parameter_regions():
     assert profile.params == [72] * 4 and profile.pre_params == 80 and profile.post_params == 90
     assert list(profile.pre_modules) == ["emb"] and profile.pre_modules["emb"][1] == (4, 5, 8)
     assert not profile.pre_direct
+
+
+def test_a_parameter_inside_a_block_belongs_to_its_stage_even_unread():
+    """A block parameter the probed step never read (an expert no token chose on the first batch) goes to its
+    block's stage, where a later batch reads it, not to the first stage; one no block holds and no code read goes
+    to the first."""
+    torch.manual_seed(0)
+    net = Net("", 4)
+    net.blocks[3].spare = nn.Linear(8, 8)  # never called: unread in the probe
+    net.unused = nn.Linear(2, 2)  # outside every block, never read
+    ids = torch.randint(0, 10, (4, 5))
+    profile = probe_stack(net, lambda: net(ids), batch_size=4)
+    ranks = reading_ranks(net, profile, [(0, 2), (2, 4)], 2)
+    assert ranks[id(net.blocks[3].spare.weight)] == {1}
+    assert ranks[id(net.blocks[0].fc.weight)] == {0} and ranks[id(net.head.weight)] == {1}
+    assert ranks[id(net.unused.weight)] == {0}
 
 
 @pytest.mark.parametrize("mode,words", [
