@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -166,21 +167,46 @@ def close_gloo_groups_at_exit() -> None:
 
     Left to the interpreter's teardown, gloo's threads were sometimes destroyed while still joinable: "terminate
     called without an active exception", a SIGABRT after all the work was done (seen in torchrun and two-node launches
-    on 2 busy cores). NCCL groups are left alone, and so is every group of a process dying of an exception: destroying
-    a group that still has work queued can block the exit.
+    on 2 busy cores). NCCL groups are left alone. A process dying of an uncaught exception (``sys.excepthook`` ran)
+    leaves at once with exit code 1, its output and log handlers flushed, past the interpreter's teardown: destroying
+    a group that still has work queued for a dead peer can block, and gloo's threads torn down by the interpreter
+    turned that exit code 1 into a SIGABRT (-6) now and then.
 
     Example:
         >>> close_gloo_groups_at_exit()   # in setup_environment, once the process group exists
     """
+    if not isinstance(sys.excepthook, _ExitWatch):
+        sys.excepthook = _ExitWatch(sys.excepthook)
     atexit.unregister(_close_gloo_groups)  # at most one registration
     atexit.register(_close_gloo_groups)
 
 
+class _ExitWatch:
+    """``sys.excepthook`` wrapper noting that the process dies of an uncaught exception (then the previous hook)."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous, self.dying = previous, False
+
+    def __call__(self, kind: Any, value: Any, tb: Any) -> None:
+        self.dying = not issubclass(kind, KeyboardInterrupt)  # (Ctrl-C keeps Python's own exit)
+        self.previous(kind, value, tb)
+
+
 def _close_gloo_groups() -> None:
-    if getattr(sys, "last_value", None) is not None:  # dying of an exception: a peer may be stuck, leave at once
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if isinstance(sys.excepthook, _ExitWatch) and sys.excepthook.dying:  # a peer may be stuck: leave at once
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(1)
+    if getattr(sys, "last_value", None) is not None:  # an exception shown elsewhere (a debugger, a test runner)
         return
     try:
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        if dist.get_backend() == "gloo":
             dist.destroy_process_group()
     except Exception:  # exiting anyway: a group that cannot be closed must not turn a clean exit into an error
         pass

@@ -292,7 +292,8 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     engine = pipeline = None
     if fitting:
         if profile is not None:  # the stages, over the split model
-            pipeline = Pipeline(module, profile, grid, config.pipeline, strategy.root_device, batch)
+            pipeline = Pipeline(module, profile, grid, config.pipeline, strategy.root_device, batch,
+                                sequence_parallel=split.applied_plan.plan.sequence is not None)
             split.applied_plan.text += "\n" + pipeline.text()
             rank_zero_info(pipeline.text())
         elif grid.dp > 1 and config.zero == 0:

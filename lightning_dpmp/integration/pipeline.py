@@ -47,6 +47,7 @@ from torch import Tensor, nn
 import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import repeated_blocks
+from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
@@ -93,7 +94,7 @@ class PipelineConfig:
         return self.pp * self.stages_per_rank
 
 
-def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any, *, sequence_parallel: bool,
+def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any, *,
                         mixed_precision: bool = False) -> PipelineConfig:
     """Refuse, naming the values, a pipeline configuration that cannot run (before any process starts)."""
     for name, value in (("pp", pp), ("pp_stages_per_rank", stages_per_rank)):
@@ -116,13 +117,9 @@ def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_ra
     if schedule == "interleaved" and microbatches % pp:
         raise ValueError(f"pp_schedule='interleaved' needs pp_microbatches ({microbatches}) to be a multiple of "
                          f"pp ({pp}).")
-    # (sequence parallelism changes the activation a stage sends; a mixed-precision policy its dtype: the stages
-    # send fixed shapes and dtypes, probed from the dense step)
-    unsupported = [f for f, on in (("sequence_parallel=True", sequence_parallel),
-                                   ("mixed_precision=", mixed_precision)) if on]
-    if unsupported:
-        raise ValueError(f"DPMPStrategy(pp={pp}) does not combine with {', '.join(unsupported)} yet: use pp=1 for "
-                         f"those, or turn them off with the pipeline (precision='bf16-mixed' works with it).")
+    if mixed_precision:  # (its compute dtype changes the activation a stage sends: the stages send the probed dtype)
+        raise ValueError(f"DPMPStrategy(pp={pp}) does not combine with mixed_precision= yet: use pp=1 for it, or "
+                         f"precision='bf16-mixed' (autocast), which works with the pipeline.")
     return PipelineConfig(pp, microbatches, schedule, stages_per_rank)
 
 
@@ -193,10 +190,11 @@ class Pipeline:
         device: where activations live.
         batch: the batch the stages were planned from: every later batch must have its tensors' shapes past dim 0
             (the stages pass activations of a fixed shape).
+        sequence_parallel: the split applied sequence parallelism (the stream holds 1/mp of the sequence).
     """
 
     def __init__(self, module: nn.Module, profile: StackProfile, grid: Grid, config: PipelineConfig,
-                 device: torch.device, batch: Any = None) -> None:
+                 device: torch.device, batch: Any = None, sequence_parallel: bool = False) -> None:
         self.grid, self.config, self.profile = grid, config, profile
         self.batch_shapes = batch_shapes(batch) if batch is not None else None
         blocks = [m for _, m in repeated_blocks(module)]
@@ -210,9 +208,15 @@ class Pipeline:
         self.shared = [p for p in self.params if len(self.ranks[id(p)]) > 1 and p.requires_grad]
         self.owned = {id(p) for p in self.params if min(self.ranks[id(p)]) == me}
         modules = dict(module.named_modules())
-        stand_ins: list[Any] = [(modules[name], functools.partial(stand_in_shape, recorded), recorded[2])
+        mp = grid.mp if sequence_parallel else 1
+        stand_ins: list[Any] = [(modules[name], _stand_in_shape_of(modules[name], recorded, mp), recorded[2])
                                 for name, recorded in profile.pre_modules.items()]
-        self.runner = PipelineRunner(blocks, self.ranges, profile.stream, profile.output_arity, profile.stream_shape,
+        # under sequence parallelism the stream between blocks holds 1/mp of the sequence (dim -2) on each MP rank,
+        # and each sends its part to the same MP rank of the next stage
+        stream_shape = tuple(profile.stream_shape)
+        if mp > 1:
+            stream_shape = stream_shape[:-2] + (stream_shape[-2] // mp, stream_shape[-1])
+        self.runner = PipelineRunner(blocks, self.ranges, profile.stream, profile.output_arity, stream_shape,
                                      profile.stream_dtype, grid.pp_group, me, grid.pp, config.microbatches,
                                      config.schedule, device, stand_ins)
         # What this rank frees while training: the parameters none of its stages reads. Kept: those the code before
@@ -602,6 +606,29 @@ def reading_ranks(module: nn.Module, profile: StackProfile, ranges: Sequence[tup
         stages = {stage_of_block.get(r, region_stage.get(r, 0)) for r in regions}
         ranks.setdefault(id(p), set()).update(s % pp for s in stages)
     return {pid: r or {0} for pid, r in ranks.items()}
+
+
+def _stand_in_shape_of(module: nn.Module, recorded: Any, mp: int) -> Any:
+    """``shape_of`` for a module before the stack standing in on a later stage (zeros of the shape it would return,
+    :func:`~lightning_dpmp.planner.stages.stand_in_shape`). A split embedding that reduce-scatters the sequence
+    itself (sequence parallelism, ``mp > 1``) returns 1/mp of the tokens, and from there on its forward runs the
+    per-rank dropout stream: the stand-in does both, as that forward would."""
+    shape_of = functools.partial(stand_in_shape, recorded)
+    if mp == 1 or not isinstance(module, VocabParallelEmbedding) or module.sequence_dim is None:
+        return shape_of
+    dim = module.sequence_dim
+
+    def local(first: Any) -> Optional[tuple[int, ...]]:
+        if module.rng is not None:
+            module.rng.enter_for(module.training)
+        shape = shape_of(first)
+        if shape is None:
+            return None
+        out = list(shape)
+        out[dim] //= mp
+        return tuple(out)
+
+    return local
 
 
 def kept_everywhere(module: nn.Module, profile: StackProfile) -> set[int]:

@@ -175,7 +175,6 @@ class DPMPStrategy(GridStrategy):
         validate.check_zero_without_ddp(zero, ddp_kwargs)
         validate.check_mixed_precision(mixed_precision, zero, dp)
         pipeline = check_pipeline_args(pp, pp_microbatches, pp_schedule, pp_stages_per_rank,
-                                       sequence_parallel=bool(sequence_parallel),
                                        mixed_precision=mixed_precision is not None)
         super().__init__(
             accelerator=accelerator,

@@ -9,8 +9,9 @@ Usage (from the repo root):
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps;
-``compile``: ``compile=True``; ``zN``: ``zero=N``), as parity_worker does without a pipeline, and records the
-collectives and sends of one step, the analytic MP collectives, the stages and the logged loss.
+``compile``: ``compile=True``; ``zN``: ``zero=N``; ``sp``: ``sequence_parallel=True``), as parity_worker does
+without a pipeline, and records the collectives and sends of one step, the analytic MP collectives, the stages and
+the logged loss.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ class Counter(L.Callback):
 
 
 def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",
-                 stages_per_rank: int = 1, guard: int = 0, compile: bool = False, zero: int = 0, **kwargs
-                 ) -> L.Trainer:
+                 stages_per_rank: int = 1, guard: int = 0, compile: bool = False, zero: int = 0,
+                 sequence_parallel: bool = False, **kwargs) -> L.Trainer:
     strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
                             pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2),
-                            check_consistency_every_n_steps=guard, compile=compile, zero=zero)
+                            check_consistency_every_n_steps=guard, compile=compile, zero=zero,
+                            sequence_parallel=sequence_parallel)
     return L.Trainer(
         accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=steps,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
@@ -82,7 +84,8 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     accumulate = 2 if "acc2" in extra else 1
     zero = next((int(e[1:]) for e in extra if e.startswith("z")), 0)
     trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, guard=5 if "guard" in extra else 0,
-                           compile="compile" in extra, zero=zero, accumulate_grad_batches=accumulate)
+                           compile="compile" in extra, zero=zero, sequence_parallel="sp" in extra,
+                           accumulate_grad_batches=accumulate)
     strategy = trainer.strategy
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     tag = f"{spec.replace(':', '_')}_{precision.split('-')[0]}"
@@ -91,6 +94,7 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     return {"counts": counter.counts, "logged": counter.logged, "plan_text": strategy.applied_plan.text,
             "ranges": strategy.pipeline.ranges if strategy.pipeline is not None else None,
             "analytic_all_reduce": analytic["forward"]["all_reduce"] + analytic["backward"]["all_reduce"],
+            "analytic": analytic,
             "grid": [strategy.grid.dp_rank, strategy.grid.pp_rank, strategy.grid.mp_rank],
             "compiled_blocks": counter.compiled_blocks,
             "memory": counter.memory, "freed": strategy.pipeline.memory_freed() if strategy.pipeline else 0,

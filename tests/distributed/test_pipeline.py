@@ -27,14 +27,15 @@ TOL = 1e-8
 BASIC = ["gpt:1f1b", "gpt:gpipe", "hf_llama:1f1b", "hf_llama:gpipe"]
 RUNS = {
     (1, 2, 1): BASIC + ["gpt4:interleaved:2", "hf_llama4:interleaved:2", "gpt:1f1b:acc2"],
-    (1, 2, 2): BASIC + ["gpt:1f1b:compile"],  # torch.compile'd blocks inside the stages
+    # torch.compile'd blocks inside the stages; sequence parallelism inside the stages
+    (1, 2, 2): BASIC + ["gpt:1f1b:compile", "gpt:1f1b:sp", "gpt_untied:gpipe:sp"],
     # the guard gathers every stage's parameters every 5 steps; ZeRO over each stage's DP group
     # a ModuleList MoE (an expert no token chose keeps no gradient) without and with ZeRO
     (2, 2, 1): BASIC + ["gpt:1f1b:guard", "gpt:1f1b:z1", "gpt:gpipe:z2", "hf_llama:gpipe:z2", "gpt:1f1b:z3",
                         "hf_llama:1f1b:z3", "gpt:1f1b:z3:acc2", "gpt4:interleaved:2:z3", "moe_list:1f1b",
                         "moe_list:1f1b:z2", "moe_list:gpipe:z3"],
     (1, 3, 1): ["gpt4:1f1b"],  # the tied table and head on the first and last of three stages, not the middle
-    (2, 2, 2): ["gpt:1f1b:z2", "hf_llama:1f1b:z3"],  # ZeRO and MP inside each stage
+    (2, 2, 2): ["gpt:1f1b:z2", "hf_llama:1f1b:z3", "gpt:1f1b:z3:sp"],  # ZeRO and MP (and SP) inside each stage
 }
 CASES = [(layout, spec) for layout, specs in RUNS.items() for spec in specs]
 
@@ -134,7 +135,7 @@ def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
         # one flat gradient bucket; under ZeRO the norm of the clipping (the gradients are DP shards)
         assert counts.get("dp/all_reduce", 0) == (1 + flags if dp > 1 else 0), counts
         # the norm of the clipping; with GPT's tied table and head, their gradient summed over the two stages
-        assert counts["pp/all_reduce"] == 1 + spec.startswith("gpt"), counts
+        assert counts["pp/all_reduce"] == 1 + (spec.split(":")[0] in ("gpt", "gpt4")), counts
         assert counts["pp/broadcast"] == 1, counts  # the loss and logged values, from the last stage
         if zero in (1, 2):  # the schedule's gradients reduce-scattered once per step; the updated shards gathered
             assert (counts["dp/reduce_scatter"], counts["dp/all_gather"]) == (1 + bool(flags), 1), counts
@@ -143,14 +144,24 @@ def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
             # (with accumulation the counted batch is the window's second: gathered already), reduce-scattered each
             assert counts["dp/all_gather"] == 2 * m * blocks + (not spec.endswith(":acc2")), (spec, counts)
             assert counts["dp/reduce_scatter"] == m * (blocks + 1), counts
+        sp = spec.endswith(":sp")
         assert set(counts) <= {"pp/send", "pp/recv", "pp/all_reduce", "pp/broadcast", "dp/all_reduce",
-                               "mp/all_reduce"} | ({"dp/reduce_scatter", "dp/all_gather"} if zero else set()), counts
+                               "mp/all_reduce"} | ({"dp/reduce_scatter", "dp/all_gather"} if zero else set()) | (
+                                   {"mp/all_gather", "mp/reduce_scatter"} if sp else set()), counts
     if mp > 1:  # each pipeline's MP collectives: every layer's once per micro-batch, on its own stage only
         for d in range(dp):
             for m_rank in range(mp):
                 pipe = [r for r in results if r["grid"][0] == d and r["grid"][2] == m_rank]
+                analytic = pipe[0]["analytic"]
+                # + per stage: the clipping norm's all-reduce; with sequence parallelism also the one flat sum of
+                # the gradients of the parameters that saw 1/mp of the tokens (every stage's norms)
+                extra = pp * (1 + spec.endswith(":sp"))
                 total = sum(r["counts"]["mp/all_reduce"] for r in pipe)
-                assert total == m * pipe[0]["analytic_all_reduce"] + pp, [r["counts"] for r in pipe]
+                assert total == m * pipe[0]["analytic_all_reduce"] + extra, [r["counts"] for r in pipe]
+                for op in ("all_gather", "reduce_scatter"):
+                    total = sum(r["counts"].get(f"mp/{op}", 0) for r in pipe)
+                    expected = analytic["forward"].get(op, 0) + analytic["backward"].get(op, 0)
+                    assert total == m * expected, (op, [r["counts"] for r in pipe])
 
 
 @pytest.mark.slow

@@ -190,7 +190,13 @@ class RankPool:
         ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, a new ``TORCHELASTIC_RUN_ID``, ...), so Lightning sees a
         ``TorchElasticEnvironment`` and scripts that look for torchrun (``examples/train.py``) take that path."""
         if not self.alive:
-            self.start()
+            try:
+                self.start()
+            except RuntimeError as exc:
+                if "did not connect" not in str(exc):
+                    raise
+                # seen once in a full run on 2 cores: 8 ranks silent for 180 s, then a fresh start came up at once
+                self.start()
         self.cases += 1
         with tempfile.TemporaryDirectory(prefix="dpmp_case_") as tmp:
             outs = [(Path(tmp) / f"rank{r}.out", Path(tmp) / f"rank{r}.err") for r in range(self.world_size)]

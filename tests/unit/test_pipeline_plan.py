@@ -220,7 +220,6 @@ def test_probe_needs_a_stack():
     (dict(pp=2, pp_schedule="interleaved", pp_stages_per_rank=2, pp_microbatches=3), "a multiple of pp"),
     (dict(dp=2, pp=2, zero=2, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
      r"DPMPStrategy\(pp=2\) does not combine with mixed_precision= yet"),
-    (dict(pp=2, sequence_parallel=True), "does not combine with sequence_parallel=True"),
     (dict(pp=2, pp_microbatches=0), "`pp_microbatches` must be a positive integer, got 0"),
 ])
 def test_bad_pipeline_arguments_are_refused_at_construction(kwargs, words):
@@ -234,6 +233,6 @@ def test_a_pipeline_needs_dp_or_mp_given():
 
 
 def test_default_microbatches_one_per_stage():
-    config = check_pipeline_args(2, None, "interleaved", 2, sequence_parallel=False)
+    config = check_pipeline_args(2, None, "interleaved", 2)
     assert (config.microbatches, config.stages) == (4, 4)
-    assert check_pipeline_args(1, None, "1f1b", 1, sequence_parallel=True).pp == 1
+    assert check_pipeline_args(1, None, "1f1b", 1, mixed_precision=True).pp == 1
