@@ -116,8 +116,8 @@ class DPMPStrategy(GridStrategy):
             stages balanced by FLOPs, found from the traced step (the embeddings join the first, the head and loss
             the last), and run by torch's schedules; world = ``dp * pp * mp``, MP innermost, then PP, then DP. Your
             ``training_step`` stays as written: it runs once per micro-batch and stage. Combines with MP, DP,
-            clipping, accumulation, compile, both checkpoint formats, meta-device init and evaluation; not yet with
-            ``zero`` or ``sequence_parallel``.
+            clipping, accumulation, compile, ``zero`` (over each stage's DP group), ``sequence_parallel``, both
+            checkpoint formats, meta-device init and evaluation; not yet with ``mixed_precision``.
         pp_microbatches: micro-batches per step (default: the number of stages); must divide the per-rank batch.
         pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, or ``"interleaved"`` (``pp_stages_per_rank`` stages per
             rank, looping).
