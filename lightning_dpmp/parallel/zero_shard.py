@@ -139,6 +139,7 @@ class Bucket:
             for p, off in zip(params, self.layout.offsets):
                 if p.untyped_storage().nbytes():  # (freed: a pipeline's other stage, zeros until a stage sync)
                     master[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        unallocated = all(p.numel() > 0 and not p.untyped_storage().nbytes() for p in params)
         # Mixed precision (MixedPrecisionPolicy): the shard the optimizer steps keeps the parameters' own dtype (the
         # master copy); the gathered buffer the module computes with is in param_dtype; gradients are reduced in
         # reduce_dtype. Without a policy all three are the parameters' dtype and the buffer is the master itself.
@@ -160,6 +161,8 @@ class Bucket:
         self._rs: Optional[tuple[Any, Tensor, Tensor]] = None  # (work, out, flat input kept alive)
         self.fired: set[int] = set()
         self.used_here = False  # whether this rank had any of the parameters' gradients at the last reduce-scatter
+        if unallocated and not self.mixed:  # another pipeline stage's, on a meta-device model: its buffer is not kept
+            self.free()  # (so building the engine holds one such buffer at a time, never the whole model)
 
     @property
     def trainable(self) -> bool:

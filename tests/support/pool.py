@@ -98,7 +98,9 @@ class RankPool:
     def start(self) -> None:
         self.close()
         key = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=key)
+        # backlog: every rank may connect at once (with multiprocessing's default of 1, connects past the first wait
+        # in the kernel's SYN retries, which back off to minutes: 8 ranks once took over 180 s)
+        listener = Listener(("127.0.0.1", 0), authkey=key, backlog=max(1, self.world_size))
         host, port = listener.address
         env = {
             **os.environ,
@@ -195,7 +197,7 @@ class RankPool:
             except RuntimeError as exc:
                 if "did not connect" not in str(exc):
                     raise
-                # seen once in a full run on 2 cores: 8 ranks silent for 180 s, then a fresh start came up at once
+                # a start whose ranks never connected (seen with 8 ranks on 2 cores, before the backlog above)
                 self.start()
         self.cases += 1
         with tempfile.TemporaryDirectory(prefix="dpmp_case_") as tmp:
