@@ -186,18 +186,24 @@ def _fit_one_process(steps: int, ckpt=None, save=None) -> None:
     trainer.fit(model, reference_loader(dataset, PW.GLOBAL_BATCH, PW.SEED), ckpt_path=ckpt)
 
 
-@pytest.mark.slow
-def test_resume_from_a_pipeline_at_other_layouts_and_on_one_process(tmp_path):
-    """10 steps at (1, 2, 2) saved in both formats, resumed at (2, 1, 2) to 20 and then on one process to 30: the
-    single-process run interrupted at the same steps (resuming decides which batches follow)."""
-    proc = run_ranks(4, [WORKER, "resume", str(tmp_path)], timeout=600)
+def _launch_and_match_resumed(tmp_path, mode: str, prefix: str) -> None:
+    """Launch the worker's ``mode`` on 4 ranks; its ``<prefix>_c.ckpt`` and ``<prefix>_s.ckpt`` (resumed from a
+    consolidated and a sharded save at step 10, trained to 20) must match one process interrupted at step 10."""
+    proc = run_ranks(4, [WORKER, mode, str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     _fit_one_process(PW.STEPS // 2, save=tmp_path / "ref10.ckpt")
     _fit_one_process(PW.STEPS, tmp_path / "ref10.ckpt", tmp_path / "ref20.ckpt")
     ref20 = torch.load(tmp_path / "ref20.ckpt", weights_only=True)
     for tag in ("c", "s"):
-        worst = max_weight_diff(torch.load(tmp_path / f"final_212_{tag}.ckpt", weights_only=True), ref20)
-        assert worst <= TOL, (tag, worst)
+        worst = max_weight_diff(torch.load(tmp_path / f"{prefix}_{tag}.ckpt", weights_only=True), ref20)
+        assert worst <= TOL, (mode, tag, worst)
+
+
+@pytest.mark.slow
+def test_resume_from_a_pipeline_at_other_layouts_and_on_one_process(tmp_path):
+    """10 steps at (1, 2, 2) saved in both formats, resumed at (2, 1, 2) to 20 and then on one process to 30: the
+    single-process run interrupted at the same steps (resuming decides which batches follow)."""
+    _launch_and_match_resumed(tmp_path, "resume", "final_212")
     _fit_one_process(30, tmp_path / "ref20.ckpt", tmp_path / "ref30.ckpt")
     _fit_one_process(30, tmp_path / "final_212_c.ckpt", tmp_path / "one30.ckpt")
     worst = max_weight_diff(torch.load(tmp_path / "one30.ckpt", weights_only=True),
@@ -238,14 +244,7 @@ def test_zero_under_a_pipeline_evaluates_saves_and_resumes(tmp_path):
     under the pipeline at zero=3 and at (2, 1, 2) zero=1 to 20 steps: the single-process run interrupted at the
     same step. A meta-device Llama at zero=3 under the pipeline holds 1/(dp pp) of its parameters and trains to the
     weights of the same meta model at (4, 1, 1)."""
-    proc = run_ranks(4, [WORKER, "zero", str(tmp_path)], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    _fit_one_process(PW.STEPS // 2, save=tmp_path / "ref10.ckpt")
-    _fit_one_process(PW.STEPS, tmp_path / "ref10.ckpt", tmp_path / "ref20.ckpt")
-    ref20 = torch.load(tmp_path / "ref20.ckpt", weights_only=True)
-    for tag in ("c", "s"):
-        worst = max_weight_diff(torch.load(tmp_path / f"zfinal_{tag}.ckpt", weights_only=True), ref20)
-        assert worst <= TOL, (tag, worst)
+    _launch_and_match_resumed(tmp_path, "zero", "zfinal")
     # the validation run at step 10 saw the whole trained model on every stage: one batch of 8 per DP rank (the
     # even and the odd samples of the first 16), the loss averaged over DP
     model, dataset = build("gpt")
