@@ -94,8 +94,7 @@ class PipelineConfig:
         return self.pp * self.stages_per_rank
 
 
-def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any, *,
-                        mixed_precision: bool = False) -> PipelineConfig:
+def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any) -> PipelineConfig:
     """Refuse, naming the values, a pipeline configuration that cannot run (before any process starts)."""
     for name, value in (("pp", pp), ("pp_stages_per_rank", stages_per_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -117,9 +116,6 @@ def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_ra
     if schedule == "interleaved" and microbatches % pp:
         raise ValueError(f"pp_schedule='interleaved' needs pp_microbatches ({microbatches}) to be a multiple of "
                          f"pp ({pp}).")
-    if mixed_precision:  # (its compute dtype changes the activation a stage sends: the stages send the probed dtype)
-        raise ValueError(f"DPMPStrategy(pp={pp}) does not combine with mixed_precision= yet: use pp=1 for it, or "
-                         f"precision='bf16-mixed' (autocast), which works with the pipeline.")
     return PipelineConfig(pp, microbatches, schedule, stages_per_rank)
 
 
@@ -260,6 +256,9 @@ class Pipeline:
         self.computed = [p for p in self.computed if id(p) not in held]
         mine = self.grid.pp_rank
         self.owned = {i for i, r in self.owner.items() if r == mine}
+        compute = {b.full.dtype for b in engine.buckets if b.mixed}
+        if len(compute) == 1:  # a mixed-precision policy: the blocks compute, and the stages send, in its dtype
+            self.runner.stream_dtype = compute.pop()
         self.staged = False
         self.stage()
 

@@ -116,8 +116,8 @@ class DPMPStrategy(GridStrategy):
             stages balanced by FLOPs, found from the traced step (the embeddings join the first, the head and loss
             the last), and run by torch's schedules; world = ``dp * pp * mp``, MP innermost, then PP, then DP. Your
             ``training_step`` stays as written: it runs once per micro-batch and stage. Combines with MP, DP,
-            clipping, accumulation, compile, ``zero`` (over each stage's DP group), ``sequence_parallel``, both
-            checkpoint formats, meta-device init and evaluation; not yet with ``mixed_precision``.
+            clipping, accumulation, compile, ``zero`` (over each stage's DP group) and ``mixed_precision``,
+            ``sequence_parallel``, both checkpoint formats, meta-device init and evaluation.
         pp_microbatches: micro-batches per step (default: the number of stages); must divide the per-rank batch.
         pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, or ``"interleaved"`` (``pp_stages_per_rank`` stages per
             rank, looping).
@@ -174,8 +174,7 @@ class DPMPStrategy(GridStrategy):
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
         validate.check_mixed_precision(mixed_precision, zero, dp)
-        pipeline = check_pipeline_args(pp, pp_microbatches, pp_schedule, pp_stages_per_rank,
-                                       mixed_precision=mixed_precision is not None)
+        pipeline = check_pipeline_args(pp, pp_microbatches, pp_schedule, pp_stages_per_rank)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

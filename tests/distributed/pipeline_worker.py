@@ -9,9 +9,9 @@ Usage (from the repo root):
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps;
-``compile``: ``compile=True``; ``zN``: ``zero=N``; ``sp``: ``sequence_parallel=True``), as parity_worker does
-without a pipeline, and records the collectives and sends of one step, the analytic MP collectives, the stages and
-the logged loss.
+``compile``: ``compile=True``; ``zN``: ``zero=N``; ``sp``: ``sequence_parallel=True``; ``fp32``:
+``MixedPrecisionPolicy(float32, float64)``), as parity_worker does without a pipeline, and records the collectives
+and sends of one step, the analytic MP collectives, the stages and the logged loss.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
@@ -63,11 +64,11 @@ class Counter(L.Callback):
 
 def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",
                  stages_per_rank: int = 1, guard: int = 0, compile: bool = False, zero: int = 0,
-                 sequence_parallel: bool = False, **kwargs) -> L.Trainer:
+                 sequence_parallel: bool = False, mixed_precision=None, **kwargs) -> L.Trainer:
     strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
                             pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2),
                             check_consistency_every_n_steps=guard, compile=compile, zero=zero,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel, mixed_precision=mixed_precision)
     return L.Trainer(
         accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=steps,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
@@ -85,7 +86,10 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     zero = next((int(e[1:]) for e in extra if e.startswith("z")), 0)
     trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, guard=5 if "guard" in extra else 0,
                            compile="compile" in extra, zero=zero, sequence_parallel="sp" in extra,
-                           accumulate_grad_batches=accumulate)
+                           accumulate_grad_batches=accumulate,
+                           # fp32: computed in float32 with float64 masters and float64 reductions
+                           mixed_precision=MixedPrecisionPolicy(torch.float32, torch.float64) if "fp32" in extra
+                           else None)
     strategy = trainer.strategy
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp))
     tag = f"{spec.replace(':', '_')}_{precision.split('-')[0]}"

@@ -30,10 +30,11 @@ RUNS = {
     # torch.compile'd blocks inside the stages; sequence parallelism inside the stages
     (1, 2, 2): BASIC + ["gpt:1f1b:compile", "gpt:1f1b:sp", "gpt_untied:gpipe:sp"],
     # the guard gathers every stage's parameters every 5 steps; ZeRO over each stage's DP group
-    # a ModuleList MoE (an expert no token chose keeps no gradient) without and with ZeRO
+    # a ModuleList MoE (an expert no token chose keeps no gradient) without and with ZeRO; a mixed-precision policy
+    # (float32 compute, float64 masters and reductions: within float32's rounding of one process, never equal)
     (2, 2, 1): BASIC + ["gpt:1f1b:guard", "gpt:1f1b:z1", "gpt:gpipe:z2", "hf_llama:gpipe:z2", "gpt:1f1b:z3",
                         "hf_llama:1f1b:z3", "gpt:1f1b:z3:acc2", "gpt4:interleaved:2:z3", "moe_list:1f1b",
-                        "moe_list:1f1b:z2", "moe_list:gpipe:z3"],
+                        "moe_list:1f1b:z2", "moe_list:gpipe:z3", "gpt:1f1b:z3:fp32", "gpt:gpipe:z2:fp32"],
     (1, 3, 1): ["gpt4:1f1b"],  # the tied table and head on the first and last of three stages, not the middle
     (2, 2, 2): ["gpt:1f1b:z2", "hf_llama:1f1b:z3", "gpt:1f1b:z3:sp"],  # ZeRO and MP (and SP) inside each stage
 }
@@ -85,7 +86,10 @@ def test_weights_and_logged_loss_match_single_process(runs, references, layout, 
     ref, ref_logged = references(spec)
     worst = max_weight_diff(torch.load(out / f"{_tag(spec)}.ckpt", weights_only=True), ref)
     print(f"pipeline parity {spec} (dp, pp, mp)={layout} float64: max |w - w_ref| = {worst:.2e}")
-    assert worst <= TOL, (layout, spec, worst)
+    if spec.endswith(":fp32"):  # computed in float32: off by its rounding, never by more, and never equal
+        assert 1e-9 < worst <= 1e-4, (layout, spec, worst)
+    else:
+        assert worst <= TOL, (layout, spec, worst)
     if spec.endswith(":compile"):  # every block ran compiled (the stand-ins only replace the other stages' blocks)
         assert all(r[_tag(spec)]["compiled_blocks"] == 2 for r in ranks)
     # every rank logs its DP replica's loss (the mean over micro-batches): with dp=1, the batch's one process logs

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_dpmp import DPMPStrategy
 from lightning_dpmp.integration.pipeline import (
@@ -218,8 +217,6 @@ def test_probe_needs_a_stack():
     (dict(pp=2, pp_schedule="interleaved"), "set pp_stages_per_rank >= 2"),
     (dict(pp=2, pp_stages_per_rank=2), "needs pp_schedule='interleaved'"),
     (dict(pp=2, pp_schedule="interleaved", pp_stages_per_rank=2, pp_microbatches=3), "a multiple of pp"),
-    (dict(dp=2, pp=2, zero=2, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-     r"DPMPStrategy\(pp=2\) does not combine with mixed_precision= yet"),
     (dict(pp=2, pp_microbatches=0), "`pp_microbatches` must be a positive integer, got 0"),
 ])
 def test_bad_pipeline_arguments_are_refused_at_construction(kwargs, words):
@@ -235,4 +232,4 @@ def test_a_pipeline_needs_dp_or_mp_given():
 def test_default_microbatches_one_per_stage():
     config = check_pipeline_args(2, None, "interleaved", 2)
     assert (config.microbatches, config.stages) == (4, 4)
-    assert check_pipeline_args(1, None, "1f1b", 1, mixed_precision=True).pp == 1
+    assert check_pipeline_args(1, None, "1f1b", 1).pp == 1
