@@ -42,6 +42,7 @@ from lightning_dpmp.parallel.sharding import (
     shard_dims,
     shard_tensor,
 )
+from lightning_dpmp.parallel.zero_shard import storage_freed
 
 __all__ = [
     "DEFERRED_ATTR",
@@ -346,7 +347,7 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
         with torch.no_grad():
             for key, name in names.items():
                 target = state[key]
-                if id(target) in done or (target.numel() and not target.untyped_storage().nbytes()):
+                if id(target) in done or storage_freed(target):
                     continue  # (a pipeline's other stage: freed; its owner reads it)
                 done.add(id(target))
                 dim = dims.get(key)

@@ -128,12 +128,12 @@ class Parallelized:
         """``closure`` (forward and backward), then the MP sum of the partial gradients among ``stepped`` (the
         parameters the optimizer steps; read only when there are partial gradients), before the precision plugin
         clips and steps."""
-        if self.engine is not None:
-            if self.pipeline is not None:  # the engine reduce-scatters the schedule's gradients there
-                closure = _then(closure, self.pipeline.reduce_grads)
-            return then_finish_zero(closure, self.engine, self.mp_group)
-        if self.pipeline is not None:  # then the partial sums too (a LoRA A inside a column region): both linear
+        # a pipeline's PP and DP reductions (under ZeRO the engine's reduce-scatter), then the partial sums (a LoRA A
+        # inside a column region): both linear
+        if self.pipeline is not None:
             closure = _then(closure, self.pipeline.reduce_grads)
+        if self.engine is not None:
+            return then_finish_zero(closure, self.engine, self.mp_group)
         if not self.partial_grads:
             return closure
         mine = {id(p) for p in stepped}

@@ -51,7 +51,7 @@ from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
-from lightning_dpmp.parallel.zero_shard import Bucket, gather_buckets
+from lightning_dpmp.parallel.zero_shard import Bucket, gather_buckets, storage_freed
 from lightning_dpmp.planner.stages import (
     BETWEEN,
     POST,
@@ -227,7 +227,7 @@ class Pipeline:
         self.stale_params = self.stale_state = False
         # the remote parameters' storage is freed (from the first step, or from the start for a meta-device model,
         # whose other stages' parameters were never allocated for longer than their initialisation, until a sync)
-        self.staged = any(p.untyped_storage().nbytes() == 0 and p.numel() > 0 for p in self.remote)
+        self.staged = any(storage_freed(p) for p in self.remote)
         # What a stage sync sends: each tensor the optimizers step (a parameter; under ZeRO, a bucket's DP shard)
         # that some stage does not read, from the PP rank that owns it (the first that reads it)
         self.owner = {id(p): min(self.ranks[id(p)]) for p in self.params}

@@ -57,6 +57,7 @@ from lightning_dpmp.parallel.zero_shard import (
     optimizer_defaults,
     rebuild_optimizer,
     reduce_scatter_buckets,
+    storage_freed,
 )
 
 __all__ = ["ZeroEngine", "find_units"]
@@ -273,7 +274,7 @@ class ZeroEngine:
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for t in list(_unique_params(module)) + list(module.buffers()):
-                if t.device.type != "meta" and not _freed(t):  # (a pipeline's other stage: synced later)
+                if t.device.type != "meta" and not storage_freed(t):  # (a pipeline's other stage: synced later)
                     dist.broadcast(t.data, src=src, group=self.group)
 
     # ------------------------------------------------------------------ hooks
@@ -566,7 +567,3 @@ class ZeroEngine:
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
     return list(module.parameters())
 
-
-def _freed(t: Tensor) -> bool:
-    """Whether ``t``'s storage was released (``resize_(0)``: a pipeline's other stage on a meta-device model)."""
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0

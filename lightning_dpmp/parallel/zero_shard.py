@@ -40,7 +40,7 @@ from lightning_dpmp.parallel.comm import tensor_collectives_supported
 
 __all__ = [
     "Bucket", "FlatLayout", "all_gather_flat", "gather_buckets", "optimizer_defaults", "rebuild_optimizer",
-    "reduce_scatter_buckets", "reduce_scatter_flat", "storage_bytes",
+    "reduce_scatter_buckets", "reduce_scatter_flat", "storage_bytes", "storage_freed",
 ]
 
 KINDS = ("split", "replicated", "partial", "frozen")
@@ -97,6 +97,18 @@ def all_gather_flat(full: Tensor, shard: Tensor, group: Any, async_op: bool) -> 
     return dist.all_gather(list(full.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op)
 
 
+def storage_freed(t: Tensor) -> bool:
+    """Whether ``t`` has elements but its storage was released (``resize_(0)``: ZeRO-3 between uses, a pipeline's
+    other stage).
+
+    Example:
+        >>> t = torch.ones(3)
+        >>> storage_freed(t), t.untyped_storage().resize_(0) is not None, storage_freed(t)
+        (False, True, True)
+    """
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
 def storage_bytes(tensors: list[Tensor], seen: Optional[set[int]] = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` as allocated now (a freed view counts 0; a ``DTensor``,
     such as a parameter torch's FSDP2 sharded, counts its local shard)."""
@@ -137,9 +149,9 @@ class Bucket:
         master = torch.zeros(self.layout.total, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
             for p, off in zip(params, self.layout.offsets):
-                if p.untyped_storage().nbytes():  # (freed: a pipeline's other stage, zeros until a stage sync)
+                if not storage_freed(p):  # (a pipeline's other stage: zeros until a stage sync)
                     master[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        unallocated = all(p.numel() > 0 and not p.untyped_storage().nbytes() for p in params)
+        unallocated = all(storage_freed(p) for p in params)
         # Mixed precision (MixedPrecisionPolicy): the shard the optimizer steps keeps the parameters' own dtype (the
         # master copy); the gathered buffer the module computes with is in param_dtype; gradients are reduced in
         # reduce_dtype. Without a policy all three are the parameters' dtype and the buffer is the master itself.
