@@ -111,7 +111,7 @@ def _devices(dp: Any, mp: Any, num_nodes: Any = 1, pp: Any = 1) -> int:
     A non-positive ``dp``/``mp`` gets the strategy's own message (``check_parallel_size``), not a bare arithmetic
     error, whichever of the two resolves first.
     """
-    from lightning_dpmp.parallel.grid import check_parallel_size  # torch only; the strategy uses the same check
+    from lightning_dpmp.parallel.topology import check_parallel_size  # torch only; the strategy uses the same check
 
     check_parallel_size("dp", dp)
     check_parallel_size("mp", mp)

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_dpmp.integration.autoplan import isolated
-from lightning_dpmp.integration.layout import Layout
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.cost import (
     LayoutCost,
     Links,
@@ -59,21 +59,22 @@ REPEATS = 5
 class Choice:
     """The layout chosen at setup, the ranked table behind it and the printout (``text``)."""
 
-    layout: Layout
+    layout: Topology  # its dp and mp; the strategy keeps its own pp, zero and pipeline settings
     table: list[LayoutCost]
     links: Optional[Links]
     text: str
     measured: bool  # False: the fallback rule (no trace)
 
 
-def candidate_layouts(world: int, mp_one_only: bool = False) -> list[Layout]:
+def candidate_layouts(world: int, mp_one_only: bool = False) -> list[Topology]:
     """Every ``(dp, mp)`` with ``dp * mp == world`` (only ``mp=1`` under ``sync_batchnorm``).
 
     Example:
-        >>> candidate_layouts(4)
-        [Layout(dp=4, mp=1), Layout(dp=2, mp=2), Layout(dp=1, mp=4)]
+        >>> [(t.dp, t.mp) for t in candidate_layouts(4)]
+        [(4, 1), (2, 2), (1, 4)]
     """
-    return [Layout(world // mp, mp) for mp in range(1, world + 1) if world % mp == 0 and (mp == 1 or not mp_one_only)]
+    return [Topology(dp=world // mp, mp=mp) for mp in range(1, world + 1)
+            if world % mp == 0 and (mp == 1 or not mp_one_only)]
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -139,7 +140,7 @@ def _elem_bytes(precision: str) -> tuple[int, int]:
     return 2, 4 if "mixed" in precision else 2
 
 
-def _model_costs(module: torch.nn.Module, trace: Trace, layouts: list[Layout], overrides: PlanOverrides,
+def _model_costs(module: torch.nn.Module, trace: Trace, layouts: list[Topology], overrides: PlanOverrides,
                  elem_bytes: int) -> dict[int, ModelCost]:
     """A :class:`ModelCost` per candidate ``mp``: the plan the planner would make there, or the reason it cannot."""
     out: dict[int, ModelCost] = {}
@@ -151,7 +152,7 @@ def _model_costs(module: torch.nn.Module, trace: Trace, layouts: list[Layout], o
     return out
 
 
-def rank_candidates(costs: dict[int, ModelCost], links: Links, layouts: list[Layout], devices_per_node: int,
+def rank_candidates(costs: dict[int, ModelCost], links: Links, layouts: list[Topology], devices_per_node: int,
                     elem_bytes: int, micro_batches: int, training: bool) -> list[LayoutCost]:
     """Predict every candidate and rank them (best first); layouts that cannot be planned are left out."""
     rows = [predict_layout(costs[lay.mp], links, lay.dp, lay.mp, devices_per_node, elem_bytes, micro_batches,
@@ -160,7 +161,7 @@ def rank_candidates(costs: dict[int, ModelCost], links: Links, layouts: list[Lay
 
 
 def _fallback(strategy: Any, why: str) -> Choice:
-    lay = Layout(strategy.num_nodes, strategy.num_processes)
+    lay = Topology.resolve("auto", "auto", strategy.num_processes * strategy.num_nodes, num_nodes=strategy.num_nodes)
     return Choice(lay, [], None, f"  layout: mp='auto' fell back to dp = nodes, mp = devices per node"
                                  f" (dp={lay.dp} x mp={lay.mp}): {why}", measured=False)
 
@@ -221,5 +222,5 @@ def choose_layout(strategy: Any, trainer: Any, meta: bool, plan_overrides: PlanO
         + "\n".join("    " + line for line in format_table(table, best).splitlines())
         + "".join(f"\n    not a candidate: {r}" for r in refused)
     )
-    return Choice(Layout(best.dp, best.mp), table, links, text, measured=True)
+    return Choice(Topology(dp=best.dp, mp=best.mp), table, links, text, measured=True)
 

@@ -27,8 +27,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_dpmp.parallel.grid import coords_of, pp_rank_of
-
 __all__ = [
     "UnevenBatchesError",
     "check_even_batches",
@@ -74,12 +72,12 @@ def check_even_batches(counts: Sequence[Any], where: str, grid: Any, device: tor
     table = [t.tolist() for t in every]
     if all(row == table[0] for row in table):
         return
-    pp = getattr(grid, "pp", 1)
+    topology = grid.topology
 
     def coords(r: int) -> str:
-        dp_rank, mp_rank = coords_of(r, grid.mp, pp)
-        stage = f", pp_rank {pp_rank_of(r, grid.mp, pp)}" if pp > 1 else ""
-        return f"dp_rank {dp_rank}{stage}, mp_rank {mp_rank}"
+        at = topology.coords(r)
+        stage = f", pp_rank {at.pp_rank}" if topology.pp > 1 else ""
+        return f"dp_rank {at.dp_rank}{stage}, mp_rank {at.mp_rank}"
 
     shown = "; ".join(
         f"rank {r} ({coords(r)}): " + ", ".join("unsized" if n < 0 else str(n) for n in row)

@@ -59,15 +59,15 @@ from lightning_dpmp.checkpoint.consolidated import (
 from lightning_dpmp.checkpoint.weights import note_deferring_strategy
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult
-from lightning_dpmp.integration.layout import DEFAULT_TIMEOUT, Layout, resolve_layout
 from lightning_dpmp.integration.mp_batch import broadcast_batch
 from lightning_dpmp.integration.split import Split, split_module
 from lightning_dpmp.integration.stepdata import real_tensors_on_meta, to_meta
 from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
 from lightning_dpmp.parallel.comm import all_reduce_grads
-from lightning_dpmp.parallel.grid import Grid, build_grid, check_parallel_size, check_world_size
+from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT, Grid, build_grid
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
+from lightning_dpmp.parallel.topology import Topology, check_parallel_size
 from lightning_dpmp.planner.materialize import empty_parameters, is_meta
 from lightning_dpmp.planner.trace import NoDropout
 
@@ -174,7 +174,7 @@ class FabricDPMPStrategy(FabricDDPStrategy):
             raise ValueError(f"FabricDPMPStrategy does not implement zero={zero!r} or compile={compile!r} yet; use"
                              " lightning_dpmp.DPMPStrategy with the Trainer for ZeRO and compiled blocks.")
         self._overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, "rank0", False,
-                                                   process_group_backend, "popen", timeout, 0)
+                                                   process_group_backend, "popen", timeout)
         super().__init__(process_group_backend=process_group_backend,
                          timeout=DEFAULT_TIMEOUT if timeout is None else timeout, **kwargs)
         self._dp_arg, self._mp_arg = dp, mp
@@ -186,19 +186,22 @@ class FabricDPMPStrategy(FabricDDPStrategy):
 
     # ------------------------------------------------------------------ the grid
     @property
-    def layout(self) -> Layout:
-        """The resolved (dp, mp) for Fabric's devices and nodes (one ``"auto"`` is world // the other)."""
-        return resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
+    def topology(self) -> Topology:
+        """The :class:`~lightning_dpmp.parallel.topology.Topology` for Fabric's devices and nodes (one ``"auto"``
+        is world // the other), as the Trainer strategy resolves it; raises, naming the numbers, when it does not
+        fit the world."""
+        return Topology.resolve(self._dp_arg, self._mp_arg, self.num_processes * self.num_nodes,
+                                devices=self.num_processes, num_nodes=self.num_nodes)
 
     @property
     def dp(self) -> int:
         """Data-parallel size."""
-        return self.layout.dp
+        return self.topology.dp
 
     @property
     def mp(self) -> int:
         """Tensor-parallel size."""
-        return self.layout.mp
+        return self.topology.mp
 
     @property
     def grid(self) -> Grid:
@@ -224,23 +227,19 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.dp, "rank": self.global_rank // self.mp}  # MP ranks read the same samples
-
-    def _check_layout(self) -> None:
-        layout = self.layout  # an "auto" size that does not divide the world raises here
-        check_world_size(layout.dp, layout.mp, self.num_processes * self.num_nodes, devices=self.num_processes,
-                         num_nodes=self.num_nodes)
+        # MP ranks read the same samples
+        return {"num_replicas": self.dp, "rank": self.topology.coords(self.global_rank).dp_rank}
 
     @override
     def _configure_launcher(self) -> None:
-        self._check_layout()  # in the launching process, before any rank starts
+        _ = self.topology  # in the launching process, before any rank starts: raises when it does not fit the world
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        self._check_layout()
+        topology = self.topology
         super().setup_environment()
-        self._grid = build_grid(self.dp, self.mp, timeout=compat.ddp_timeout(self))
+        self._grid = build_grid(topology, timeout=compat.ddp_timeout(self))
 
     # ------------------------------------------------------------------ the model
     @override

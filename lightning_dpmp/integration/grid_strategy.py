@@ -1,7 +1,8 @@
-"""The strategy's 2-D process grid: (dp, mp) resolved once, the DP-only sampler, and the DP/MP process groups.
+"""The strategy's process grid: its topology resolved once, the DP-only sampler, and the DP/PP/MP process groups.
 
 :class:`GridStrategy` is the part of :class:`~lightning_dpmp.DPMPStrategy` that knows nothing of models: it
-resolves ``dp``/``mp`` when the Trainer sets devices and nodes (``set_world_ranks``, before any process starts),
+resolves its :class:`~lightning_dpmp.parallel.topology.Topology` when the Trainer sets devices and nodes
+(``set_world_ranks``, before any process starts),
 installs the launcher, builds the :class:`~lightning_dpmp.parallel.grid.Grid` in ``setup_environment``, shards the
 sampler over DP only, gives each MP group one batch (``batch_to_device``, :mod:`lightning_dpmp.integration.mp_batch`),
 checks loader lengths at each run's first batch, and reduces and gathers over the DP group
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -48,21 +49,12 @@ from lightning_dpmp.integration.failfast import (
     warn_if_mp_spans_nodes,
 )
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
-from lightning_dpmp.integration.layout import Layout, resolve_layout
 from lightning_dpmp.integration.mp_batch import broadcast_batch, check_batch
-from lightning_dpmp.parallel.grid import (
-    Grid,
-    build_grid,
-    check_parallel_size,
-    check_world_size,
-    coords_of,
-    device_mesh,
-    pp_rank_of,
-)
+from lightning_dpmp.parallel.grid import Grid, build_grid, device_mesh
+from lightning_dpmp.parallel.topology import Size, Topology, check_parallel_size
 
 __all__ = ["GridStrategy"]
 
-Size = Union[int, Literal["auto"]]
 MP_BATCH_MODES = ("broadcast", "check")
 
 
@@ -76,33 +68,36 @@ def check_mp_batch(mode: Any) -> None:
 
 
 class GridStrategy(DDPStrategy):
-    """``DDPStrategy`` over a dp x mp grid (MP innermost: rank = dp_rank * mp + mp_rank); no model logic."""
+    """``DDPStrategy`` over a dp x (pp x) mp grid (MP innermost: rank = (dp_rank * pp + pp_rank) * mp + mp_rank); no
+    model logic. Its sizes are one :class:`~lightning_dpmp.parallel.topology.Topology`, resolved once."""
 
     _dp_arg: Size = "auto"
     _mp_arg: Size = "auto"
-    _pp: int = 1  # pipeline stages between DP and MP (rank = (dp_rank * pp + pp_rank) * mp + mp_rank)
-    _layout: Optional[Layout] = None  # resolved in set_world_ranks, once devices and nodes are known
+    _settings: Topology = Topology()  # pp, zero and the pipeline's settings, validated at construction
+    _topology: Optional[Topology] = None  # resolved in set_world_ranks, once devices and nodes are known
     _grid: Optional[Grid] = None  # built in setup_environment (or in set_layout when the layout was pending)
     _device_mesh: Any = None  # made from _grid on first use
     _pending: bool = False  # dp="auto", mp="auto": the split of the world is chosen at setup (set_layout)
-    _chosen: Optional[Layout] = None  # a measured choice, kept for later runs of the same strategy
+    _chosen: Optional[Topology] = None  # a measured choice, kept for later runs of the same strategy
     _layout_report: str = ""  # how the layout was chosen, for the plan printout
     _mp_batch: str = "broadcast"  # how the ranks of an MP group come to train on one batch (MP_BATCH_MODES)
     _warned_batch_layout: bool = False
     _undo_writers: Any = None
 
-    def init_grid(self, dp: Size, mp: Size, pp: int = 1) -> None:
-        """Record the requested sizes (``"auto"`` allowed for dp and mp); refuse a bad value before anything starts."""
+    def init_grid(self, dp: Size, mp: Size, settings: Optional[Topology] = None) -> None:
+        """Record the requested sizes (``"auto"`` allowed for dp and mp) and the rest of the topology (``settings``:
+        pp, zero and the pipeline's, already validated); refuse a bad value before anything starts."""
         check_parallel_size("dp", dp, allow_auto=True)
         check_parallel_size("mp", mp, allow_auto=True)
-        check_parallel_size("pp", pp)
-        if pp > 1 and dp == "auto" and mp == "auto":
+        settings = settings if settings is not None else Topology()
+        if settings.pp > 1 and dp == "auto" and mp == "auto":
             raise ValueError(
-                f"DPMPStrategy(pp={pp}) needs dp or mp given (the other may be 'auto'): the layout search of"
-                f" dp='auto', mp='auto' does not plan pipelines. For example DPMPStrategy(dp=1, pp={pp}, mp='auto')."
+                f"DPMPStrategy(pp={settings.pp}) needs dp or mp given (the other may be 'auto'): the layout search of"
+                f" dp='auto', mp='auto' does not plan pipelines. For example DPMPStrategy(dp=1, pp={settings.pp},"
+                " mp='auto')."
             )
-        self._dp_arg, self._mp_arg, self._pp = dp, mp, pp
-        self._layout, self._grid, self._pending, self._chosen, self._layout_report = None, None, False, None, ""
+        self._dp_arg, self._mp_arg, self._settings = dp, mp, settings
+        self._topology, self._grid, self._pending, self._chosen, self._layout_report = None, None, False, None, ""
 
     @property
     def chooses_layout(self) -> bool:
@@ -121,27 +116,38 @@ class GridStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ sizes and topology
     @property
-    def layout(self) -> Layout:
-        """The resolved (dp, mp), known once the Trainer has set devices and nodes (``set_world_ranks``)."""
+    def topology(self) -> Topology:
+        """The resolved :class:`~lightning_dpmp.parallel.topology.Topology` (dp, pp, mp, zero, the pipeline's
+        settings), known once the Trainer has set devices and nodes (``set_world_ranks``)."""
         if self._pending:
             raise RuntimeError(
                 "DPMPStrategy(dp='auto', mp='auto') chooses dp and mp at setup, after tracing the model and measuring"
                 " the links; they are not known before Trainer.fit/validate/test/predict reaches the strategy's setup"
                 " (give dp= or mp= as integers to know them earlier)."
             )
-        if self._layout is None:
+        if self._topology is None:
             raise RuntimeError("DPMPStrategy's dp and mp are resolved when the Trainer sets devices and num_nodes.")
-        return self._layout
+        return self._topology
 
     @property
     def dp(self) -> int:
         """Resolved data-parallel size."""
-        return self.layout.dp
+        return self.topology.dp
 
     @property
     def mp(self) -> int:
         """Resolved tensor-parallel size."""
-        return self.layout.mp
+        return self.topology.mp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages (1: no pipeline); known from construction."""
+        return self._settings.pp
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO level given to the constructor (0: off; 1/2: optimizer state and gradients; 3: + parameters)."""
+        return self._settings.zero
 
     @property
     def grid(self) -> Grid:
@@ -154,8 +160,9 @@ class GridStrategy(DDPStrategy):
 
     @property
     def device_mesh(self) -> Any:
-        """The grid as torch's 2-D ``DeviceMesh``, dims ``("dp", "mp")``, over :attr:`grid`'s groups, for torch's
-        DTensor and DCP tools (as ``ModelParallelStrategy.device_mesh``); available after ``setup_environment``.
+        """The grid as torch's 3-D ``DeviceMesh``, dims ``("dp", "pp", "mp")`` (``"pp"`` of size 1 without a
+        pipeline), over :attr:`grid`'s groups, for torch's DTensor and DCP tools (as
+        ``ModelParallelStrategy.device_mesh``); available after ``setup_environment``.
 
         Example:
             >>> mesh = trainer.strategy.device_mesh                              # doctest: +SKIP
@@ -177,23 +184,18 @@ class GridStrategy(DDPStrategy):
         return compat.ddp_timeout(self)
 
     @property
-    def pp(self) -> int:
-        """Pipeline stages (1: no pipeline)."""
-        return self._pp
-
-    @property
     def dp_rank(self) -> int:
         """Index of this rank's data shard (also the DistributedSampler rank)."""
-        return coords_of(self.global_rank, self.mp, self._pp)[0]
+        return self.topology.coords(self.global_rank).dp_rank
 
     @property
     def pp_rank(self) -> int:
         """This rank's pipeline stage (0 without a pipeline)."""
-        return pp_rank_of(self.global_rank, self.mp, self._pp)
+        return self.topology.coords(self.global_rank).pp_rank
 
     @property
     def mp_rank(self) -> int:
-        return self.global_rank % self.mp
+        return self.topology.coords(self.global_rank).mp_rank
 
     @property
     def dp_size(self) -> int:
@@ -206,28 +208,21 @@ class GridStrategy(DDPStrategy):
         if self.parallel_devices:
             check_backend(self.process_group_backend, self.parallel_devices)
             world = self.num_processes * self.num_nodes
-            if self._chosen is not None and self._chosen.dp * self._chosen.mp * self._pp != world:
+            if self._chosen is not None and self._chosen.world_size != world:
                 self._chosen = None  # chosen for another world size (a new Trainer): choose again
             if self.chooses_layout and self._chosen is None:
-                self._layout, self._pending = None, True  # any world splits; the split is chosen at setup
+                self._topology, self._pending = None, True  # any world splits; the split is chosen at setup
             else:
-                self._layout = self._chosen or self._resolve(world)
+                self._topology = self._chosen or Topology.resolve(
+                    self._dp_arg, self._mp_arg, world, devices=self.num_processes, num_nodes=self.num_nodes,
+                    **self._settings.settings())
                 self._pending = False
                 if self._chosen is not None:
                     self._layout_report = (f"  layout: dp={self.dp} x mp={self.mp}, kept from this strategy's"
                                            " earlier mp='auto' choice")
-                check_world_size(self.dp, self.mp, world, devices=self.num_processes, num_nodes=self.num_nodes,
-                                 pp=self._pp)
                 # The connector sets the layer sync just before this call.
                 check_sync_batchnorm(compat.layer_sync(self), self.mp)
         super().set_world_ranks()
-
-    def _resolve(self, world: int) -> Layout:
-        if self._pp == 1:
-            return resolve_layout(self._dp_arg, self._mp_arg, self.num_processes, self.num_nodes)
-        if world % self._pp:
-            raise ValueError(f"DPMPStrategy(pp={self._pp}): devices*num_nodes = {world} is not divisible by pp.")
-        return resolve_layout(self._dp_arg, self._mp_arg, world // self._pp, 1)
 
     @property
     @override
@@ -252,21 +247,22 @@ class GridStrategy(DDPStrategy):
         if not self._pending:  # else the groups are built in set_layout, once the subclass has chosen (dp, mp)
             self._build_grid()
 
-    def set_layout(self, layout: Layout, report: str = "", keep: bool = False) -> None:
-        """Fix a pending layout and build its DP/MP groups (collective over the world: every rank, same layout).
+    def set_layout(self, dp: int, mp: int, report: str = "", keep: bool = False) -> None:
+        """Fix a pending layout at ``dp`` x ``mp`` and build its groups (collective over the world: every rank, same
+        layout).
 
         ``keep``: later runs of this strategy (``fit`` then ``validate``) reuse it instead of choosing again.
         """
-        self._layout, self._pending, self._layout_report = layout, False, report
+        self._topology, self._pending, self._layout_report = self._settings.with_sizes(dp, mp), False, report
         if keep:
-            self._chosen = layout
+            self._chosen = self._topology
         self._build_grid()
 
     def _build_grid(self) -> None:
-        check_world_size(self.dp, self.mp, dist.get_world_size(), pp=self._pp)
-        warn_if_mp_spans_nodes(self.mp, self.num_processes, self.num_nodes)
+        topology = self.topology
+        warn_if_mp_spans_nodes(topology.mp, self.num_processes, self.num_nodes)
         # subgroups do not inherit the world's timeout
-        self._grid, self._device_mesh = build_grid(self.dp, self.mp, timeout=self.timeout, pp=self._pp), None
+        self._grid, self._device_mesh = build_grid(topology, timeout=self.timeout), None
 
     # ------------------------------------------------------------------ the data path
     @override

@@ -33,9 +33,9 @@ with the few step-time operations that depend on them (:meth:`Parallelized.step_
 :meth:`Parallelized.no_sync`, :meth:`Parallelized.whole`, :meth:`Parallelized.enter_step`).
 
 Example:
-    >>> config = ParallelConfig(PlanOverrides(), verify=True, sequence_parallel=False, zero=2)
-    >>> config.zero
-    2
+    >>> config = ParallelConfig(PlanOverrides(), verify=True, sequence_parallel=True)
+    >>> config.sequence_parallel
+    True
     >>> parallel = parallelize(strategy, trainer, config, meta=False)   # doctest: +SKIP
     >>> print(parallel.plan.text)                                       # doctest: +SKIP
 """
@@ -57,7 +57,6 @@ from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
 from lightning_dpmp.integration.pipeline import (
     Pipeline,
-    PipelineConfig,
     check_pipeline_at_setup,
     probe_pipeline,
     reading_ranks,
@@ -71,6 +70,7 @@ from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
+from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.stages import StackProfile
 from lightning_dpmp.planner.user_plan import PlanOverrides
@@ -93,16 +93,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """What the strategy's constructor decided about parallelizing (validated there, before any launch)."""
+    """What the strategy's constructor decided about parallelizing (validated there, before any launch); the sizes,
+    the ZeRO level and the pipeline's settings are the grid's :class:`~lightning_dpmp.parallel.topology.Topology`."""
 
     plan_overrides: PlanOverrides
     verify: bool = True
     sequence_parallel: bool = False
-    zero: int = 0
     compile: bool = False
     async_grad_allreduce: Optional[bool] = None  # None: on for CUDA, off on CPU/gloo
     mixed_precision: Optional[Any] = None  # zero >= 2: torch's MixedPrecisionPolicy (param_dtype, reduce_dtype)
-    pipeline: PipelineConfig = PipelineConfig()  # pp > 1: the stages and their schedule
 
 
 @dataclass
@@ -189,7 +188,7 @@ def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bo
     model's parameters named in ``free`` are initialised and their storage freed at once (other stages'); ``batch``:
     the first batch if step 0 read it already."""
     return split_model(strategy, trainer, meta, config.plan_overrides, config.verify, config.sequence_parallel,
-                       config.zero, free, batch)
+                       free, batch)
 
 
 def route_metrics(module: nn.Module, dp_group: Any) -> None:
@@ -211,7 +210,7 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
     return enabled
 
 
-def plan_pipeline(strategy: Any, trainer: Any, config: PipelineConfig, meta: bool
+def plan_pipeline(strategy: Any, trainer: Any, config: Topology, meta: bool
                   ) -> tuple[StackProfile, frozenset, Any]:
     """Step 0 (fitting, ``pp > 1``), before the split: probe the first batch's training step on the dense model (on
     meta tensors for a meta model) and check that it can be cut into stages. Returns the probe's profile and, for a
@@ -283,7 +282,8 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     module = strategy.lightning_module
     grid = strategy.grid
     fitting = trainer.state.fn == TrainerFn.FITTING
-    profile, free, batch = plan_pipeline(strategy, trainer, config.pipeline, meta) if fitting and grid.pp > 1 else (
+    topology = grid.topology
+    profile, free, batch = plan_pipeline(strategy, trainer, topology, meta) if fitting and grid.pp > 1 else (
         None, frozenset(), None)
     split = plan_and_split(strategy, trainer, config, meta, free, batch)
     route_metrics(strategy.model, grid.dp_group)
@@ -292,15 +292,15 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     engine = pipeline = None
     if fitting:
         if profile is not None:  # the stages, over the split model
-            pipeline = Pipeline(module, profile, grid, config.pipeline, strategy.root_device, batch,
+            pipeline = Pipeline(module, profile, grid, strategy.root_device, batch,
                                 sequence_parallel=split.applied_plan.plan.sequence is not None)
             split.applied_plan.text += "\n" + pipeline.text()
             rank_zero_info(pipeline.text())
-        elif grid.dp > 1 and config.zero == 0:
+        elif grid.dp > 1 and topology.zero == 0:
             wrap_dp(strategy, bool(split.applied_plan.conditional))
         strategy.setup_optimizers(trainer)
-        if grid.dp > 1 and config.zero >= 1:
-            engine = shard_dp(strategy, split, config.zero, config.mixed_precision, pipeline)
+        if topology.zero_enabled:
+            engine = shard_dp(strategy, split, topology.zero, config.mixed_precision, pipeline)
     # the engine's flat shards of MP-split parameters are MP shards too
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())

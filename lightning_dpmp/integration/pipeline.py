@@ -25,9 +25,9 @@ torch's schedule, and what the rest of the strategy needs around it.
   runs without the pipeline, and both checkpoint formats are written as without it, so they load into any layout.
 
 Example:
-    >>> config = PipelineConfig(pp=2, microbatches=4, schedule="1f1b")
-    >>> config.stages
-    2
+    >>> topology = Topology(dp=1, mp=2, pp=2, microbatches=4)
+    >>> stage_ranges(profile, topology)                      # doctest: +SKIP
+    [(0, 2), (2, 4)]
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -49,7 +48,8 @@ from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.pipeline import SCHEDULES, PipelineRunner, bubble_fraction
+from lightning_dpmp.parallel.pipeline import PipelineRunner, bubble_fraction
+from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import Bucket, gather_buckets, storage_freed
 from lightning_dpmp.planner.stages import (
@@ -65,8 +65,6 @@ from lightning_dpmp.planner.stages import (
 
 __all__ = [
     "Pipeline",
-    "PipelineConfig",
-    "check_pipeline_args",
     "batch_shapes",
     "check_batch_shapes",
     "check_pipeline_at_setup",
@@ -77,46 +75,6 @@ __all__ = [
     "remote_parameters",
     "stage_ranges",
 ]
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """``DPMPStrategy(pp=..., pp_microbatches=..., pp_schedule=..., pp_stages_per_rank=...)``, checked."""
-
-    pp: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    stages_per_rank: int = 1
-
-    @property
-    def stages(self) -> int:
-        """Pipeline stages in all (``pp * stages_per_rank``)."""
-        return self.pp * self.stages_per_rank
-
-
-def check_pipeline_args(pp: Any, microbatches: Any, schedule: Any, stages_per_rank: Any) -> PipelineConfig:
-    """Refuse, naming the values, a pipeline configuration that cannot run (before any process starts)."""
-    for name, value in (("pp", pp), ("pp_stages_per_rank", stages_per_rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    if microbatches is None:
-        microbatches = pp * stages_per_rank
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"`pp_microbatches` must be a positive integer, got {microbatches!r}.")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"`pp_schedule` must be one of {SCHEDULES}, got {schedule!r}.")
-    if pp == 1:
-        return PipelineConfig()
-    if schedule == "interleaved" and stages_per_rank < 2:
-        raise ValueError(f"pp_schedule='interleaved' runs several stages per rank: set pp_stages_per_rank >= 2, got"
-                         f" {stages_per_rank}.")
-    if schedule != "interleaved" and stages_per_rank != 1:
-        raise ValueError(f"pp_stages_per_rank={stages_per_rank} needs pp_schedule='interleaved' ({schedule!r} runs one"
-                         f" stage per rank).")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"pp_schedule='interleaved' needs pp_microbatches ({microbatches}) to be a multiple of "
-                         f"pp ({pp}).")
-    return PipelineConfig(pp, microbatches, schedule, stages_per_rank)
 
 
 def check_pipeline_at_setup(trainer: Any, module: Any) -> None:
@@ -181,16 +139,16 @@ class Pipeline:
     Args:
         module: the LightningModule (already split over MP).
         profile: what the probe saw of its step.
-        grid: this rank's grid (``pp > 1``).
-        config: the pipeline arguments.
+        grid: this rank's grid (``pp > 1``); its topology holds the pipeline's settings.
         device: where activations live.
         batch: the batch the stages were planned from: every later batch must have its tensors' shapes past dim 0
             (the stages pass activations of a fixed shape).
         sequence_parallel: the split applied sequence parallelism (the stream holds 1/mp of the sequence).
     """
 
-    def __init__(self, module: nn.Module, profile: StackProfile, grid: Grid, config: PipelineConfig,
-                 device: torch.device, batch: Any = None, sequence_parallel: bool = False) -> None:
+    def __init__(self, module: nn.Module, profile: StackProfile, grid: Grid, device: torch.device, batch: Any = None,
+                 sequence_parallel: bool = False) -> None:
+        config = grid.topology
         self.grid, self.config, self.profile = grid, config, profile
         self.batch_shapes = batch_shapes(batch) if batch is not None else None
         blocks = [m for _, m in repeated_blocks(module)]
@@ -582,7 +540,7 @@ def check_batch_shapes(expected: Optional[list[tuple[int, ...]]], batch: Any) ->
         )
 
 
-def stage_ranges(profile: StackProfile, config: PipelineConfig) -> list[tuple[int, int]]:
+def stage_ranges(profile: StackProfile, config: Topology) -> list[tuple[int, int]]:
     """The ``[start, end)`` block range of every stage: :func:`~lightning_dpmp.planner.stages.balance` of the
     probed costs."""
     costs, pre, post = profile.costs()
@@ -673,7 +631,7 @@ def _local(kwargs: dict[str, Any], grid: Grid) -> dict[str, Any]:
     return out
 
 
-def probe_pipeline(module: nn.Module, run_step: Any, batch: Any, config: PipelineConfig) -> StackProfile:
+def probe_pipeline(module: nn.Module, run_step: Any, batch: Any, config: Topology) -> StackProfile:
     """Probe ``run_step`` (the first batch's training step, on the dense model: real or meta tensors) and check that
     the stages can be cut. Raises :class:`~lightning_dpmp.planner.stages.StageCutError` on every rank when the step
     cannot be cut (every rank probes the same model on the same batch)."""

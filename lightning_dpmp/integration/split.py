@@ -133,14 +133,13 @@ def split_model(
     plan_overrides: PlanOverrides,
     verify: bool,
     sequence_parallel: bool,
-    zero: int = 0,
     free: frozenset = frozenset(),
     batch: Optional[Any] = None,
 ) -> Split:
-    """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world);
-    ``zero`` only words the printout's line on steps that leave parameters out; a meta model's parameters named in
-    ``free`` are freed right after their initialisation (a pipeline's other stages); ``batch``: the first batch, when
-    an earlier step (the pipeline's probe) read and broadcast it already."""
+    """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world); a
+    meta model's parameters named in ``free`` are freed right after their initialisation (a pipeline's other
+    stages); ``batch``: the first batch, when an earlier step (the pipeline's probe) read and broadcast it
+    already."""
     lm = strategy.lightning_module
     assert lm is not None
     grid, device = strategy.grid, strategy.root_device
@@ -152,26 +151,33 @@ def split_model(
     applied, split_params = split.applied_plan, split.split_params
     if strategy.is_global_zero:
         validate.warn_if_mp_idle(len(split_params), strategy.dp, strategy.mp)
-    if applied.conditional and strategy.dp > 1:
-        applied.text += (
-            f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): "
-            + ("DDP finds the parameters no DP rank used, each step (find_unused_parameters=True)"
-               if zero == 0 else
-               "ZeRO keeps each parameter in its own shard and marks, in one all-reduce per step, those no DP"
-               " rank used (their gradients stay None, as on one process)"))
+    if applied.conditional and grid.dp > 1:
+        applied.text += f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): " + _unused_line(grid)
     summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""
     rank_zero_info(
-        f"{applied.text}\n  grid: {_grid_line(strategy)}{summary}"
+        f"{applied.text}\n  grid: {_grid_line(grid)}{summary}"
         + (f"\n{strategy.layout_report}" if getattr(strategy, "layout_report", "") else "")
     )
     return split
 
 
-def _grid_line(strategy: Any) -> str:
-    pp = getattr(strategy, "pp", 1)
-    if pp > 1:
-        return f"dp={strategy.dp} x pp={pp} x mp={strategy.mp} (rank = (dp_rank*pp + pp_rank)*mp + mp_rank)"
-    return f"dp={strategy.dp} x mp={strategy.mp} (rank = dp_rank*mp + mp_rank)"
+def _unused_line(grid: Any) -> str:
+    """How the DP reduction of this topology keeps a ``None`` gradient for a parameter no DP rank used."""
+    if grid.topology.zero_enabled:
+        return ("ZeRO keeps each parameter in its own shard and marks, in one all-reduce per step, those no DP rank"
+                " used (their gradients stay None, as on one process)")
+    if grid.pp > 1:
+        return ("the pipeline's DP gradient sum carries a used-here flag per parameter, so a parameter no DP rank"
+                " used keeps a None gradient, as on one process")
+    return "DDP finds the parameters no DP rank used, each step (find_unused_parameters=True)"
+
+
+def _grid_line(grid: Any) -> str:
+    topology = grid.topology
+    if topology.pp > 1:
+        return (f"dp={topology.dp} x pp={topology.pp} x mp={topology.mp}"
+                " (rank = (dp_rank*pp + pp_rank)*mp + mp_rank)")
+    return f"dp={topology.dp} x mp={topology.mp} (rank = dp_rank*mp + mp_rank)"
 
 
 def unsplit_model(strategy: Any, everywhere: bool = True) -> None:

@@ -43,14 +43,15 @@ from lightning_dpmp.integration.failfast import (
 )
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
-from lightning_dpmp.integration.layout import DEFAULT_TIMEOUT
 from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized, parallelize, unparallelize
-from lightning_dpmp.integration.pipeline import Pipeline, check_pipeline_args
+from lightning_dpmp.integration.pipeline import Pipeline
 from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.zero import memory_line, memory_report
+from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
+from lightning_dpmp.parallel.topology import Topology, check_parallel_size
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.materialize import empty_parameters
 from lightning_dpmp.planner.user_plan import PlanOverrides
@@ -163,10 +164,15 @@ class DPMPStrategy(GridStrategy):
         precision_plugin: Optional[Any] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        self.init_grid(dp, mp, pp)  # dp/mp/pp refused first, before any other argument
+        check_parallel_size("dp", dp, allow_auto=True)  # dp/mp refused first, before any other argument
+        check_parallel_size("mp", mp, allow_auto=True)
+        # pp, zero and the pipeline's settings; dp and mp are resolved with them once the world size is known
+        micro = -1 if pp_microbatches is None else pp_microbatches  # -1: one per stage
+        self.init_grid(dp, mp, Topology(pp=pp, zero=zero, microbatches=micro, schedule=pp_schedule,
+                                        stages_per_rank=pp_stages_per_rank))
         overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                              save_distributed_checkpoint, process_group_backend, start_method,
-                                             timeout, zero)
+                                             timeout)
         validate.check_speed_flags(compile, async_grad_allreduce)
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
         check_mp_batch(mp_batch)
@@ -174,7 +180,6 @@ class DPMPStrategy(GridStrategy):
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
         validate.check_mixed_precision(mixed_precision, zero, dp)
-        pipeline = check_pipeline_args(pp, pp_microbatches, pp_schedule, pp_stages_per_rank)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -187,8 +192,8 @@ class DPMPStrategy(GridStrategy):
             **ddp_kwargs,
         )
         # parsed and checked once, here; what setup's parallelize pipeline follows
-        self._config = ParallelConfig(overrides, bool(verify_plan), bool(sequence_parallel), zero, compile,
-                                      async_grad_allreduce, mixed_precision, pipeline)
+        self._config = ParallelConfig(overrides, bool(verify_plan), bool(sequence_parallel), compile,
+                                      async_grad_allreduce, mixed_precision)
         self._consolidate_on_teardown = consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
         self._parallel: Optional[Parallelized] = None  # set by setup's parallelize
@@ -220,11 +225,6 @@ class DPMPStrategy(GridStrategy):
         """What the last setup's :func:`~lightning_dpmp.integration.parallelize.parallelize` made of the module
         (plan, RNG tracker, MP-shard and partial parameters, ZeRO engine); ``None`` before setup."""
         return self._parallel
-
-    @property
-    def zero(self) -> int:
-        """The ZeRO level given to the constructor (0: off; 1/2: optimizer state and gradients; 3: + parameters)."""
-        return self._config.zero
 
     @property
     def zero_engine(self) -> Optional[ZeroEngine]:
@@ -320,7 +320,7 @@ class DPMPStrategy(GridStrategy):
     def _choose_layout(self, trainer: "pl.Trainer", meta: bool) -> None:
         validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
         choice = choose_layout(self, trainer, meta, self._config.plan_overrides, compat.layer_sync(self) is not None)
-        self.set_layout(choice.layout, choice.text, keep=choice.measured)
+        self.set_layout(choice.layout.dp, choice.layout.mp, choice.text, keep=choice.measured)
         validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero, trainer.state.fn,
                                            self.checkpointer.distributed)
 

@@ -86,21 +86,16 @@ def check_init_args(
     process_group_backend: Any = None,
     start_method: Any = "popen",
     timeout: Any = None,
-    zero: Any = 0,
 ) -> PlanOverrides:
-    """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (``dp``, ``mp`` and
-    ``check_consistency_every_n_steps`` are checked where they are used); returns ``plan_overrides`` parsed, the
-    one :class:`PlanOverrides` every later plan check and ``mp="auto"`` use."""
+    """Refuse wrong types and unknown values of :class:`DPMPStrategy`'s plain arguments (the sizes, ``zero`` and the
+    pipeline's settings are the :class:`~lightning_dpmp.parallel.topology.Topology`'s to check, and
+    ``check_consistency_every_n_steps`` is checked where it is used); returns ``plan_overrides`` parsed, the one
+    :class:`PlanOverrides` every later plan check and ``mp="auto"`` use."""
     if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
         hint = (f": pass timeout=timedelta(seconds={timeout!r})" if isinstance(timeout, (int, float))
                 and not isinstance(timeout, bool) and timeout > 0 else "")
         raise ValueError(
             f"`timeout` must be a positive datetime.timedelta (or None: 10 minutes), got {timeout!r}{hint}."
-        )
-    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
-        raise ValueError(
-            f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters),"
-            f" got {zero!r}."
         )
     overrides = PlanOverrides.parse(plan_overrides)
     values = dict(zip(_FLAGS, (sequence_parallel, verify_plan, consolidate_on_teardown, save_distributed_checkpoint)))

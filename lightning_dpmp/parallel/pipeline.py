@@ -37,9 +37,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SCHEDULES", "PipelineRunner", "bubble_fraction", "stood_in"]
+from lightning_dpmp.parallel.topology import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+__all__ = ["PipelineRunner", "bubble_fraction", "stood_in"]
+
 
 
 class _StageExit(Exception):

@@ -79,7 +79,7 @@ def fit(dp: int, mp: int, zero: int) -> dict:
     return {"scales": poison.scales, "steps": poison.steps, "params": params, "mesh": {
         "shape": list(mesh.shape), "names": list(mesh.mesh_dim_names), "dtensor_mp": whole,
         "groups": [mesh["dp"].get_group() is grid.dp_group, mesh["mp"].get_group() is grid.mp_group],
-        "coordinate": list(mesh.get_coordinate()), "grid": [grid.dp_rank, grid.mp_rank]}}
+        "coordinate": list(mesh.get_coordinate()), "grid": [grid.dp_rank, grid.pp_rank, grid.mp_rank]}}
 
 
 if __name__ == "__main__":

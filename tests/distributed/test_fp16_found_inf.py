@@ -46,6 +46,6 @@ def test_every_rank_skips_the_overflowed_step_and_keeps_one_scale(ranks, zero):
 def test_device_mesh_is_the_grid_over_its_own_groups(ranks):
     for r in ranks:
         mesh = r["z0"]["mesh"]
-        assert mesh["shape"] == [2, 2] and mesh["names"] == ["dp", "mp"]
+        assert mesh["shape"] == [2, 1, 2] and mesh["names"] == ["dp", "pp", "mp"]
         assert mesh["groups"] == [True, True] and mesh["coordinate"] == mesh["grid"]
         assert mesh["dtensor_mp"] == [0.0, 0.0, 1.0, 1.0]  # each MP rank's shard, in MP-rank order

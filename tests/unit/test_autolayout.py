@@ -8,7 +8,7 @@ import pytest
 
 from lightning_dpmp import DPMPStrategy
 from lightning_dpmp.integration.autolayout import candidate_layouts, rank_candidates
-from lightning_dpmp.integration.layout import Layout
+from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.cost import LayoutCost, Links, model_cost, predict_layout, rank_layouts, ring_s
 from lightning_dpmp.planner.plan import make_plan
 from lightning_dpmp.planner.trace import trace_step
@@ -28,9 +28,9 @@ def costs():
 
 
 def test_candidates():
-    assert candidate_layouts(6) == [Layout(6, 1), Layout(3, 2), Layout(2, 3), Layout(1, 6)]
-    assert candidate_layouts(4, mp_one_only=True) == [Layout(4, 1)]
-    assert candidate_layouts(1) == [Layout(1, 1)]
+    assert candidate_layouts(6) == [Topology(dp=d, mp=6 // d) for d in (6, 3, 2, 1)]
+    assert candidate_layouts(4, mp_one_only=True) == [Topology(dp=4, mp=1)]
+    assert candidate_layouts(1) == [Topology()]
 
 
 def test_model_cost_follows_the_plan(costs):
@@ -84,7 +84,7 @@ def test_pending_layout_before_setup():
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=DPMPStrategy(mp=2), logger=False)
     assert not trainer.strategy.layout_pending and (trainer.strategy.dp, trainer.strategy.mp) == (2, 2)
     # a kept (measured) choice is reused by later runs of the same strategy
-    strategy._chosen = Layout(2, 2)
+    strategy._chosen = Topology(dp=2, mp=2)
     strategy.set_world_ranks()
     assert not strategy.layout_pending and (strategy.dp, strategy.mp) == (2, 2)
     assert "kept from this strategy's earlier mp='auto' choice" in strategy.layout_report
@@ -119,7 +119,7 @@ def test_no_trace_falls_back_to_todays_rule(monkeypatch):
 
     monkeypatch.setattr(autolayout, "_trace", lambda *a: None)
     choice = autolayout.choose_layout(FakeStrategy(), object(), meta=False, plan_overrides=PlanOverrides())
-    assert choice.layout == Layout(1, 4) and not choice.measured
+    assert choice.layout == Topology(dp=1, mp=4) and not choice.measured
     assert "fell back to dp = nodes, mp = devices per node" in choice.text
     one = autolayout.choose_layout(type("One", (), {"num_processes": 1, "num_nodes": 1})(), None, False, None)
-    assert one.layout == Layout(1, 1)
+    assert one.layout == Topology()

@@ -24,6 +24,7 @@ from lightning_dpmp.checkpoint.files import (
 from lightning_dpmp.checkpoint.rng_states import collect_rng_states, restore_rng_states
 from lightning_dpmp.checkpoint.sharded import _SafeReader
 from lightning_dpmp.parallel.grid import Grid
+from lightning_dpmp.parallel.topology import Topology
 from tests.support.models import ResMLP
 
 MODEL = {"a.weight": (4, 2), "a.bias": (4,), "b.weight": (3, 4)}
@@ -53,7 +54,7 @@ def test_matching_and_non_strict_subsets_pass():
 
 def test_strategy_refuses_a_consolidated_checkpoint_of_another_model():
     strategy = DPMPStrategy(dp=1, mp=1)
-    strategy._grid = Grid(dp=1, mp=1, rank=0)  # as after setup_environment, without a process group
+    strategy._grid = Grid(Topology(), rank=0)  # as after setup_environment, without a process group
     strategy._lightning_module = ResMLP(hidden=48)
     expected = r"'blocks.0.fc1.weight' has shape \(32, 16\) in the checkpoint but \(48, 16\)"
     with pytest.raises(CheckpointMismatchError, match=expected):

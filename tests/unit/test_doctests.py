@@ -16,6 +16,7 @@ import pytest
 
 import lightning_dpmp
 from lightning_dpmp.parallel.grid import Grid
+from lightning_dpmp.parallel.topology import Topology
 
 MODULES = sorted(
     name for _, name, _ in pkgutil.walk_packages(lightning_dpmp.__path__, prefix=f"{lightning_dpmp.__name__}.")
@@ -31,7 +32,7 @@ def _run(name: str) -> tuple[doctest.TestResults, str]:
     out: list[str] = []
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=FLAGS)
-    for test in finder.find(module, name, globs={**vars(module), "grid": Grid(dp=1, mp=1, rank=0)}):
+    for test in finder.find(module, name, globs={**vars(module), "grid": Grid(Topology(), rank=0)}):
         runner.run(test, out=out.append)
     return runner.summarize(verbose=False), "".join(out)
 

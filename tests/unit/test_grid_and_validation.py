@@ -11,17 +11,18 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dpmp
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.parallel.grid import check_world_size, coords_of, group_ranks
+from lightning_dpmp.parallel.topology import Topology
 
 
 @pytest.mark.parametrize("dp,mp", [(1, 4), (2, 2), (4, 1), (2, 4), (3, 5)])
 def test_mp_is_innermost(dp, mp):
-    mp_groups, dp_groups = group_ranks(dp, mp)
+    topology = Topology(dp=dp, mp=mp)
+    mp_groups, dp_groups = topology.mp_groups(), topology.dp_groups()
     assert mp_groups == [list(range(d * mp, (d + 1) * mp)) for d in range(dp)]
     assert dp_groups == [list(range(m, dp * mp, mp)) for m in range(mp)]
     for rank in range(dp * mp):
-        d, m = coords_of(rank, mp)
-        assert rank == d * mp + m
+        d, s, m = topology.coords(rank)
+        assert rank == d * mp + m and s == 0
         assert rank in mp_groups[d] and rank in dp_groups[m]
 
 
@@ -57,7 +58,7 @@ def test_devices_mismatch_fails_when_the_trainer_is_built(devices, num_nodes, dp
 
 def test_world_size_recheck_message():
     with pytest.raises(ValueError, match=r"needs dp\*mp = 4 processes, but the process group has world size 3"):
-        check_world_size(2, 2, 3)
+        Topology(dp=2, mp=2).check_world(3)
 
 
 def test_grid_before_setup_is_a_clear_error():

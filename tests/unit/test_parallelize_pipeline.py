@@ -18,6 +18,7 @@ from torch import nn
 import lightning_dpmp.integration.parallelize as pipeline
 from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized
 from lightning_dpmp.integration.split import Split
+from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 
@@ -41,8 +42,9 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     plan = SimpleNamespace(conditional=conditional, text="plan")
     split = Split(applied_plan=plan, rng=None, partial_grads=[], split_params={id(module.weight)})  # type: ignore
     engine = _Engine(shard)
-    strategy = SimpleNamespace(lightning_module=module, model=module, grid=SimpleNamespace(dp=dp, mp=mp, pp=1,
-                               dp_group="dp", mp_group="mp"), root_device=torch.device("cpu"),
+    grid = SimpleNamespace(dp=dp, mp=mp, pp=1, dp_group="dp", mp_group="mp",
+                           topology=Topology(dp=dp, mp=mp, zero=zero))
+    strategy = SimpleNamespace(lightning_module=module, model=module, grid=grid, root_device=torch.device("cpu"),
                                precision_plugin="plugin")
     strategy.setup_optimizers = lambda trainer: calls.append("setup_optimizers")
 
@@ -61,7 +63,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     monkeypatch.setattr(pipeline, "install_step_hooks",
                         lambda plugin, parallel, dp_group, pp_group=None: calls.append(
                             f"install_step_hooks(dp_group={dp_group})"))
-    config = ParallelConfig(PlanOverrides(), zero=zero, compile=True)
+    config = ParallelConfig(PlanOverrides(), compile=True)
     trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
     return calls, pipeline.parallelize(strategy, trainer, config, meta=False), shard
 

@@ -12,52 +12,46 @@ from lightning_dpmp import DPMPStrategy
 from lightning_dpmp.integration.pipeline import (
     batch_shapes,
     check_batch_shapes,
-    check_pipeline_args,
     reading_ranks,
     split_microbatches,
 )
-from lightning_dpmp.parallel.grid import (
-    Grid,
-    check_world_size,
-    coords_of,
-    group_ranks,
-    pp_group_ranks,
-    pp_rank_of,
-)
+from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.pipeline import bubble_fraction
+from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.stages import StageCutError, balance, probe_stack, stand_in_shape
 
 
 # ---------------------------------------------------------------------------------------------- the grid
 def test_ranks_put_mp_innermost_then_pp_then_dp():
     dp, pp, mp = 2, 2, 2
+    topology = Topology(dp=dp, mp=mp, pp=pp)
     seen = set()
     for rank in range(dp * pp * mp):
-        d, m = coords_of(rank, mp, pp)
-        s = pp_rank_of(rank, mp, pp)
-        assert rank == (d * pp + s) * mp + m
+        d, s, m = topology.coords(rank)
+        assert rank == (d * pp + s) * mp + m == topology.rank_of(d, s, m)
         seen.add((d, s, m))
     assert len(seen) == 8
-    mp_groups, dp_groups = group_ranks(dp, mp, pp)
-    assert mp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]  # consecutive: one node
-    assert dp_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert pp_group_ranks(dp, mp, pp) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    grid = Grid(dp=2, mp=2, rank=6, pp=2)
+    assert topology.mp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]  # consecutive: one node
+    assert topology.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topology.pp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topology.rows() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    grid = Grid(topology, rank=6)
     assert (grid.dp_rank, grid.pp_rank, grid.mp_rank, grid.world_size) == (1, 1, 0, 8)
     assert (grid.batch_src, grid.batch_width) == (4, 4)  # the row of DP replica 1 starts at rank 4
     assert "pp_rank=1" in str(grid)
 
 
 def test_without_a_pipeline_the_grid_is_unchanged():
-    assert group_ranks(2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
-    grid = Grid(dp=2, mp=2, rank=3)
+    topology = Topology(dp=2, mp=2)
+    assert (topology.mp_groups(), topology.dp_groups()) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    grid = Grid(topology, rank=3)
     assert (grid.dp_rank, grid.mp_rank, grid.pp_rank, grid.batch_src, grid.batch_width) == (1, 1, 0, 2, 2)
 
 
 def test_world_size_mismatch_names_every_number():
     with pytest.raises(ValueError, match=r"DPMPStrategy\(dp=1, pp=2, mp=2\) needs dp\*pp\*mp = 4 processes, but "
                                          r"devices=2 x num_nodes=1 = 2"):
-        check_world_size(1, 2, 2, devices=2, pp=2)
+        Topology(dp=1, mp=2, pp=2).check_world(2, devices=2)
 
 
 # ---------------------------------------------------------------------------------------------- the cut
@@ -230,6 +224,6 @@ def test_a_pipeline_needs_dp_or_mp_given():
 
 
 def test_default_microbatches_one_per_stage():
-    config = check_pipeline_args(2, None, "interleaved", 2)
+    config = Topology(pp=2, schedule="interleaved", stages_per_rank=2)
     assert (config.microbatches, config.stages) == (4, 4)
-    assert check_pipeline_args(1, None, "1f1b", 1).pp == 1
+    assert Topology(pp=1, microbatches=3) == Topology()  # no pipeline: its settings are unused

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.integration.layout import Layout, resolve_layout
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
+from lightning_dpmp.parallel.topology import Topology
 
 
 def test_plan_overrides_property_and_removed_aliases() -> None:
@@ -65,11 +65,12 @@ def test_layout_is_resolved_when_devices_are_known() -> None:
     s = DPMPStrategy(dp="auto", mp=2)
     with pytest.raises(RuntimeError, match="resolved when the Trainer sets devices"):
         _ = s.dp
-    assert resolve_layout("auto", 2, devices=4, num_nodes=1) == Layout(2, 2)
-    assert resolve_layout(2, "auto", devices=4, num_nodes=2) == Layout(2, 4)
-    assert resolve_layout("auto", "auto", devices=8, num_nodes=2) == Layout(2, 8)
+    assert Topology.resolve("auto", 2, 4) == Topology(dp=2, mp=2)
+    assert Topology.resolve(2, "auto", 8, num_nodes=2) == Topology(dp=2, mp=4)
+    assert Topology.resolve("auto", "auto", 16, num_nodes=2) == Topology(dp=2, mp=8)
+    assert Topology.resolve("auto", 2, 8, pp=2, zero=3) == Topology(dp=2, mp=2, pp=2, zero=3)
     with pytest.raises(ValueError, match="not divisible by mp=3"):
-        resolve_layout("auto", 3, devices=4, num_nodes=1)
+        Topology.resolve("auto", 3, 4)
 
 
 def test_checkpointing_is_a_collaborator_not_a_base_class() -> None:
