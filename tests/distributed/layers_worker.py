@@ -28,6 +28,7 @@ from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy  # noqa: E402
 from lightning_dpmp.parallel.sharding import gather_tensor, shard_tensor  # noqa: E402
+from lightning_dpmp.parallel.topology import Topology  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidated_state_dict  # noqa: E402
 from tests.support.pool import run_world  # noqa: E402
 
@@ -256,7 +257,7 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for mp_size in (2, 4):
-        grid = build_grid(world // mp_size, mp_size)
+        grid = build_grid(Topology(dp=world // mp_size, mp=mp_size))
         for bias in (True, False):
             results[f"mp{mp_size}_bias{int(bias)}"] = check(grid.mp_group, mp_size, bias)
     results["counted_calls"] = count_every_call(dist.new_group(list(range(world))), rank)

@@ -28,6 +28,7 @@ from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention  # 
 from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.sharding import gather_tensor  # noqa: E402
+from lightning_dpmp.parallel.topology import Topology  # noqa: E402
 from lightning_dpmp.planner.parallelize import consolidate, consolidated_state_dict  # noqa: E402
 from tests.support.pool import run_world  # noqa: E402
 
@@ -140,7 +141,7 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for mp_size in (2, 4):
-        grid = build_grid(world // mp_size, mp_size)
+        grid = build_grid(Topology(dp=world // mp_size, mp=mp_size))
         for blocks in (1, 3):
             results[f"mp{mp_size}_conv1d_blocks{blocks}"] = check_conv1d(grid.mp_group, blocks)
         for batch_first in (True, False):

@@ -141,12 +141,13 @@ def run_case(case: dict, group: Any = None, grid: Any = None) -> dict:
 def serve(rank: int, world: int, init_file: str, inbox: Any, outbox: Any) -> None:
     """Pool rank: join the gloo group, build the mp=1, 2 and 4 grids once, answer cases until ``None`` arrives."""
     from lightning_dpmp.parallel.grid import build_grid
+    from lightning_dpmp.parallel.topology import Topology
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
-    grids = {mp: build_grid(world // mp, mp) for mp in (1, 2, 4)}  # same order on every rank
+    grids = {mp: build_grid(Topology(dp=world // mp, mp=mp)) for mp in (1, 2, 4)}  # same order on every rank
     outbox.put((rank, "ready"))
     while True:
         case: Optional[dict] = inbox.get()
