@@ -50,6 +50,7 @@ __all__ = [
     "check_can_spawn_children",
     "collect_rng_states",
     "compiled_by_user",
+    "current_function_mode",
     "ddp_kwargs",
     "ddp_timeout",
     "default_store",
@@ -116,6 +117,14 @@ def dynamo_without_ddp_split() -> contextlib.AbstractContextManager:
     import torch._dynamo
 
     return torch._dynamo.config.patch(optimize_ddp=False)
+
+
+def current_function_mode() -> Optional[Any]:
+    """The innermost ``TorchFunctionMode`` entered, or ``None``: ``torch.overrides._get_current_function_mode()``
+    (torch 2.13), so that a mode can leave the stack only when it is on top (``__exit__`` pops whatever is)."""
+    from torch.overrides import _get_current_function_mode
+
+    return _get_current_function_mode()
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

@@ -49,8 +49,10 @@ from lightning_dpmp.compat import (
     set_rng_states,
     tree_leaves,
 )
+from lightning_dpmp.parallel.bridge import DTensorBridge, plain_value
 from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.comm import group_rank, group_size
+from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
 from lightning_dpmp.planner.parallelize import parallelize, restore
@@ -97,6 +99,8 @@ class PlanResult:
     # every trainable parameter, with no data-dependent op in forward); the same truth value on every rank.
     conditional: tuple[str, ...] = ()
     branches: tuple[str, ...] = ()  # modules whose forward ran a data-dependent op in the traced step ("": the root)
+    # the split module's parameters as DTensors (made to verify the plan on them); None when not distributed here
+    params: Optional[DTensorParams] = None
 
 
 class _InertOptimizer:
@@ -292,18 +296,20 @@ class _Locator:
 
 def _check(
     module: nn.Module, run: Callable[[], Any], loss_ref: Tensor, grads_ref: dict, group: Any, plan: Plan,
-    losses: list[Tensor],
+    losses: list[Tensor], params: Optional[DTensorParams] = None, bridge: Optional[DTensorBridge] = None,
 ) -> tuple[float, str]:
     """Largest relative error of this rank's loss and gradient shards against the dense step, and where it is.
 
     Only gradients that exist are compared: a frozen parameter (``requires_grad=False``) has none in either step.
     A gradient present in one step and absent in the other (a frozen flag lost in the split) is an infinite error.
-    A step that raises is an infinite error naming the layer that raised.
+    A step that raises is an infinite error naming the layer that raised. With ``params`` the step runs on the
+    DTensor parameters under ``bridge``, as training will (a loss that reads parameters reads the dense values),
+    and the local gradients are compared.
     """
     locator = _Locator(module)
     try:
-        with torch.enable_grad():
-            loss = _step_loss(run(), losses)
+        with torch.enable_grad(), bridge if bridge is not None else contextlib.nullcontext():
+            loss = plain_value(_step_loss(run(), losses))
             assert loss is not None
             loss.backward()
     except Exception as exc:  # a reshape that cannot take local sizes fails the same way on every rank
@@ -311,6 +317,18 @@ def _check(
         return float("inf"), f"{type(exc).__name__}{locator.where(module)}: {exc}"
     finally:
         locator.remove()
+    if params is None:
+        return _compare(module, loss, loss_ref, grads_ref, group, plan)
+    params.grads_to_local()
+    with params.local():
+        result = _compare(module, loss, loss_ref, grads_ref, group, plan)
+    params.zero_grad()
+    return result
+
+
+def _compare(module: nn.Module, loss: Tensor, loss_ref: Tensor, grads_ref: dict, group: Any, plan: Plan
+             ) -> tuple[float, str]:
+    """:func:`_check`'s comparison of the step's loss and local gradients (zeroed after) with the dense ones."""
     if plan.partial_params:  # as the strategy does before each optimizer step
         names = set(plan.partial_params)
         sync_partial_grads([p for n, p in module.named_parameters() if n in names], group)
@@ -517,12 +535,17 @@ def plan_module(
     sequence_parallel: bool = False,
     precision: str = "32-true",
     training: bool = True,
+    distribute: Optional[Callable[[nn.Module], DTensorParams]] = None,
+    bridge: Optional[DTensorBridge] = None,
 ) -> PlanResult:
     """Trace, plan, parallelise ``module`` in place and (optionally) verify it against the dense step.
 
     ``run`` executes one step on a fixed batch and returns its output (``None`` when no batch was available:
     the plan then comes from ``user_plan`` and defaults alone); ``training`` says it is a training step, which
-    should give a loss to verify with. Collective over the world.
+    should give a loss to verify with. ``distribute`` turns the split module's parameters into DTensors
+    (:class:`~lightning_dpmp.parallel.dtensor_params.DTensorParams`): each candidate plan is then verified on them,
+    under ``bridge``, as it will train, and the passing one keeps them (``PlanResult.params``). Collective over
+    the world.
     """
     trace, loss_ref, dtype = None, None, None
     grads_ref: dict[str, Any] = {}
@@ -588,9 +611,10 @@ def plan_module(
         # mypy: checkable implies a traced run with a loss
         assert run is not None and loss_ref is not None
         losses = []
+        params = distribute(module) if distribute is not None else None
         with isolated(module, losses):
             try:
-                err, reason = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan, losses)
+                err, reason = _check(module, run, loss_ref, grads_ref, grid.mp_group, plan, losses, params, bridge)
             finally:
                 if rng is not None:
                     rng.exit()
@@ -606,7 +630,9 @@ def plan_module(
                     category=PlanFallbackWarning,
                 )
             return PlanResult(plan, text, verified=True, max_error=err, conditional=conditional,
-                              branches=branches)
+                              branches=branches, params=params)
+        if params is not None:
+            params.release()  # the plain shards again, before the dense layers come back
         if level == 3:  # the same decision on every rank: err is the world's worst
             raise PlanVerificationError(_all_levels_failed(err, reason, tol, dtype, notes))
         restore(module, originals)

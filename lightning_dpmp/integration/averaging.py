@@ -26,9 +26,11 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import gather_state_dict, shard_state_dict
+from lightning_dpmp.parallel.dtensor_params import local_tensor
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 
 __all__ = ["averaging_callbacks", "split_averaging_callbacks"]
@@ -57,11 +59,24 @@ def _same_order(copy: nn.Module, module: nn.Module, what: str) -> None:
 def _take_shards(copy: nn.Module, module: nn.Module) -> None:
     """Point the copy's parameters and buffers at clones of ``module``'s (this rank's shards), on the copy's devices
     and in its dtypes: the callbacks copy before the precision plugin converts the model (a float32 copy of a
-    ``64-true`` model averages in float32 on one process too)."""
+    ``64-true`` model averages in float32 on one process too). A DTensor parameter's copy is a DTensor with its
+    placements, so the callbacks' element-wise averaging runs on the local shards and its averaged model reads as
+    the dense one."""
     for what in ("parameters", "buffers"):
         _same_order(copy, module, what)
-        for mine, theirs in zip(getattr(copy, what)(), getattr(module, what)()):
-            mine.data = theirs.detach().to(device=mine.device, dtype=mine.dtype).clone()
+    replaced: dict[int, nn.Parameter] = {}
+    for mine, theirs in zip(copy.parameters(), module.parameters()):
+        clone = theirs.detach().to(device=mine.device, dtype=mine.dtype).clone()
+        if isinstance(clone, DTensor):  # a plain Parameter cannot take DTensor data: a new one, ties kept
+            replaced[id(mine)] = nn.Parameter(clone, requires_grad=mine.requires_grad)
+        else:
+            mine.data = clone
+    for mod in copy.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is not None and id(p) in replaced:
+                mod._parameters[key] = replaced[id(p)]
+    for mine_b, theirs_b in zip(copy.buffers(), module.buffers()):
+        mine_b.data = theirs_b.detach().to(device=mine_b.device, dtype=mine_b.dtype).clone()
 
 
 class _Split:
@@ -70,19 +85,31 @@ class _Split:
     def __init__(self, module: nn.Module, grid: Any, gathers: bool) -> None:
         self.dims, self.blocks = shard_dims(module), shard_blocks(module)
         self.group, self.gathers = grid.mp_group, gathers
-        self.local = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, Tensor)}
+        state = module.state_dict()
+        self.local = {k: tuple(local_tensor(v).shape) for k, v in state.items() if isinstance(v, Tensor)}
+        # DTensor parameters: what a sliced entry is wrapped into, so that it loads into them
+        self.specs = {k: v for k, v in state.items() if isinstance(v, DTensor)}
 
     def dense(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Collective over the MP group: dense on the ranks that write the file, unchanged elsewhere."""
+        """Collective over the MP group: dense on the ranks that write the file, unchanged elsewhere (this rank's
+        local shards there, DTensors or not)."""
+        state = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in state.items()}
         if not self.gathers:
-            return dict(state)
+            return state
         return gather_state_dict(state, {k: d for k, d in self.dims.items() if k in state}, self.group, self.blocks)
 
     def sliced(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """This rank's slices of a dense state (entries already local are left alone)."""
+        """This rank's slices of a dense state (entries already local are left alone), as DTensors where the module
+        holds DTensor parameters."""
+        state = {k: local_tensor(v) if isinstance(v, Tensor) else v for k, v in state.items()}
         dense_keys = {k: d for k, d in self.dims.items()
                       if isinstance(state.get(k), Tensor) and tuple(state[k].shape) != self.local.get(k)}
-        return shard_state_dict(state, dense_keys, self.group, self.blocks)
+        out = shard_state_dict(state, dense_keys, self.group, self.blocks)
+        for k, spec in self.specs.items():
+            if isinstance(out.get(k), Tensor):
+                out[k] = DTensor.from_local(out[k], spec.device_mesh, spec.placements, run_check=False,
+                                            shape=spec.shape, stride=spec.stride())
+        return out
 
 
 def split_averaging_callbacks(callbacks: Any, module: nn.Module, grid: Any, gathers: bool) -> list[Any]:

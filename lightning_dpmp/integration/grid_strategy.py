@@ -50,6 +50,7 @@ from lightning_dpmp.integration.failfast import (
 )
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.integration.mp_batch import broadcast_batch, check_batch
+from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.grid import Grid, build_grid, device_mesh
 from lightning_dpmp.parallel.topology import Size, Topology, check_parallel_size
 
@@ -325,7 +326,7 @@ class GridStrategy(DDPStrategy):
         none, so the world group means the default too; gather over every rank with ``torch.distributed`` itself."""
         if (group is None or group is dist.group.WORLD) and self._grid is not None:
             group = self._grid.dp_group
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return super().all_gather(plain_value(tensor), group=group, sync_grads=sync_grads)
 
     # ------------------------------------------------------------------ reductions
     @override
@@ -336,7 +337,8 @@ class GridStrategy(DDPStrategy):
         times."""
         if group is None and self._grid is not None:
             group = self._grid.dp_group
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        # a value computed from DTensor parameters (a logged L2 term) reduces as the plain value one process holds
+        return super().reduce(plain_value(tensor), group=group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -66,7 +66,10 @@ from lightning_dpmp.integration.pipeline import (
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
+from lightning_dpmp.parallel.bridge import DTensorBridge
+from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
+from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
@@ -121,7 +124,13 @@ class Parallelized:
     engine: Optional[ZeroEngine] = None
     compiled: bool = False
     pipeline: Optional[Pipeline] = None
+    # the parameters as DTensors (what user code reads) and the bridge user code runs under (None: plain shards)
+    params: Optional[DTensorParams] = None
+    bridge: Optional[DTensorBridge] = None
+    # with DTensor parameters and dp > 1: the DP group their gradients are averaged over after each synced backward
+    dp_group: Any = None
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
+    _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
 
     def step_closure(self, closure: Callable[[], Any], stepped: Iterable[nn.Parameter]) -> Callable[[], Any]:
         """``closure`` (forward and backward), then the MP sum of the partial gradients among ``stepped`` (the
@@ -145,9 +154,37 @@ class Parallelized:
             self.engine.after_step()
 
     def no_sync(self) -> Any:
-        """Context of an accumulating micro-batch under ZeRO (gradients stay local); ``None`` without ZeRO, where
-        DDP's own ``no_sync`` applies."""
-        return self.engine.no_sync() if self.engine is not None else None
+        """Context of an accumulating micro-batch (gradients stay local) under ZeRO or with DTensor parameters;
+        ``None`` otherwise, where DDP's own ``no_sync`` applies."""
+        if self.engine is not None:
+            return self.engine.no_sync()
+        return self._no_dp_sync() if self.params is not None else None
+
+    @contextmanager
+    def _no_dp_sync(self) -> Iterator[None]:
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def finish_backward(self) -> None:
+        """After each backward, before Lightning's ``on_after_backward``: with DTensor parameters, the DP average of
+        the gradients (one flat all-reduce per dtype; not while accumulating), and the local parameters the
+        optimizer steps take the gradients (the same storage)."""
+        params = self.params
+        if params is None:
+            return
+        params.grads_to_local()
+        if self.dp_group is not None and not self._accumulating:
+            all_reduce_grads([p for p in params.locals if p.requires_grad], self.dp_group, average=True,
+                             keep_unused=bool(self.plan.conditional))
+            params.grads_from_local()
+
+    def local(self) -> Any:
+        """Context in which the module's registered parameters are the plain local shards (what checkpoints,
+        clipping and teardown work on); a no-op without DTensor parameters."""
+        return self.params.local() if self.params is not None else nullcontext()
 
     def whole(self) -> Any:
         """Context in which every parameter holds its values (zero=3 gathers them over DP, then frees them; a
@@ -186,9 +223,19 @@ def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bo
                    free: frozenset = frozenset(), batch: Optional[Any] = None) -> Split:
     """Step 1: trace, plan and split ``strategy.lightning_module`` over ``strategy.grid`` (collective); a meta
     model's parameters named in ``free`` are initialised and their storage freed at once (other stages'); ``batch``:
-    the first batch if step 0 read it already."""
+    the first batch if step 0 read it already. The split parameters become DTensors on the grid's mesh
+    (:func:`distributes_parameters`)."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    mesh = strategy.device_mesh if distributes_parameters(strategy.grid.topology, fitting) else None
     return split_model(strategy, trainer, meta, config.plan_overrides, config.verify, config.sequence_parallel,
-                       free, batch)
+                       free, batch, mesh)
+
+
+def distributes_parameters(topology: Topology, fitting: bool) -> bool:
+    """Whether the split parameters become DTensors (:mod:`lightning_dpmp.parallel.dtensor_params`): with mp > 1
+    (with mp = 1 every parameter is whole, as one process holds it). Not yet under a pipeline or while the ZeRO
+    engine shards over DP: there the parameters stay the plain MP shards."""
+    return topology.mp > 1 and topology.pp == 1 and not (fitting and topology.zero_enabled)
 
 
 def route_metrics(module: nn.Module, dp_group: Any) -> None:
@@ -247,6 +294,15 @@ def wrap_dp(strategy: Any, conditional: bool) -> None:
     strategy.configure_ddp()
 
 
+def step_local_shards(optimizers: list[Any], params: DTensorParams) -> None:
+    """Step 6b (DTensor parameters): each optimizer steps the plain local ``Parameter`` of each DTensor parameter
+    the user gave it (the same storage; its gradient is the DTensor's local gradient), so no DTensor dispatch runs
+    per op of the step (measured on CPU: AdamW over DTensors 1.9x the time over plain tensors); its ``zero_grad``
+    clears both forms."""
+    for optimizer in optimizers:
+        params.step_locals(compat.unwrap_optimizer(optimizer))
+
+
 def shard_dp(strategy: Any, split: Split, zero: int, mixed_precision: Optional[Any] = None,
              pipeline: Optional[Pipeline] = None) -> Optional[ZeroEngine]:
     """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild the strategy's optimizers over the shards (their LR
@@ -296,16 +352,19 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
                                 sequence_parallel=split.applied_plan.plan.sequence is not None)
             split.applied_plan.text += "\n" + pipeline.text()
             rank_zero_info(pipeline.text())
-        elif grid.dp > 1 and topology.zero == 0:
+        elif grid.dp > 1 and topology.zero == 0 and split.params is None:
             wrap_dp(strategy, bool(split.applied_plan.conditional))
         strategy.setup_optimizers(trainer)
+        if split.params is not None:  # they step the local shards: plain tensors, no DTensor dispatch per op
+            step_local_shards(strategy.optimizers, split.params)
         if topology.zero_enabled:
             engine = shard_dp(strategy, split, topology.zero, config.mixed_precision, pipeline)
     # the engine's flat shards of MP-split parameters are MP shards too
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
-                            engine, compiled, pipeline)
+                            engine, compiled, pipeline, split.params, split.bridge,
+                            grid.dp_group if split.params is not None and grid.dp > 1 else None)
     if grid.mp > 1 or engine is not None or pipeline is not None:
         install_step_hooks(strategy.precision_plugin, parallel, grid.dp_group if engine is not None else None,
                            grid.pp_group if pipeline is not None else None)
@@ -318,6 +377,8 @@ def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool
     the layers back per ``consolidate`` (``"rank0"``: global rank 0 alone ends with the plain model; ``True``: every
     rank; ``False``: stays split), uncompile, remove the step hooks."""
     module = strategy.lightning_module
+    if parallel.params is not None:  # the plain shards for good: what the rest of the teardown gathers
+        parallel.params.release()
     if parallel.pipeline is not None and not failed:
         parallel.pipeline.sync(strategy.optimizers)  # every rank the trained model before gathering it
     if parallel.engine is not None and not failed:

@@ -30,6 +30,8 @@ from lightning_dpmp.checkpoint.weights import DEFERRED_ATTR, DeferredWeights, Ra
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import PlanResult, plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.parallel.bridge import DTensorBridge
+from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import DenseGather, params_to_meta, shard_dims
 from lightning_dpmp.planner.materialize import is_meta, materialize
@@ -49,6 +51,10 @@ class Split:
     rng: Optional[RNGTracker]  # per-MP-rank dropout streams of the split regions; None with mp=1
     partial_grads: list[nn.Parameter]  # gradients to sum over MP once per step (partial layers, sequence parallelism)
     split_params: set[int]  # ids of the parameters that are MP shards (for the global-norm clip)
+    # the parameters as DTensors on the grid's mesh (what user code reads) and the bridge user code runs under;
+    # None when they stay plain (mp=1, or a path not distributed yet: ZeRO, pipelines, Fabric)
+    params: Optional[DTensorParams] = None
+    bridge: Optional[DTensorBridge] = None
 
 
 def broadcast_dense(module: nn.Module) -> None:
@@ -104,25 +110,44 @@ def split_module(
     meta: bool,
     notes: Optional[list[str]] = None,
     free: frozenset = frozenset(),
+    mesh: Optional[Any] = None,
 ) -> Split:
     """Plan ``module`` from ``run`` (one step, or ``None`` when there is no batch) and split it in place over
     ``grid`` (collective over the world): every rank starts from rank 0's dense weights, the split regions get
-    their dropout streams, and a meta model is materialised shard by shard and its pending weights read. The one
-    core of the Trainer strategy's setup (:func:`split_model`) and of Fabric's first call."""
+    their dropout streams, and a meta model is materialised shard by shard and its pending weights read. With a
+    ``mesh`` (the grid's ``("dp", "pp", "mp")``) and ``mp > 1``, the split parameters become DTensors on it
+    (:mod:`lightning_dpmp.parallel.dtensor_params`), the plan is verified on them, and the :class:`Split` carries
+    them and the bridge user code runs under. The one core of the Trainer strategy's setup (:func:`split_model`)
+    and of Fabric's first call."""
     broadcast_dense(module)  # unseeded runs agree (meta tensors are skipped)
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(module)) if grid.mp > 1 else None
+    bridge = DTensorBridge(mesh) if mesh is not None and grid.mp > 1 else None
+
+    def distribute(m: nn.Module) -> DTensorParams:
+        assert bridge is not None
+        params = DTensorParams(m, mesh, grid.mp)
+        params.install_hooks(bridge.step_aside, bridge.step_back)
+        return params
+
     applied = plan_module(module, grid, run, plan_overrides, verify and not meta, device, notes, rng,
-                          sequence_parallel, precision, training)
+                          sequence_parallel, precision, training, distribute if bridge is not None else None, bridge)
     if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
         materialize(module, device, seed, grid.mp_rank, free)
         load_deferred(module, grid.mp_group)  # pretrained weights: each rank reads only the slices it holds
-    dims, partial = shard_dims(module), set(applied.plan.partial_params)
+    params = applied.params
+    if bridge is not None and params is None:  # not verified on DTensors (no check, or a meta model): now
+        params = distribute(module)
+    with params.local() if params is not None else contextlib.nullcontext():
+        dims, partial = shard_dims(module), set(applied.plan.partial_params)
+        named = list(module.named_parameters())
     return Split(
         applied_plan=applied,
         rng=rng,
-        partial_grads=[p for n, p in module.named_parameters() if n in partial],
-        split_params={id(p) for n, p in module.named_parameters() if n in dims},
+        partial_grads=[p for n, p in named if n in partial],
+        split_params={id(p) for n, p in named if n in dims},
+        params=params,
+        bridge=bridge,
     )
 
 
@@ -135,11 +160,12 @@ def split_model(
     sequence_parallel: bool,
     free: frozenset = frozenset(),
     batch: Optional[Any] = None,
+    mesh: Optional[Any] = None,
 ) -> Split:
     """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world); a
     meta model's parameters named in ``free`` are freed right after their initialisation (a pipeline's other
     stages); ``batch``: the first batch, when an earlier step (the pipeline's probe) read and broadcast it
-    already."""
+    already; ``mesh``: the parameters become DTensors on it (:func:`split_module`)."""
     lm = strategy.lightning_module
     assert lm is not None
     grid, device = strategy.grid, strategy.root_device
@@ -147,13 +173,18 @@ def split_model(
     batch, notes = (batch, []) if batch is not None else first_batch(trainer, strategy)
     run = step_runner(trainer, strategy, batch, meta) if batch is not None else None
     split = split_module(lm, grid, device, run, plan_overrides, verify, sequence_parallel, str(trainer.precision),
-                         trainer.state.fn == TrainerFn.FITTING, meta, notes, free)
+                         trainer.state.fn == TrainerFn.FITTING, meta, notes, free, mesh)
     applied, split_params = split.applied_plan, split.split_params
     if strategy.is_global_zero:
         validate.warn_if_mp_idle(len(split_params), strategy.dp, strategy.mp)
     if applied.conditional and grid.dp > 1:
-        applied.text += f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): " + _unused_line(grid)
-    summary = "; Lightning's model summary counts this rank's parameters" if strategy.mp > 1 else ""
+        applied.text += (f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): "
+                         + _unused_line(grid, split.params is not None))
+    summary = ""
+    if split.params is not None:
+        summary = "; parameters are DTensors on the (dp, pp, mp) mesh: user code reads the dense model"
+    elif strategy.mp > 1:
+        summary = "; Lightning's model summary counts this rank's parameters"
     rank_zero_info(
         f"{applied.text}\n  grid: {_grid_line(grid)}{summary}"
         + (f"\n{strategy.layout_report}" if getattr(strategy, "layout_report", "") else "")
@@ -161,14 +192,14 @@ def split_model(
     return split
 
 
-def _unused_line(grid: Any) -> str:
+def _unused_line(grid: Any, dtensors: bool) -> str:
     """How the DP reduction of this topology keeps a ``None`` gradient for a parameter no DP rank used."""
     if grid.topology.zero_enabled:
         return ("ZeRO keeps each parameter in its own shard and marks, in one all-reduce per step, those no DP rank"
                 " used (their gradients stay None, as on one process)")
-    if grid.pp > 1:
-        return ("the pipeline's DP gradient sum carries a used-here flag per parameter, so a parameter no DP rank"
-                " used keeps a None gradient, as on one process")
+    if grid.pp > 1 or dtensors:
+        return ("the DP gradient all-reduce carries a used-here flag per parameter, so a parameter no DP rank used"
+                " keeps a None gradient, as on one process")
     return "DDP finds the parameters no DP rank used, each step (find_unused_parameters=True)"
 
 

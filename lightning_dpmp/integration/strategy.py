@@ -28,6 +28,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -48,6 +49,7 @@ from lightning_dpmp.integration.pipeline import Pipeline
 from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
 from lightning_dpmp.integration.zero import memory_line, memory_report
+from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
@@ -267,14 +269,14 @@ class DPMPStrategy(GridStrategy):
         if self._guard.every_n_steps and self.lightning_module is not None:
             step = self.lightning_module.trainer.global_step
             # zero=3 gathers the parameters only for a check
-            with self.parameters_whole() if self._guard.due(step, self._grid) else nullcontext():
+            with self.parameters_whole() if self._guard.due(step, self._grid) else nullcontext(), self._local():
                 self._guard.maybe_check(step, self.lightning_module, batch, self._grid, self.root_device)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_train_end(self) -> None:
         if self._guard.every_n_steps and self.lightning_module is not None and self._grid is not None:
-            with self.parameters_whole():
+            with self.parameters_whole(), self._local():
                 end = "the end of training"
                 self._guard.check(self.lightning_module, None, self._grid, self.root_device, where=end)
         super().on_train_end()
@@ -309,6 +311,8 @@ class DPMPStrategy(GridStrategy):
         self._parallel = parallelize(self, trainer, self._config, meta)
         if self.layout_report:
             self._parallel.plan.text += "\n" + self.layout_report
+        if self._parallel.bridge is not None:  # user code from here to teardown reads the DTensor parameters
+            self._parallel.bridge.__enter__()
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
@@ -347,10 +351,23 @@ class DPMPStrategy(GridStrategy):
         """A context in which the module's parameters hold their values (zero=3 gathers them over DP, then frees)."""
         return self._parallel.whole() if self._parallel is not None else nullcontext()
 
+    def _local(self) -> Any:
+        """A context in which the module's parameters are the plain local shards (DTensor parameters aside): what
+        checkpoints, the guard and memory reports read."""
+        return self._parallel.local() if self._parallel is not None else nullcontext()
+
+    def _leave_bridge(self) -> None:
+        if self._parallel is None or self._parallel.bridge is None:
+            return
+        bridge = self._parallel.bridge
+        if compat.current_function_mode() is bridge:
+            bridge.__exit__(None, None, None)
+
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now: ``parameters``, ``gradients``, ``optimizer_state``, ``buffers``, counted from
         the tensors' storages (parameters freed by zero=3 count 0; its DP shards count)."""
-        return memory_report(self.lightning_module, self.optimizers, self.zero_engine)
+        with self._local():
+            return memory_report(self.lightning_module, self.optimizers, self.zero_engine)
 
     def _in_step(self, training: bool = False) -> Any:
         return self._parallel.enter_step(training) if self._parallel is not None else nullcontext()
@@ -361,8 +378,8 @@ class DPMPStrategy(GridStrategy):
             self.pipeline.stage(self.optimizers)
         with self._in_step(training=True):
             pipeline = self.pipeline
-            if pipeline is None:
-                return super().training_step(*args, **kwargs)
+            if pipeline is None:  # a loss built from DTensor parameters (an L2 term) becomes the plain loss
+                return apply_to_collection(super().training_step(*args, **kwargs), DTensor, plain_value)
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
             return pipeline.training_step(self.lightning_module, args, kwargs, trainer.accumulate_grad_batches,
@@ -371,6 +388,17 @@ class DPMPStrategy(GridStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
                  ) -> torch.Tensor:
+        parallel = self._parallel
+        if parallel is not None and parallel.params is not None:
+            # Lightning's order, with the DP average of the gradients between the backward and on_after_backward
+            assert self.lightning_module is not None
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+            parallel.finish_backward()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+            return closure_loss
         if self.pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # the schedule ran every micro-batch's backward inside training_step; its gradients land here, between
@@ -401,17 +429,18 @@ class DPMPStrategy(GridStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._in_step():
-            return super().validation_step(*args, **kwargs)
+            return apply_to_collection(super().validation_step(*args, **kwargs), DTensor, plain_value)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._in_step():
-            return super().test_step(*args, **kwargs)
+            return apply_to_collection(super().test_step(*args, **kwargs), DTensor, plain_value)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._in_step():
             out = super().predict_step(*args, **kwargs)
+        out = apply_to_collection(out, DTensor, plain_value)
         return apply_to_collection(out, VocabShardedLogits, lambda t: t.full())  # predictions are never MP shards
 
     @contextmanager
@@ -442,6 +471,7 @@ class DPMPStrategy(GridStrategy):
     @override
     def teardown(self) -> None:
         if self._parallel is not None:
+            self._leave_bridge()
             unparallelize(self, self._parallel, self._consolidate_on_teardown, self._failed)
         with meta_safe_teardown(self):
             super().teardown()
@@ -454,7 +484,8 @@ class DPMPStrategy(GridStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.checkpointer.optimizer_state(optimizer, super().optimizer_state)
+        with self._local():
+            return self.checkpointer.optimizer_state(optimizer, super().optimizer_state)
 
     def save_pretrained(self, module: torch.nn.Module, out_dir: str, max_shard_size: Union[int, str] = "5GB"
                         ) -> dict[str, int]:
@@ -467,23 +498,27 @@ class DPMPStrategy(GridStrategy):
             >>> trainer.strategy.save_pretrained(model.net, "finetuned/")      # doctest: +SKIP
             {'files': 1, 'tensors': 21, 'bytes': 181504}
         """
-        return self.checkpointer.save_pretrained(module, out_dir, max_shard_size)
+        with self._local():
+            return self.checkpointer.save_pretrained(module, out_dir, max_shard_size)
 
     # Each checkpoint hook hands the call to the StrategyCheckpointer, with Lightning's arguments and defaults.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.sync_stages()  # (the first thing a checkpoint asks for: the optimizer state is synced with it)
-        return self.checkpointer.module_state_dict()
+        with self._local():
+            return self.checkpointer.module_state_dict()
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
-        self.checkpointer.save(checkpoint, filepath, storage_options)
+        with self._local():
+            self.checkpointer.save(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self.checkpointer.load(checkpoint_path, weights_only)
+        with self._local():
+            return self.checkpointer.load(checkpoint_path, weights_only)
 
     @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
@@ -493,11 +528,13 @@ class DPMPStrategy(GridStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self.pipeline is not None:
             self.pipeline.allocate()  # a meta model's other stages were freed: the load fills them
-        self.checkpointer.load_module_state(checkpoint, strict)
+        with self._local():
+            self.checkpointer.load_module_state(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self.checkpointer.load_optimizer_states(checkpoint)
+        with self._local():
+            self.checkpointer.load_optimizer_states(checkpoint)
 
     @classmethod
     @override

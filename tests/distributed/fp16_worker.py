@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
+from lightning_dpmp.parallel.dtensor_params import local_tensor  # noqa: E402
 from lightning_dpmp.parallel.sharding import shard_dims  # noqa: E402
 from tests.distributed.parity_worker import GLOBAL_BATCH, SEED  # noqa: E402
 from tests.support.models import build  # noqa: E402
@@ -47,7 +48,7 @@ class Poison(L.Callback):
             else:
                 split = set(shard_dims(pl_module))
                 name, p = next((n, p) for n, p in pl_module.named_parameters() if n in split)
-            p.grad.view(-1)[0] = float("inf")
+            local_tensor(p.grad).view(-1)[0] = float("inf")  # this rank's shard of the gradient
             print(f"rank {POISONED_RANK}: inf written into {name}.grad at step {POISONED_STEP}", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
+from lightning_dpmp.parallel.dtensor_params import local_tensor  # noqa: E402
 from lightning_dpmp.parallel.sharding import shard_dims  # noqa: E402
 from tests.support.models import build  # noqa: E402
 
@@ -56,7 +57,8 @@ class Probe(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         dims = shard_dims(pl_module)  # parameter name -> (numel held here, split over MP, the dim it is split on)
-        self.local_params = {n: (p.numel(), n in dims, dims.get(n)) for n, p in pl_module.named_parameters()}
+        self.local_params = {n: (local_tensor(p).numel(), n in dims, dims.get(n))
+                             for n, p in pl_module.named_parameters()}
         if self.save_to:  # a save while the model is still split: the gather path, not the consolidated teardown
             trainer.save_checkpoint(self.save_to)
         grid = trainer.strategy.grid
@@ -67,6 +69,7 @@ class Probe(L.Callback):
     def _replicas_equal(pl_module, grid, dims) -> dict:
         dp_ok = mp_ok = True
         for name, p in pl_module.named_parameters():
+            p = local_tensor(p)  # this rank's shard (a DTensor parameter's local tensor)
             for group, size, check in ((grid.dp_group, grid.dp, True), (grid.mp_group, grid.mp, name not in dims)):
                 if size == 1 or not check:
                     continue

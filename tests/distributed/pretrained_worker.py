@@ -30,6 +30,7 @@ import lightning_dpmp  # noqa: E402
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.checkpoint.weights import WeightFiles, match_keys  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
+from lightning_dpmp.parallel.dtensor_params import local_tensor  # noqa: E402
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor  # noqa: E402
 from tests.support import pretrained as P  # noqa: E402
 
@@ -69,7 +70,7 @@ class AfterLoad(L.Callback):
                     continue
                 full = (files.read(names[key]) if key in names else converted[key]).to(t.dtype)
                 want = shard_tensor(full, dims[key], grid.mp, grid.mp_rank, blocks.get(key, 1)) if key in dims else full
-                worst = max(worst, (t - want).abs().max().item())
+                worst = max(worst, (local_tensor(t) - want).abs().max().item())  # this rank's shard
         self.load_diff = worst
         self.read.update(split_tensors=sum(1 for k in net.state_dict() if k in dims))
 
@@ -89,6 +90,7 @@ class AfterLoad(L.Callback):
         same = True  # every parameter that is not split is the same bit for bit on every MP rank
         with trainer.strategy.parameters_whole():
             for name, p in pl_module.named_parameters():
+                p = local_tensor(p)
                 if grid.mp > 1 and name not in dims:
                     parts = [torch.empty_like(p) for _ in range(grid.mp)]
                     dist.all_gather(parts, p.detach().contiguous(), group=grid.mp_group)

@@ -1,0 +1,68 @@
+"""What user code reads of the parameters equals one process (issue 41): the split model's parameters are DTensors
+on the grid's mesh, so Lightning's ``grad_norm``, a weight-norm callback, gradients in ``on_after_backward``,
+TensorBoard histograms, ``state_dict()``, ``ModelSummary`` and an L2 term in ``training_step`` see the dense
+model, in float64 against a single-process reference (``tests/distributed/user_view_worker.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.distributed.user_view_worker import LOGGED, STEPS, fit_case
+
+CASES = ("watched", "l2")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads(json.dumps({case: fit_case(case, 1, 1) for case in CASES}))  # JSON's keys, as the ranks' files
+
+
+@pytest.fixture(scope="module")
+def ranks22(tmp_path_factory) -> list[dict]:
+    from tests.conftest import run_ranks
+
+    out = tmp_path_factory.mktemp("user_view22")
+    proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "2", "2", str(out), ",".join(CASES)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((abs(a[k] - b[k]) for k in a), default=math.inf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_logged_values_equal_one_process_on_every_rank(ranks22, reference, case):
+    ref = reference[case]
+    for rank in ranks22:
+        got = rank[case]
+        for key in LOGGED:
+            assert len(got["logged"][key]) == STEPS, (key, got["logged"][key])
+            assert _max_diff(got["logged"][key], ref["logged"][key]) < 1e-8, (case, key)
+        assert abs(got["state_sq"] - ref["state_sq"]) < 1e-8 * ref["state_sq"]
+        assert got["summary"] == ref["summary"]  # ModelSummary counts the dense model's parameters
+        assert got["histograms"].keys() == ref["histograms"].keys()
+        for name, histo in got["histograms"].items():
+            assert max(abs(a - b) for a, b in zip(histo, ref["histograms"][name])) < 1e-8, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_weights_equal_one_process(ranks22, reference, case):
+    got, ref = ranks22[0][case]["weights"], reference[case]["weights"]
+    assert got.keys() == ref.keys()
+    assert max(max(abs(a - b) for a, b in zip(got[k], ref[k])) for k in ref) < 1e-8
+
+
+@pytest.mark.slow
+def test_an_l2_term_keeps_the_split_plan(ranks22):
+    got = ranks22[0]["l2"]
+    assert not got["fallback"]
+    assert "verified against the dense step on the first batch: passed" in got["plan"]
+    assert "fallback" not in got["plan"] and "verification failed" not in got["plan"]
+    held = got["plan"].split("parameters per rank: ")[1].split(";")[0]  # e.g. "7,360 of 13,504 (54.5%)"
+    assert float(held.split("(")[1].rstrip("%)")) < 60.0, held

@@ -1,0 +1,129 @@
+"""What user code reads of the parameters, under DPMPStrategy and on one process: Lightning's ``grad_norm`` logged
+from ``on_before_optimizer_step``, the gradients' squares in ``on_after_backward``, a callback's weight norm and
+TensorBoard histograms, ``state_dict()``, Lightning's ``ModelSummary``, an L2 term in ``training_step``, and the
+weights trained, in float64.
+
+Run by ``tests/distributed/test_user_view.py`` on pool ranks (``DP MP OUT CASES``) and imported by it for the
+one-process reference (:func:`fit_case` with ``dp = mp = 1``). Each rank writes ``OUT/rank<r>.json``:
+``{case: {"logged": {key: {step: value}}, "state_sq": ..., "summary": ..., "histograms": ..., "weights": ...,
+"plan": ...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from datetime import timedelta
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
+from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_dpmp import DPMPStrategy, PlanFallbackWarning  # noqa: E402
+from tests.support.models import LMModule, build, reference_loader  # noqa: E402
+
+GLOBAL_BATCH, STEPS, SEED, L2 = 8, 10, 0, 1e-3
+LOGGED = ("grad_2.0_norm_total", "grad_sq", "weight_norm", "train_loss")
+
+
+class Watched(LMModule):
+    """An LM whose user code reads its parameters the ways Lightning users do."""
+
+    l2 = 0.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+        if self.l2:  # an explicit L2 term: reads every parameter outside the layers
+            loss = loss + self.l2 * sum(p.pow(2).sum() for p in self.parameters())
+        self.log("train_loss", loss, sync_dist=True)  # the DP ranks' mean: the global batch's loss
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))  # Lightning's documented way to watch gradients
+
+    def on_after_backward(self) -> None:
+        self.log("grad_sq", sum(p.grad.pow(2).sum() for p in self.parameters() if p.grad is not None))
+
+
+class Watch(L.Callback):
+    """A weight-norm callback (logged); at the start Lightning's ModelSummary counts; at the last step TensorBoard's
+    histogram of every parameter and the sum of squares of ``state_dict()``'s full tensors."""
+
+    def __init__(self) -> None:
+        self.logged: dict[str, dict[int, float]] = {k: {} for k in LOGGED}
+        self.histograms: dict[str, list[float]] = {}
+        self.state_sq = 0.0
+        self.summary: list[int] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        summary = ModelSummary(pl_module)  # what Lightning's ModelSummary callback prints when fitting starts
+        self.summary = [summary.total_parameters, summary.trainable_parameters]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        pl_module.log("weight_norm", torch.sqrt(sum(p.pow(2).sum() for p in pl_module.parameters())))
+        step = trainer.global_step
+        for key in LOGGED:
+            if key in trainer.callback_metrics:
+                self.logged[key][step] = float(trainer.callback_metrics[key])
+        if step == STEPS:
+            from tensorboardX.summary import histogram
+
+            for name, p in pl_module.named_parameters():  # what TensorBoardLogger's add_histogram writes
+                h = histogram(name, p.detach(), 30).value[0].histo
+                self.histograms[name] = [h.min, h.max, h.num, h.sum, h.sum_squares, *h.bucket]
+            state = pl_module.state_dict()
+            self.state_sq = float(sum(getattr(v, "full_tensor", lambda v=v: v)().double().pow(2).sum()
+                                      for v in state.values()))
+
+
+def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, Any]:
+    """Train the case's model for ``STEPS`` steps at ``dp x mp`` (one process: ``dp = mp = 1``, the sampler's
+    permutation drawn as Lightning draws it for many) and return what its user code saw."""
+    L.seed_everything(SEED, workers=True)
+    base, dataset = build("llama")
+    model = Watched(base.net)
+    model.l2 = L2 if case == "l2" else 0.0
+    watch = Watch()
+    kwargs: dict[str, Any] = dict(accelerator="cpu", precision="64-true", max_steps=STEPS, logger=False,
+                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                  callbacks=[watch])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlanFallbackWarning)
+        if dp * mp == 1:
+            trainer = L.Trainer(devices=1, **kwargs)
+            loader = reference_loader(dataset, GLOBAL_BATCH, SEED)
+        else:
+            strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=3), **strategy_kwargs)
+            trainer = L.Trainer(devices=dp * mp, strategy=strategy, **kwargs)
+            loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp)
+        trainer.fit(model, loader)
+        plan = trainer.strategy.applied_plan.text if dp * mp > 1 else ""
+    weights = {}
+    if trainer.global_rank == 0:  # consolidate_on_teardown="rank0": rank 0 holds the plain model
+        weights = {k: v.double().reshape(-1).tolist() for k, v in model.state_dict().items()}
+    return {
+        "logged": watch.logged, "histograms": watch.histograms, "state_sq": watch.state_sq, "weights": weights,
+        "summary": watch.summary, "plan": plan,
+        "fallback": [str(w.message) for w in caught if issubclass(w.category, PlanFallbackWarning)],
+    }
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dp, mp, out, cases = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+    extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    result = {case: fit_case(case, dp, mp, **extra) for case in cases}
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
