@@ -32,7 +32,11 @@ root instead of our ZeRO engine: issue 22's side-by-side), ``mps_<dp>x<mp>`` (Mo
 ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2 ``fully_shard`` over the data-parallel axis),
 ``ddp_<n>`` (DDPStrategy), ``dpmp_<dp>x<mp>_pp<k>[_gpipe|_interleaved]`` (DPMPStrategy(pp=k): pipeline stages,
 ``--pp-microbatches`` per step, 1F1B by default; ``_interleaved`` runs 2 stages per rank). Pipeline layouts also
-report each rank's held bytes (the stages differ) and the schedule's bubble fraction.
+report each rank's held bytes (the stages differ) and the schedule's bubble fraction. ``..._plainparams`` keeps the
+split parameters as plain shards (DDP at zero=0), as before DTensor parameters (issue 41's side-by-side)::
+
+    python benchmarks/gpt_bench.py --model hf_llama --rounds 3 --out benchmarks/results/dtensor_params \
+        --configs dpmp_2x2,dpmp_2x2_plainparams,dpmp_2x2_zero3,dpmp_4x1_zero3
 
 The pipeline side-by-side (issue 26): the 8-layer Llama at world 4::
 
@@ -398,6 +402,14 @@ def _shard_dp_with_fsdp2() -> None:
     pipeline.shard_dp = shard_dp  # type: ignore[assignment]
 
 
+def _plain_parameters() -> None:
+    """For ``..._plainparams`` (issue 41's side-by-side, benchmark only): the split parameters stay this rank's plain
+    shards, as before DTensor parameters (DDP averages the gradients at zero=0), so one run times both."""
+    import lightning_dpmp.integration.parallelize as pipeline
+
+    pipeline.distributes_parameters = lambda topology, fitting: False  # type: ignore[assignment]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -409,7 +421,7 @@ def worker(args: argparse.Namespace) -> None:
 
     name = args.config
     m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3]|_fsdp2|_pp\d+|_gpipe"
-                     r"|_interleaved)*)", name)
+                     r"|_interleaved|_plainparams)*)", name)
     if not m:
         raise SystemExit(f"unknown config {name!r}")
     kind, a, b, flags = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4)
@@ -428,6 +440,8 @@ def worker(args: argparse.Namespace) -> None:
             if not zero or zero.group(1) not in "23":
                 raise SystemExit(f"{name}: _fsdp2 replaces the ZeRO engine: give _zero2 or _zero3 with it")
             _shard_dp_with_fsdp2()
+        if "_plainparams" in flags:
+            _plain_parameters()
         schedule = "interleaved" if "_interleaved" in flags else "gpipe" if "_gpipe" in flags else "1f1b"
         pipeline = dict(pp=pp, pp_microbatches=args.pp_microbatches, pp_schedule=schedule,
                         pp_stages_per_rank=2 if schedule == "interleaved" else 1) if pp > 1 else {}

@@ -49,6 +49,7 @@ __all__ = [
     "averaged_copy",
     "check_can_spawn_children",
     "collect_rng_states",
+    "clear_dtensor_sharding_cache",
     "compiled_by_user",
     "current_function_mode",
     "ddp_kwargs",
@@ -125,6 +126,17 @@ def current_function_mode() -> Optional[Any]:
     from torch.overrides import _get_current_function_mode
 
     return _get_current_function_mode()
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Forget DTensor's cached sharding decisions: ``DTensor._op_dispatcher.sharding_propagator
+    .propagate_op_sharding`` (a thread-local ``lru_cache``, torch 2.13). Their keys compare meshes without their process
+    groups (``DeviceMesh.__eq__``: ranks, layout, device, dim names), so a mesh built over new groups (the next job in
+    one process: a Hydra multirun, a test pool) would get an earlier mesh's cached output specs and run collectives on
+    that mesh's destroyed groups ("Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

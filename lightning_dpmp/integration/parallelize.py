@@ -127,8 +127,10 @@ class Parallelized:
     # the parameters as DTensors (what user code reads) and the bridge user code runs under (None: plain shards)
     params: Optional[DTensorParams] = None
     bridge: Optional[DTensorBridge] = None
-    # with DTensor parameters and dp > 1: the DP group their gradients are averaged over after each synced backward
+    # with DTensor parameters and dp > 1: the DP group their gradients are averaged over after each synced backward,
+    # in buckets of at most this many bytes (DDP's bucket_cap_mb, 25 MiB by default)
     dp_group: Any = None
+    dp_bucket_bytes: int = 25 * 2**20
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
     _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
 
@@ -168,6 +170,12 @@ class Parallelized:
         finally:
             self._accumulating = False
 
+    def start_backward(self) -> None:
+        """Before each backward: DTensor gradients whose local ones an optimizer's ``zero_grad`` cleared are
+        cleared too (the backward would accumulate into them)."""
+        if self.params is not None:
+            self.params.clear_stale_grads()
+
     def finish_backward(self) -> None:
         """After each backward, before Lightning's ``on_after_backward``: with DTensor parameters, the DP average of
         the gradients (one flat all-reduce per dtype; not while accumulating), and the local parameters the
@@ -177,8 +185,9 @@ class Parallelized:
             return
         params.grads_to_local()
         if self.dp_group is not None and not self._accumulating:
+            # a parameter no DP rank used keeps None (an optimizer skips it, as on one process): one flag each
             all_reduce_grads([p for p in params.locals if p.requires_grad], self.dp_group, average=True,
-                             keep_unused=bool(self.plan.conditional))
+                             keep_unused=True, bucket_bytes=self.dp_bucket_bytes)
             params.grads_from_local()
 
     def local(self) -> Any:
@@ -297,8 +306,7 @@ def wrap_dp(strategy: Any, conditional: bool) -> None:
 def step_local_shards(optimizers: list[Any], params: DTensorParams) -> None:
     """Step 6b (DTensor parameters): each optimizer steps the plain local ``Parameter`` of each DTensor parameter
     the user gave it (the same storage; its gradient is the DTensor's local gradient), so no DTensor dispatch runs
-    per op of the step (measured on CPU: AdamW over DTensors 1.9x the time over plain tensors); its ``zero_grad``
-    clears both forms."""
+    per op of the step (measured on CPU: AdamW over DTensors 1.9x the time over plain tensors)."""
     for optimizer in optimizers:
         params.step_locals(compat.unwrap_optimizer(optimizer))
 
@@ -363,8 +371,10 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
-                            engine, compiled, pipeline, split.params, split.bridge,
-                            grid.dp_group if split.params is not None and grid.dp > 1 else None)
+                            engine, compiled, pipeline, split.params, split.bridge)
+    if split.params is not None and grid.dp > 1:  # DP averaged by the strategy, in DDP's bucket size
+        parallel.dp_group = grid.dp_group
+        parallel.dp_bucket_bytes = int((compat.ddp_kwargs(strategy).get("bucket_cap_mb") or 25) * 2**20)
     if grid.mp > 1 or engine is not None or pipeline is not None:
         install_step_hooks(strategy.precision_plugin, parallel, grid.dp_group if engine is not None else None,
                            grid.pp_group if pipeline is not None else None)
@@ -379,6 +389,7 @@ def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool
     module = strategy.lightning_module
     if parallel.params is not None:  # the plain shards for good: what the rest of the teardown gathers
         parallel.params.release()
+        parallel.params = parallel.bridge = None  # a save after fit reads the module as teardown leaves it
     if parallel.pipeline is not None and not failed:
         parallel.pipeline.sync(strategy.optimizers)  # every rank the trained model before gathering it
     if parallel.engine is not None and not failed:

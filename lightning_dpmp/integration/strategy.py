@@ -181,6 +181,8 @@ class DPMPStrategy(GridStrategy):
         self._mp_batch = mp_batch
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
         validate.check_zero_without_ddp(zero, ddp_kwargs)
+        if zero == 0 and pp == 1:
+            validate.check_ddp_kwargs_with_dtensors(ddp_kwargs, mp)
         validate.check_mixed_precision(mixed_precision, zero, dp)
         super().__init__(
             accelerator=accelerator,
@@ -321,10 +323,20 @@ class DPMPStrategy(GridStrategy):
             split_averaging_callbacks(getattr(trainer, "callbacks", []), self.lightning_module, self.grid,
                                       self.checkpointer.gathers())
 
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        self._check_ddp_kwargs()  # mp is known now unless it is chosen at setup
+
+    def _check_ddp_kwargs(self) -> None:
+        if not self.layout_pending and self._topology is not None and self.zero == 0 and self.pp == 1:
+            validate.check_ddp_kwargs_with_dtensors(compat.ddp_kwargs(self), self.mp)
+
     def _choose_layout(self, trainer: "pl.Trainer", meta: bool) -> None:
         validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
         choice = choose_layout(self, trainer, meta, self._config.plan_overrides, compat.layer_sync(self) is not None)
         self.set_layout(choice.layout.dp, choice.layout.mp, choice.text, keep=choice.measured)
+        self._check_ddp_kwargs()
         validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero, trainer.state.fn,
                                            self.checkpointer.distributed)
 
@@ -392,6 +404,7 @@ class DPMPStrategy(GridStrategy):
         if parallel is not None and parallel.params is not None:
             # Lightning's order, with the DP average of the gradients between the backward and on_after_backward
             assert self.lightning_module is not None
+            parallel.start_backward()
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
             self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)

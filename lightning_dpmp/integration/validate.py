@@ -53,6 +53,7 @@ __all__ = [
     "check_init_args",
     "check_not_compiled",
     "check_plan_at_setup",
+    "check_ddp_kwargs_with_dtensors",
     "check_zero_without_ddp",
     "ddp_kwargs_from_user",
     "only_rank_zero_reports",
@@ -125,6 +126,23 @@ def check_zero_without_ddp(zero: int, ddp_kwargs: Mapping[str, Any]) -> None:
             f"zero={zero} shards gradients over DP without DistributedDataParallel, so DDP options do not apply;"
             f" got {sorted(ddp_kwargs)}. Drop them (parameters a step may leave out are found from the traced step),"
             " or use zero=0."
+        )
+
+
+#: The DDP options the DTensor parameters' own DP all-reduce honours: its bucket size, and the request to find
+#: parameters a step leaves out (it always does: each keeps a None gradient where no DP rank used it).
+DTENSOR_DP_OPTIONS = ("bucket_cap_mb", "find_unused_parameters")
+
+
+def check_ddp_kwargs_with_dtensors(ddp_kwargs: Mapping[str, Any], mp: Any) -> None:
+    """With mp > 1 (at zero=0, no pipeline) the parameters are DTensors, which ``DistributedDataParallel`` cannot
+    hold: the strategy averages the DP gradients itself, so DDP's other options would be ignored; refuse them."""
+    ignored = sorted(k for k in ddp_kwargs if k not in DTENSOR_DP_OPTIONS)
+    if isinstance(mp, int) and mp > 1 and ignored:
+        raise ValueError(
+            f"DPMPStrategy(mp={mp}) averages the data-parallel gradients itself (its parameters are DTensors, which"
+            f" DistributedDataParallel cannot hold), so the DDP options {ignored} do not apply; drop them (only"
+            f" {', '.join(DTENSOR_DP_OPTIONS)} are honoured), or use mp=1."
         )
 
 

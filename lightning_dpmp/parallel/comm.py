@@ -65,11 +65,13 @@ def all_reduce_sum(tensor: Tensor, group: Optional[Any]) -> Tensor:
     return tensor
 
 
-def all_reduce_grads(params: Any, group: Optional[Any], *, average: bool, keep_unused: bool = False) -> None:
+def all_reduce_grads(params: Any, group: Optional[Any], *, average: bool, keep_unused: bool = False,
+                     bucket_bytes: Optional[int] = None) -> None:
     """Sum the gradients of ``params`` over ``group`` (divided by its size with ``average``), one flat all-reduce
-    per (dtype, device); a rank without a gradient contributes zeros. ``keep_unused``: a parameter no rank had a
-    gradient for keeps ``None`` (so an optimizer skips it, as on one process), found from one more element per
-    parameter in the same all-reduce; otherwise every parameter ends with a gradient.
+    per (dtype, device), or per bucket of at most ``bucket_bytes`` of gradients (as DDP's ``bucket_cap_mb``: the
+    flat copy never holds more than one bucket); a rank without a gradient contributes zeros. ``keep_unused``: a
+    parameter no rank had a gradient for keeps ``None`` (so an optimizer skips it, as on one process), found from
+    one more element per parameter in the same all-reduce; otherwise every parameter ends with a gradient.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.full((2,), 3.0)
@@ -80,7 +82,21 @@ def all_reduce_grads(params: Any, group: Optional[Any], *, average: bool, keep_u
     for p in params:
         by_kind.setdefault((p.dtype, p.device), []).append(p)
     size = group_size(group)
+    buckets: list[tuple[torch.dtype, torch.device, list[Tensor]]] = []
     for (dtype, device), ps in by_kind.items():
+        if bucket_bytes is None:
+            buckets.append((dtype, device, ps))
+            continue
+        current: list[Tensor] = []
+        held = 0
+        for p in ps:
+            if current and held + p.numel() * p.element_size() > bucket_bytes:
+                buckets.append((dtype, device, current))
+                current, held = [], 0
+            current.append(p)
+            held += p.numel() * p.element_size()
+        buckets.append((dtype, device, current))
+    for dtype, device, ps in buckets:
         parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps]
         if keep_unused:
             parts.append(torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=device))

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -49,7 +50,7 @@ from lightning_dpmp.parallel.sharding import (
     shard_tensor,
 )
 
-__all__ = ["BlockShard", "DTensorParams", "is_dtensor", "local_tensor", "placement_for"]
+__all__ = ["BlockShard", "DTensorParams", "is_dtensor", "local_tensor", "placement_for", "register_missing_ops"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -129,6 +130,18 @@ def placement_for(dim: Optional[int], blocks: Blocks) -> Any:
     return Shard(dim)  # equal parts, or one padded block (torch's chunk layout: the padding at the end)
 
 
+@functools.lru_cache(maxsize=None)
+def register_missing_ops() -> None:
+    """Teach DTensor the ops it lacks that Lightning's own paths run on gradients (once per process):
+    ``aten._is_any_true`` (autograd's anomaly mode, ``Trainer(detect_anomaly=True)``, checks every gradient a
+    backward node returns with it) on the whole tensor, replicated first (a debug mode: exact, not fast)."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.aten._is_any_true.default)
+    def _any_true(x: Any) -> list[tuple[list[Any], list[Any]]]:
+        return [([Replicate()], [Replicate()])]
+
+
 class _Slot:
     """One registration of a parameter: ``module._parameters[name]``."""
 
@@ -152,6 +165,7 @@ class DTensorParams:
     """
 
     def __init__(self, module: nn.Module, mesh: Any, mp: int) -> None:
+        register_missing_ops()
         self.module, self.mesh = module, mesh
         self._mp_dim = mesh.mesh_dim_names.index("mp")
         dims, blocks = shard_dims(module), shard_blocks(module)
@@ -308,9 +322,9 @@ class DTensorParams:
 
     def step_locals(self, optimizer: Any) -> None:
         """Point ``optimizer`` at the local parameters of the DTensor ones it was given (its param groups and any
-        state it holds, the state's DTensors as their local tensors): it then steps plain tensors. Its
-        ``zero_grad`` (on this instance) clears the DTensor parameters' gradients too. Parameters that are not
-        ours are left as they are."""
+        state it holds, the state's DTensors as their local tensors): it then steps plain tensors. Parameters that
+        are not ours are left as they are. Its ``zero_grad`` clears the local gradients; :meth:`clear_stale_grads`
+        follows with the DTensors' before the next backward."""
         for group in optimizer.param_groups:
             group["params"] = [self.local(p) if self.owns(p) else p for p in group["params"]]
         for key in [k for k in optimizer.state if isinstance(k, Tensor) and self.owns(k)]:
@@ -319,20 +333,14 @@ class DTensorParams:
                                                 for k, v in state.items()}
         if hasattr(optimizer, "_params"):  # LBFGS keeps its own list of the first group's parameters
             optimizer._params = optimizer.param_groups[0]["params"]
-        zero_grad = optimizer.zero_grad
 
-        def zero_both(set_to_none: bool = True) -> None:
-            zero_grad(set_to_none=set_to_none)
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if self.owns(p):
-                        d = self.dtensor(p)
-                        if p.grad is None:
-                            d.grad = None
-                        elif d.grad is not None and local_tensor(d.grad) is not p.grad:
-                            local_tensor(d.grad).zero_()
-
-        optimizer.zero_grad = zero_both
+    def clear_stale_grads(self) -> None:
+        """A DTensor parameter whose local parameter's gradient was set to ``None`` (an optimizer's ``zero_grad``
+        ran on the local parameters) drops its gradient too; run before each backward, which would otherwise
+        accumulate into it. (``zero_grad(set_to_none=False)`` zeroes the shared storage in place.)"""
+        for loc, d in zip(self.locals, self.dtensors):
+            if loc.grad is None and d.grad is not None:
+                d.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear both forms' gradients (an optimizer over the local parameters cleared theirs)."""

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.topology import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "Grid", "build_grid", "device_mesh"]
@@ -151,6 +152,9 @@ def device_mesh(grid: Grid, device_type: str) -> Any:
     """
     from torch.distributed.device_mesh import DeviceMesh
 
+    # DTensor caches shardings by mesh equality, which ignores the groups: an earlier job's mesh of the same shape
+    # would lend this one its (destroyed) groups
+    compat.clear_dtensor_sharding_cache()
     topo = grid.topology
     pp_group = grid.pp_group if topo.pp > 1 else dist.new_group([grid.rank], use_local_synchronization=True)
     ranks = torch.arange(topo.world_size).view(topo.dp, topo.pp, topo.mp)  # rank = (dp * pp + pp_rank) * mp + mp

@@ -229,8 +229,10 @@ class StepSkip(ResMLP):
 
 class Unused(StepSkip):
     """Skips its last block on odd steps, decided by a Python int the traced step (step 0, every block used, no
-    data-dependent op) cannot reveal: DDP's unused-parameter error at step 1, with our advice. (A layer the traced
-    step leaves out, or a branch on the data, is found at setup and trains: tests/distributed/test_data_dependent.py.)
+    data-dependent op) cannot reveal: at mp=1 (DDP averages the gradients) DDP's unused-parameter error at step 1,
+    with our advice. (With mp > 1 the strategy's own DP all-reduce keeps such a parameter's gradient None, as one
+    process does; a layer the traced step leaves out, or a branch on the data, is found at setup and trains at
+    every level: tests/distributed/test_data_dependent.py.)
     """
 
     SKIP_ON = 1
@@ -254,7 +256,7 @@ def fail(case: str, out: str) -> None:
         t = trainer(1, 2, max_epochs=1, use_distributed_sampler=False)
         t.fit(ResMLP(), DataLoader(torch.utils.data.Subset(make_dataset(), range(16 + 4 * rank)), batch_size=PER_RANK))
     elif case == "unused":
-        t = trainer(2, 2, max_steps=3)
+        t = trainer(4, 1, max_steps=3)
         t.fit(Unused(), DataLoader(make_dataset(), batch_size=PER_RANK))
     else:
         raise SystemExit(f"unknown case {case}")

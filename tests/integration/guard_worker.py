@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.guard import ConsistencyGuard  # noqa: E402
+from lightning_dpmp.parallel.dtensor_params import local_tensor  # noqa: E402
 from tests.support.models import ResMLP, make_dataset  # noqa: E402
 
 
@@ -35,7 +36,7 @@ class Nudge(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if trainer.global_rank == 3 and trainer.global_step == 2:
             with torch.no_grad():
-                pl_module.blocks[0].fc1.weight[0, 0] += 1e-6
+                local_tensor(pl_module.blocks[0].fc1.weight)[0, 0] += 1e-6  # this rank's shard alone
 
 
 class TimedGuard(ConsistencyGuard):

@@ -183,7 +183,7 @@ def _fail(tmp_path, case: str, world: int, launched: bool, timeout: float = 280)
         ("uneven_dp", 4, False, "different numbers of batches in training epoch 0 (rank 0 (dp_rank 0, mp_rank 0): 4;"),
         ("uneven_mp", 2, False, "rank 1 (dp_rank 0, mp_rank 1): 5)"),
         ("swa", 2, True, "StochasticWeightAveraging keeps a copy of the model to average into, but zero=3 frees"),
-        ("unused", 4, False, "strategy=DPMPStrategy(dp=2, mp=2, find_unused_parameters=True)"),
+        ("unused", 4, False, "strategy=DPMPStrategy(dp=4, mp=1, find_unused_parameters=True)"),
     ],
 )
 def test_fails_fast_with_the_cause(tmp_path, case, world, launched, expected):

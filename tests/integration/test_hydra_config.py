@@ -93,7 +93,7 @@ def test_every_experiment_composes_and_instantiates(tmp_path, experiment):
         ["trainer=gpu"],
         ["strategy.dp=1", "strategy.mp=4", "strategy.verify_plan=false", "strategy.timeout.seconds=30"],
         ["strategy.plan_overrides={net.blocks.*.mlp.fc1:column,net.blocks.*.mlp.fc2:row}",
-         "+strategy.ddp.static_graph=true"],
+         "+strategy.ddp.bucket_cap_mb=50"],
     ],
     ids=lambda o: " ".join(o),
 )

@@ -445,3 +445,23 @@ def test_dcp_chunk_protocol_classes_and_wrapper_tensor() -> None:
 
     w = compat.wrapper_tensor(Shape, (2, 4), torch.float16, torch.device("cpu"))
     assert isinstance(w, Shape) and w.shape == (2, 4) and w.dtype == torch.float16
+
+
+def test_current_function_mode_is_the_innermost() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    assert compat.current_function_mode() is None
+    with TorchFunctionMode() as outer:
+        assert compat.current_function_mode() is outer
+        with TorchFunctionMode() as inner:
+            assert compat.current_function_mode() is inner
+        assert compat.current_function_mode() is outer
+
+
+def test_dtensor_sharding_cache_can_be_cleared() -> None:
+    from torch.distributed.tensor import DTensor
+
+    cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    assert callable(getattr(cache, "cache_clear", None)), "DTensor's sharding cache moved: compat.clear_dtensor_..."
+    compat.clear_dtensor_sharding_cache()
+    assert cache.cache_info().currsize == 0
