@@ -129,14 +129,20 @@ def current_function_mode() -> Optional[Any]:
 
 
 def clear_dtensor_sharding_cache() -> None:
-    """Forget DTensor's cached sharding decisions: ``DTensor._op_dispatcher.sharding_propagator
-    .propagate_op_sharding`` (a thread-local ``lru_cache``, torch 2.13). Their keys compare meshes without their process
-    groups (``DeviceMesh.__eq__``: ranks, layout, device, dim names), so a mesh built over new groups (the next job in
-    one process: a Hydra multirun, a test pool) would get an earlier mesh's cached output specs and run collectives on
-    that mesh's destroyed groups ("Could not resolve the process group registered under the name ...")."""
+    """Forget DTensor's cached sharding decisions (torch 2.13): the C++ dispatch fast path's cache
+    (``torch._C._clear_DTensor_sharding_propagator_cache``), the Python one behind it (``DTensor._op_dispatcher
+    .sharding_propagator.propagate_op_sharding``, a thread-local ``lru_cache``) and the redistribution planner's
+    (``torch.distributed.tensor._redistribute.clear_redistribute_planner_cache``). Their keys compare meshes without
+    their process groups (``DeviceMesh.__eq__``: ranks, layout, device, dim names), so a mesh built over new groups
+    (the next job in one process: a Hydra multirun, a test pool) would get an earlier mesh's cached output specs and
+    run collectives on that mesh's destroyed groups ("Could not resolve the process group registered under the name
+    ...")."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
+    torch._C._clear_DTensor_sharding_propagator_cache()
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

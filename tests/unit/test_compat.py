@@ -463,5 +463,6 @@ def test_dtensor_sharding_cache_can_be_cleared() -> None:
 
     cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
     assert callable(getattr(cache, "cache_clear", None)), "DTensor's sharding cache moved: compat.clear_dtensor_..."
+    assert callable(getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)), "the C++ cache's clear moved"
     compat.clear_dtensor_sharding_cache()
     assert cache.cache_info().currsize == 0
