@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
@@ -192,8 +193,11 @@ def ddp_kwargs_from_user(ddp_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("process_group", "device_mesh"):
         if ddp_kwargs.get(key) is not None:
             raise ValueError(f"DPMPStrategy builds the DP process group itself; do not pass `{key}`.")
+    # DDPStrategy's own options (ddp_comm_hook, model_averaging_period, ...) reach us through **ddp_kwargs too.
     defaults = {
-        n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+        n: p.default
+        for init in (DistributedDataParallel.__init__, DDPStrategy.__init__)
+        for n, p in inspect.signature(init).parameters.items()
         if p.default is not inspect.Parameter.empty
     }
     return {k: v for k, v in ddp_kwargs.items() if not (k in defaults and _same(v, defaults[k]))}

@@ -85,9 +85,13 @@ def test_every_plain_argument_is_type_checked_at_construction(kwargs, error, wor
 
 
 def test_ddp_defaults_are_accepted_and_dropped_a_real_group_is_refused():
-    # What LightningCLI passes behind **ddp_kwargs: DistributedDataParallel's own defaults.
+    # What LightningCLI passes behind **ddp_kwargs: DistributedDataParallel's and DDPStrategy's own defaults.
     assert ddp_kwargs_from_user({"process_group": None, "dim": 0, "broadcast_buffers": None, "static_graph": False,
-                                 "bucket_cap_mb": None, "ddp_comm_hook": None}) == {"ddp_comm_hook": None}
+                                 "bucket_cap_mb": None, "ddp_comm_hook": None}) == {}
+    cli = {"ddp_comm_state": None, "ddp_comm_hook": None, "ddp_comm_wrapper": None, "model_averaging_period": None}
+    assert DPMPStrategy(dp=2, mp=2, **cli)._ddp_kwargs == {}  # (with mp > 1 DDP's options are refused: none here)
+    with pytest.raises(ValueError, match=r"\['ddp_comm_hook'\] do not apply"):
+        DPMPStrategy(dp=2, mp=2, ddp_comm_hook=print)
     user = {"static_graph": True, "bucket_cap_mb": 50}
     assert ddp_kwargs_from_user(user) == {"static_graph": True, "bucket_cap_mb": 50}
     assert DPMPStrategy(dp=1, mp=2, process_group=None, find_unused_parameters=False)._ddp_kwargs == {}
