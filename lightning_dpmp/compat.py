@@ -53,6 +53,7 @@ __all__ = [
     "compiled_by_user",
     "current_function_mode",
     "ddp_kwargs",
+    "set_ddp_kwargs",
     "ddp_timeout",
     "default_store",
     "compile_backend",
@@ -370,6 +371,12 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     (lightning 2.6.6)."""
     kwargs: dict[str, Any] = strategy._ddp_kwargs
     return kwargs
+
+
+def set_ddp_kwargs(strategy: Any, kwargs: dict[str, Any]) -> None:
+    """Set ``DDPStrategy._ddp_kwargs`` (lightning 2.6.6), which ``configure_ddp`` passes to
+    ``DistributedDataParallel``."""
+    strategy._ddp_kwargs = kwargs
 
 
 def ddp_timeout(strategy: Any) -> Any:

@@ -65,6 +65,7 @@ from lightning_dpmp.integration.pipeline import (
 )
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.integration.teardown import consolidate_engine
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.comm import all_reduce_grads
@@ -296,11 +297,17 @@ def wrap_dp(strategy: Any, conditional: bool) -> None:
     only; with mp=1 the DP group is the world and DDP gets the default group, as ``DDPStrategy`` gives it.
     ``conditional``: the traced step left parameters out or branched on the data, so DDP must find each step the
     parameters no rank used (their gradients stay None, as on one process)."""
-    kwargs = compat.ddp_kwargs(strategy)
-    kwargs["process_group"] = strategy.grid.dp_group if strategy.mp > 1 else None
+    # This run's options on a copy, the user's dict put back after: a later fit at another layout (or with a plan
+    # that does not branch) must not inherit this run's process group or find_unused_parameters.
+    user = compat.ddp_kwargs(strategy)
+    run = {**user, "process_group": strategy.grid.dp_group if strategy.mp > 1 else None}
     if conditional:
-        kwargs["find_unused_parameters"] = True
-    strategy.configure_ddp()
+        run["find_unused_parameters"] = True
+    compat.set_ddp_kwargs(strategy, run)
+    try:
+        strategy.configure_ddp()
+    finally:
+        compat.set_ddp_kwargs(strategy, user)
 
 
 def step_local_shards(optimizers: list[Any], params: DTensorParams) -> None:
@@ -383,9 +390,10 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
 
 def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool, str], failed: bool) -> None:
     """Undo :func:`parallelize` in reverse (collective unless ``failed``: after an error no rank communicates, since
-    a peer may be dead): release the engine (whole parameters, plain optimizers with their gathered state), gather
-    the layers back per ``consolidate`` (``"rank0"``: global rank 0 alone ends with the plain model; ``True``: every
-    rank; ``False``: stays split), uncompile, remove the step hooks."""
+    a peer may be dead): gather the layers back per ``consolidate`` (``"rank0"``: global rank 0 alone ends with the
+    plain model; ``True``: every rank; ``False``: stays split), under ZeRO straight from the engine's shards
+    (:func:`~lightning_dpmp.integration.teardown.consolidate_engine`; with ``False`` the engine is released: whole
+    MP-local parameters, plain optimizers with their gathered state), uncompile, remove the step hooks."""
     module = strategy.lightning_module
     if parallel.params is not None:  # the plain shards for good: what the rest of the teardown gathers
         parallel.params.release()
@@ -393,7 +401,11 @@ def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool
     if parallel.pipeline is not None and not failed:
         parallel.pipeline.sync(strategy.optimizers)  # every rank the trained model before gathering it
     if parallel.engine is not None and not failed:
-        strategy.optimizers = release_engine(parallel.engine, strategy.optimizers, strategy.lr_scheduler_configs)
+        if consolidate and module is not None:  # each bucket straight into the dense model: nobody holds it whole
+            strategy.optimizers = consolidate_engine(strategy, parallel.engine, strategy.optimizers,
+                                                     strategy.lr_scheduler_configs, everywhere=consolidate is True)
+        else:  # the module stays split: every rank its MP-local model and optimizer state, as at zero=0
+            strategy.optimizers = release_engine(parallel.engine, strategy.optimizers, strategy.lr_scheduler_configs)
     parallel.engine = None
     if consolidate and not failed and module is not None and shard_dims(module):
         unsplit_model(strategy, everywhere=consolidate is True)

@@ -124,3 +124,17 @@ def test_step_closure_sums_only_the_stepped_partial_gradients(monkeypatch: pytes
     assert sums == [[b]]
     assert parallel.step_closure(lambda: 1, [])() == 1  # nothing partial stepped: the closure as it is
     assert sums == [[b]]
+
+
+def test_wrap_dp_gives_ddp_this_runs_options_on_a_copy() -> None:
+    """DDP gets the DP group and, for a step that branched, ``find_unused_parameters=True``; the user's options are
+    put back afterwards, so a later fit (another layout, a plan without branches) does not inherit them."""
+    seen: list[dict[str, Any]] = []
+    user = {"bucket_cap_mb": 50}
+    strategy = SimpleNamespace(_ddp_kwargs=user, mp=2, grid=SimpleNamespace(dp_group="dp"))
+    strategy.configure_ddp = lambda: seen.append(dict(strategy._ddp_kwargs))
+    pipeline.wrap_dp(strategy, conditional=True)
+    pipeline.wrap_dp(strategy, conditional=False)
+    assert seen == [{"bucket_cap_mb": 50, "process_group": "dp", "find_unused_parameters": True},
+                    {"bucket_cap_mb": 50, "process_group": "dp"}]
+    assert strategy._ddp_kwargs is user and user == {"bucket_cap_mb": 50}
