@@ -116,6 +116,8 @@ class LayoutRules(AnalysisState):
         new = sh.dim + len(out_shape) - len(shape)
         if out_shape[new] != shape[sh.dim]:
             return f"repeated by '{ev.name}' along the split dim"
+        if ev.name in ("expand", "broadcast_to"):  # sizes (repeat's are counts): the split dim's must be per rank
+            self._size_literal(ev, sh, new, len(out_shape))
         return [(new, sh.raw)]
 
     def _narrow(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
@@ -148,12 +150,18 @@ class LayoutRules(AnalysisState):
         if b[new] % self.mp and not self.regions[self.find(sh.region)].padded:  # (padded: a vocabulary dim)
             return f"reshaped to {b[new]} heads/groups at dim {new}, not divisible by mp={self.mp}"
         if ev.name in ("view", "reshape"):
-            literal = [v for v in ev.values[1:]]
-            region = self.regions[self.find(sh.region)]
-            size = literal[new] if len(literal) == len(b) else None
-            if size is not None and size != -1 and not region.derived(int(size)):
-                region.literals.add(int(size))
+            self._size_literal(ev, sh, new, len(b))
         return [(new, raw)]
+
+    def _size_literal(self, ev: OpCall, sh: Shard, pos: int, ndim: int) -> None:
+        """The size ``view``/``reshape``/``expand`` got at the split dim's position ``pos``: unless it was read off a
+        split tensor (then it is per rank at run time by itself) or is ``-1``, it is a fixed size that must become
+        per rank, recorded with the module whose code passed it (see :func:`structure.resolve_literals`)."""
+        sizes = ev.values[1:]
+        size = sizes[pos] if len(sizes) == ndim else None
+        region = self.regions[self.find(sh.region)]
+        if size is not None and size != -1 and not region.derived(int(size)):
+            region.literals.add((int(size), ev.scope))
 
     @functools.cached_property
     def _consumers(self) -> dict[int, list[OpCall]]:
@@ -165,7 +173,8 @@ class LayoutRules(AnalysisState):
         return out
 
     def _cut(self, node: int, dim: int) -> bool:
-        """Whether an op reading ``node`` indexes, slices, unbinds, splits or chunks it along ``dim``."""
+        """Whether an op reading ``node`` indexes, slices, unbinds, splits or chunks it along ``dim``, directly or
+        after transposes that move that dim (litgpt permutes its per-group view before splitting it)."""
         shape = self._shape(node)
         for e in self._consumers.get(node, []):
             if e.name == "__getitem__":
@@ -174,16 +183,14 @@ class LayoutRules(AnalysisState):
                     return True
             elif e.name in _SPLITS and _split_dim(e, len(shape)) == dim:
                 return True
+            elif e.name in _MOVES and len(e.outputs) == 1 and self._cut(e.outputs[0], _moved(e, dim, len(shape))):
+                return True
         return False
 
     def _transpose(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
-        ndim = len(shape)
-        ints = [v for v in ev.values[1:] if v is not None]
+        new = _moved(ev, sh.dim, len(shape))
         if ev.name == "permute":
-            order = [d % ndim for d in ints]
-            return [(order.index(sh.dim), sh.raw if order.index(sh.dim) == sh.dim else None)]
-        a, b = ([ndim - 2, ndim - 1] if ev.name in ("t", "T", "mT") else [d % ndim for d in ints[:2]])
-        new = b if sh.dim == a else a if sh.dim == b else sh.dim
+            return [(new, sh.raw if new == sh.dim else None)]
         if new != sh.dim and not self.need_blocks(sh, 1):
             return f"transposed by '{ev.name}' before its fused blocks were separated"
         return [(new, sh.raw if new == sh.dim else None)]
@@ -205,7 +212,7 @@ class LayoutRules(AnalysisState):
                 return f"split by '{ev.name}' into parts {list(sizes)} that are not its fused blocks split by mp"
             return [(sh.dim, None)] * pieces
         if ev.name == "split" and len(ints) == 2:  # split(size, dim): a fixed size becomes per-rank
-            self.regions[self.find(sh.region)].literals.add(int(ints[0]))
+            self.regions[self.find(sh.region)].literals.add((int(ints[0]), ev.scope))
         if not self.need_blocks(sh, pieces) or sizes[0] % self.mp:
             return f"split by '{ev.name}' into unequal or indivisible parts along the split dim"
         return [(sh.dim, None)] * pieces
@@ -218,6 +225,18 @@ class LayoutRules(AnalysisState):
 
 
 _SPLITS = ("unbind", "split", "chunk", "tensor_split", "split_with_sizes")  # ops cutting one tensor into pieces
+_MOVES = ("transpose", "swapaxes", "swapdims", "permute", "t", "T", "mT", "contiguous")  # ops that only move dims
+
+
+def _moved(ev: OpCall, dim: int, ndim: int) -> int:
+    """Where input dim ``dim`` lands through a transpose or permute ``ev`` (``contiguous`` keeps it)."""
+    ints = [v for v in ev.values[1:] if v is not None]
+    if ev.name == "permute":
+        return [d % ndim for d in ints].index(dim)
+    if ev.name == "contiguous":
+        return dim
+    a, b = ([ndim - 2, ndim - 1] if ev.name in ("t", "T", "mT") else [d % ndim for d in ints[:2]])
+    return b if dim == a else a if dim == b else dim
 
 
 def _split_dim(ev: OpCall, ndim: int) -> int:

@@ -84,8 +84,11 @@ class LayerPlan:
 class Plan:
     """The layout of every Linear and Embedding of a model, in module order, for an MP width ``mp``.
 
-    ``adjust`` maps a module name to ``{attribute: (dense value, local value)}``: head counts that attention code
-    keeps in attributes and uses in reshapes, set to the per-rank count while the model is parallel.
+    ``adjust`` maps a module name to ``{path: (dense value, local value)}``: head counts that attention code
+    reshapes with, held by the module as an attribute (``"n_head"``), a field of an object it keeps
+    (``"config.n_head"``, a config shared by every layer) or an entry of a container (an einops layer's
+    ``"axes_lengths['h']"``), set to the per-rank count while the model is parallel
+    (:func:`lightning_dpmp.planner.structure.set_per_rank`).
     """
 
     mp: int

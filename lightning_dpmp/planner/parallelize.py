@@ -27,11 +27,12 @@ from lightning_dpmp.parallel.sharding import (
     shard_dims,
 )
 from lightning_dpmp.planner.plan import Plan
+from lightning_dpmp.planner.structure import set_per_rank, unset_per_rank
 from lightning_dpmp.planner.styles import BuildContext
 
 __all__ = ["consolidate", "consolidated_state_dict", "parallelize", "restore", "set_submodule"]
 
-_ADJUSTED = "_dpmp_dense_attrs"  # on a module whose int attributes were set to per-rank values
+_ADJUSTED = "_dpmp_dense_attrs"  # on a module whose head counts were set per rank: its attributes as they were
 _SP_HOOK = "_dpmp_sequence_hook"  # on an unsplit embedding whose output is split along the sequence
 
 
@@ -106,11 +107,9 @@ def parallelize(
             if not plan.layers[name].parallel_style.splits:
                 module = model.get_submodule(name)
                 module.__dict__[_SP_HOOK] = module.register_forward_hook(_SequenceScatter(group, rng))
-    for name, attrs in plan.adjust.items():
+    for name, attrs in plan.adjust.items():  # head counts: attributes, a config's fields (on a copy), einops' h=
         module = model.get_submodule(name) if name else model
-        setattr(module, _ADJUSTED, {a: getattr(module, a) for a in attrs})
-        for a, (_, local) in attrs.items():
-            setattr(module, a, local)
+        setattr(module, _ADJUSTED, set_per_rank(module, {a: local for a, (_, local) in attrs.items()}))
     return originals
 
 
@@ -138,9 +137,7 @@ class _SequenceScatter:
 
 def _restore_attrs(model: nn.Module) -> None:
     for module in model.modules():
-        dense = module.__dict__.pop(_ADJUSTED, None)
-        for a, v in (dense or {}).items():
-            setattr(module, a, v)
+        unset_per_rank(module, module.__dict__.pop(_ADJUSTED, None) or {})
         hook = module.__dict__.pop(_SP_HOOK, None)
         if hook is not None:
             hook.remove()

@@ -44,6 +44,8 @@ class OpCall:
     ``index`` describes the subscript of ``__getitem__``/``__setitem__``, one entry per indexed position (see
     :func:`describe_index`). A shape query (``x.shape``, ``x.size()``) is recorded as ``"size"`` with no output
     and the sizes in ``values``, so that the planner can tell sizes the code read from a tensor from literals.
+    ``scope`` names the innermost (non-Linear) module that was running (``""`` outside every submodule): where to
+    look for the attribute a literal size came from (an einops ``Rearrange`` layer holds its ``h=``).
     """
 
     name: str
@@ -51,6 +53,7 @@ class OpCall:
     outputs: tuple[int, ...]
     values: tuple[Optional[int], ...] = ()
     index: tuple[tuple, ...] = ()
+    scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,8 @@ class _Recorder(TorchFunctionMode):
                 self.data_dependent(name)  # x[mask]: as many rows as the mask has True
         elif name == "einsum" and args and isinstance(args[0], str):
             index = (("equation", args[0]),)
-        self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index))
+        self.trace.events.append(OpCall(name, inputs, tuple(self.node(t) for t in outs), values, index,
+                                        self.module()))
         return out
 
     def _lookup(self, args: tuple, kwargs: dict, out: Any) -> bool:

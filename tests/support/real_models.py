@@ -249,6 +249,29 @@ class GroupedAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
+class EinopsLayersAttention(nn.Module):
+    """Attention the x-transformers way: the heads split and merged by einops ``Rearrange`` layers built with
+    ``h=heads`` (the count lives in the layer), the same count also kept as an attribute of the attention module,
+    which its forward never reads; a fused q|k|v chunked in three, ``einsum`` scores and values."""
+
+    def __init__(self, dim: int = 32, heads: int = 8, dim_head: int = 4) -> None:
+        from einops.layers.torch import Rearrange
+
+        super().__init__()
+        self.heads, self.scale = heads, dim_head**-0.5
+        self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
+        self.split_heads = Rearrange("b n (h d) -> b h n d", h=heads)
+        self.merge_heads = Rearrange("b h n d -> b n (h d)")
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = map(self.split_heads, self.to_qkv(x).chunk(3, dim=-1))
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        causal = torch.ones(sim.shape[-2:], dtype=torch.bool, device=x.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        return self.to_out(self.merge_heads(torch.einsum("b h i j, b h j d -> b h i d", attn, v)))
+
+
 class AttentionLM(nn.Module):
     """Two pre-norm blocks around any attention module (``attention()`` builds one), a GELU MLP each, a token
     table and an LM head: the own models whose attention is the pattern under test."""
@@ -273,6 +296,126 @@ class AttentionLM(nn.Module):
 
 def _own_attention(attention: Callable[[], nn.Module]) -> Callable[[], tuple[L.LightningModule, object]]:
     return lambda: (CausalLM(AttentionLM(attention)), make_lm_dataset(vocab=VOCAB, seq=SEQ))
+
+
+@dataclass
+class LitConfig:
+    """A litgpt-style config: one object every block, attention and MLP reads its sizes from (never copied)."""
+
+    vocab_size: int = VOCAB
+    block_size: int = SEQ
+    n_layer: int = 2
+    n_embd: int = 48
+    n_head: int = 8
+    n_query_groups: int = 4  # grouped-query attention: 2 query heads per key/value head
+    head_size: int = 6
+    intermediate_size: int = 96
+    rotary_percentage: float = 1.0
+    scale_embeddings: bool = True  # the model reads config.n_embd in its own forward
+
+    @property
+    def rope_n_elem(self) -> int:
+        return int(self.rotary_percentage * self.head_size)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.size(-1) // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LitAttention(nn.Module):
+    """litgpt's CausalSelfAttention: every head count read from the shared config in forward. ``fused_groups``: the
+    fused projection viewed per kv group, ``(B, T, n_query_groups, q_per_kv + 2, head_size)``, split along the
+    per-group dim and expanded (litgpt up to 0.4); otherwise split by sizes into q|k|v, each viewed ``(B, T,
+    heads, head_size)``, and repeat-interleaved (litgpt 0.5)."""
+
+    def __init__(self, config: LitConfig, fused_groups: bool) -> None:
+        super().__init__()
+        shape = (config.n_head + 2 * config.n_query_groups) * config.head_size
+        self.attn = nn.Linear(config.n_embd, shape, bias=True)
+        self.proj = nn.Linear(config.head_size * config.n_head, config.n_embd, bias=False)
+        self.config, self.fused_groups = config, fused_groups
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()
+        qkv = self.attn(x)
+        if self.fused_groups:
+            q_per_kv = self.config.n_head // self.config.n_query_groups
+            qkv = qkv.view(B, T, self.config.n_query_groups, q_per_kv + 2, self.config.head_size)
+            qkv = qkv.permute(0, 2, 3, 1, 4)  # (B, groups, q_per_kv + 2, T, head_size)
+            q, k, v = qkv.split((q_per_kv, 1, 1), dim=2)
+            k = k.expand(B, self.config.n_query_groups, q_per_kv, T, self.config.head_size)
+            v = v.expand(B, self.config.n_query_groups, q_per_kv, T, self.config.head_size)
+            q, k, v = (t.reshape(B, -1, T, self.config.head_size) for t in (q, k, v))
+        else:
+            head_size, n_head, n_query_groups = self.config.head_size, self.config.n_head, self.config.n_query_groups
+            q, k, v = qkv.split((n_head * head_size, n_query_groups * head_size, n_query_groups * head_size), dim=-1)
+            q = q.view(B, T, n_head, head_size).transpose(1, 2)
+            k = k.view(B, T, n_query_groups, head_size).transpose(1, 2)
+            v = v.view(B, T, n_query_groups, head_size).transpose(1, 2)
+            q_per_kv = n_head // n_query_groups
+            k, v = k.repeat_interleave(q_per_kv, dim=1), v.repeat_interleave(q_per_kv, dim=1)
+        n_elem = self.config.rope_n_elem
+        q = torch.cat((_apply_rope(q[..., :n_elem], cos, sin), q[..., n_elem:]), dim=-1)
+        k = torch.cat((_apply_rope(k[..., :n_elem], cos, sin), k[..., n_elem:]), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, self.config.head_size * self.config.n_head)
+        return self.proj(y)
+
+
+class LitMLP(nn.Module):
+    def __init__(self, config: LitConfig) -> None:
+        super().__init__()
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+class LitBlock(nn.Module):
+    def __init__(self, config: LitConfig, fused_groups: bool) -> None:
+        super().__init__()
+        self.norm_1, self.norm_2 = nn.LayerNorm(config.n_embd), nn.LayerNorm(config.n_embd)
+        self.attn, self.mlp = LitAttention(config, fused_groups), LitMLP(config)
+        self.config = config
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x), cos, sin)
+        return x + self.mlp(self.norm_2(x))
+
+
+class LitGPT(nn.Module):
+    """A tiny litgpt-style GPT: one :class:`LitConfig` object shared by the model, every block, attention and MLP
+    (the model itself reads ``config.n_embd`` in forward), rotary embeddings computed in forward, untied head."""
+
+    def __init__(self, config: LitConfig, fused_groups: bool) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "h": nn.ModuleList(LitBlock(config, fused_groups) for _ in range(config.n_layer)),
+            "ln_f": nn.LayerNorm(config.n_embd),
+        })
+        self.config = config
+
+    def forward(self, input_ids: torch.Tensor) -> types.SimpleNamespace:
+        T, n_elem = input_ids.size(1), self.config.rope_n_elem
+        theta = 1.0 / 10000 ** (torch.arange(0, n_elem, 2, device=input_ids.device).double() / n_elem)
+        freqs = torch.outer(torch.arange(T, device=input_ids.device).double(), theta).repeat(1, 2)
+        cos, sin = freqs.cos().to(self.lm_head.weight.dtype), freqs.sin().to(self.lm_head.weight.dtype)
+        x = self.transformer["wte"](input_ids)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        for block in self.transformer["h"]:
+            x = block(x, cos, sin)
+        return types.SimpleNamespace(logits=self.lm_head(self.transformer["ln_f"](x)))
+
+
+def _litgpt(fused_groups: bool) -> Callable[[], tuple[L.LightningModule, object]]:
+    return lambda: (CausalLM(LitGPT(LitConfig(), fused_groups)), make_lm_dataset(vocab=VOCAB, seq=SEQ))
 
 
 def _bert() -> tuple[L.LightningModule, object]:
@@ -492,6 +635,11 @@ REAL_MODELS: dict[str, RealModel] = {
     "sized_qkv_slices": RealModel(_own_attention(lambda: SizedQKV(slices=True)), 2),
     "hf_phi3": RealModel(_phi3, 2),
     "einops_attention": RealModel(_own_attention(EinopsAttention), 2),
+    # head counts held outside the attention module: by einops Rearrange layers (x-transformers), by one config
+    # object every layer reads (litgpt, fused per kv group up to 0.4 and split by sizes since 0.5)
+    "einops_layers": RealModel(_own_attention(EinopsLayersAttention), 2),
+    "litgpt_grouped": RealModel(_litgpt(fused_groups=True), 2),
+    "litgpt_split": RealModel(_litgpt(fused_groups=False), 2),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),
