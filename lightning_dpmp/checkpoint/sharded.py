@@ -329,7 +329,9 @@ def save_sharded(
     def put(key: str, value: Tensor, dim: Optional[int], b: Blocks) -> None:
         info = held_of(value)  # ZeRO: this rank's flat slices; else the tensor, whole
         shape = tuple(info.local_shape or value.shape) if info is not None else tuple(value.shape)
-        pieces = info.pieces if info is not None else _whole(value)
+        # A meta tensor is one this rank does not hold (after a teardown that left global rank 0 alone with the
+        # model): it describes no chunk, and the rank holding the tensor writes it whole.
+        pieces = info.pieces if info is not None else [] if value.is_meta else _whole(value)
         device = pieces[0][2].device if pieces else torch.device("cpu")  # (no pieces: nothing to write here)
         if dim is not None and b != 1 and mp > 1:
             fused[key] = (b if isinstance(b, int) else list(b), dim)
@@ -374,15 +376,35 @@ def save_sharded(
     os.makedirs(tmp, exist_ok=True)
     with warnings.catch_warnings():  # without a process group DCP warns that it saves in one process: intended
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not distributed)
+        written = dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=not distributed)
+    missing = None
     if not distributed or dist.get_rank() == 0:
-        atomic_save(meta, os.path.join(tmp, META_FILE))
-        fsync_dir(tmp)
-        replace_path(tmp, path)
+        missing = _unwritten(flat, written)
+        if missing is None:
+            atomic_save(meta, os.path.join(tmp, META_FILE))
+            fsync_dir(tmp)
+            replace_path(tmp, path)
     # Nobody returns (and, e.g., removes an older top-k folder) before the new folder is in place. A crash before
     # this point leaves a hidden ".<name>.tmp-*" folder and the previous checkpoint untouched.
     if distributed:
-        dist.barrier()
+        status = [missing]
+        dist.broadcast_object_list(status, src=0)  # (rank 0's verdict, once the folder is in place: a barrier)
+        missing = status[0]
+    if missing is not None:
+        raise RuntimeError(missing)
+
+
+def _unwritten(flat: dict[str, Tensor], written: Any) -> Optional[str]:
+    """Why the folder is incomplete, or ``None``: a tensor with elements that reached DCP's index from no rank (every
+    rank held it on the meta device). Rank 0 holds every tensor a teardown leaves anywhere, so none should be."""
+    stored = getattr(written, "state_dict_metadata", None)
+    if stored is None:  # (a DCP that returns no index: nothing to compare with)
+        return None
+    missing = [k for k, t in flat.items() if k not in stored and prod(t.shape) > 0]
+    if not missing:
+        return None
+    return (f"no rank holds {missing[0]!r} ({len(missing)} tensors in all): every rank has it on the meta device, so"
+            " the sharded checkpoint was not written")
 
 
 # ---------------------------------------------------------------------------------------------- load

@@ -347,9 +347,13 @@ def load_deferred(root: nn.Module, mp_group: Any) -> dict[str, int]:
         with torch.no_grad():
             for key, name in names.items():
                 target = state[key]
-                if id(target) in done or storage_freed(target):
-                    continue  # (a pipeline's other stage: freed; its owner reads it)
+                if id(target) in done:
+                    continue
                 done.add(id(target))
+                if storage_freed(target):  # (a pipeline's other stage: freed; its owner reads it)
+                    if isinstance(files, RankZeroWeights):
+                        files.read(name)  # (collective: every rank takes part in rank 0's broadcast of each tensor)
+                    continue
                 dim = dims.get(key)
                 local = files.read(name, dim, parts if dim is not None else 1, part, blocks.get(key, 1))
                 target.copy_(local)

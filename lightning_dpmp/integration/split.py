@@ -238,18 +238,29 @@ def unsplit_model(strategy: Any, everywhere: bool = True) -> None:
 def meta_safe_teardown(strategy: Any) -> Iterator[None]:
     """Around Lightning's teardown, which moves the module and optimizer state to the CPU: a module left with
     meta parameters (a rank that does not keep the model, or a setup that failed before materialising) moves its
-    real tensors only, instead of failing with "Cannot copy out of meta tensor" under the first error."""
+    real tensors only, and optimizers holding meta state (the earlier run's, whose model went to rank 0 before this
+    run split it again) are not moved, instead of failing with "Cannot copy out of meta tensor"."""
     lm = strategy.lightning_module
-    if lm is None or not is_meta(lm):
+    module_meta = lm is not None and is_meta(lm)
+    optimizers = strategy.optimizers
+    movable = [o for o in optimizers if not _meta_state(o)]
+    if not module_meta and len(movable) == len(optimizers):
         yield
         return
-    lm._apply(lambda t: t if t.is_meta else t.cpu())
-    optimizers = strategy.optimizers
-    lm.__dict__["cpu"] = lambda: lm  # Strategy.teardown calls lightning_module.cpu(); the move is done above
-    strategy.optimizers = []  # their state is meta on this rank, or was never made
+    if module_meta:
+        lm._apply(lambda t: t if t.is_meta else t.cpu())
+        lm.__dict__["cpu"] = lambda: lm  # Strategy.teardown calls lightning_module.cpu(); the move is done above
+        movable = []  # their state is meta on this rank, or was never made
+    strategy.optimizers = movable
     try:
         yield
     finally:
-        lm.__dict__.pop("cpu", None)
+        if lm is not None:
+            lm.__dict__.pop("cpu", None)
         strategy.optimizers = optimizers
 
+
+def _meta_state(optimizer: Any) -> bool:
+    """Whether ``optimizer`` holds any state tensor on the meta device."""
+    inner = compat.unwrap_optimizer(optimizer)
+    return any(isinstance(v, torch.Tensor) and v.is_meta for s in inner.state.values() for v in s.values())

@@ -48,6 +48,7 @@ from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized,
 from lightning_dpmp.integration.pipeline import Pipeline
 from lightning_dpmp.integration.split import agree_on_meta, meta_safe_teardown
 from lightning_dpmp.integration.strategy_checkpoint import StrategyCheckpointer
+from lightning_dpmp.integration.teardown import gather_left_split
 from lightning_dpmp.integration.zero import memory_line, memory_report
 from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT
@@ -301,6 +302,7 @@ class DPMPStrategy(GridStrategy):
         if fitting and layer_sync is not None:
             self.model = layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
+        gather_left_split(self)  # a previous run's teardown left it split (consolidate_on_teardown=False): to rank 0
         # rank 0 alone holding the model (a previous run's teardown): every rank takes it from rank 0
         meta = agree_on_meta(self)
         if not meta:
@@ -530,6 +532,8 @@ class DPMPStrategy(GridStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self.pipeline is not None:
+            self.pipeline.allocate()  # a sharded folder is read straight into every stage's shards, freed ones too
         with self._local():
             return self.checkpointer.load(checkpoint_path, weights_only)
 

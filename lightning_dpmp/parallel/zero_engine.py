@@ -543,21 +543,27 @@ class ZeroEngine:
         """Undo the sharding: parameters whole with storage of their own, hooks removed; returns the plain
         optimizers with their state (collective over DP)."""
         plains = [self.plain_optimizer(i) for i in range(len(self.optimizers))]
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
         with torch.no_grad():
-            for b in self.buckets:
+            for b in self.detach():
                 if b.mixed:
                     b.use_master()  # whole again in the parameters' own dtype (the master values)
                 else:
                     b.gather()
                 for p in b.params:
                     p.data = p.data.clone()
-        self.buckets = []
+        return plains
+
+    def detach(self) -> list[Bucket]:
+        """Remove the hooks and forget the buckets, gathering nothing; returns the buckets (their shards, and the
+        optimizers' state of them, still hold the values): for :meth:`release`, and for a teardown that takes the
+        values straight from the shards (:mod:`lightning_dpmp.integration.teardown`)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        buckets, self.buckets = self.buckets, []
         self.by_unit, self._trainable_by_unit = {}, {}
         self._where = {}
-        return plains
+        return buckets
 
     def shard_params(self, kind: Optional[str] = None) -> list[nn.Parameter]:
         """The shards (of one ``kind``) that the optimizers step."""
