@@ -106,6 +106,6 @@ def test_the_package_table_names_every_module_and_nothing_else() -> None:
 
 def test_readme_stays_a_short_user_guide() -> None:
     readme = (PKG.parent / "README.md").read_text().splitlines()
-    assert len(readme) <= 300, f"README.md has {len(readme)} lines: move depth to docs/"
-    for doc in ("design.md", "guide.md", "benchmarks.md", "testing.md"):
+    assert len(readme) <= 150, f"README.md has {len(readme)} lines: move depth to docs/ (issue 43: read in 10 min)"
+    for doc in ("reference.md", "design.md", "guide.md", "benchmarks.md", "testing.md"):
         assert f"docs/{doc}" in "\n".join(readme), f"README.md does not point to docs/{doc}"
