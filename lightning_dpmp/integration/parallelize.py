@@ -71,11 +71,13 @@ from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
+from lightning_dpmp.parallel.freed_reads import GatherOnRead, outermost_forward_hooks
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
+from lightning_dpmp.parallel.zero_shard import storage_freed
 from lightning_dpmp.planner.stages import StackProfile
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
@@ -132,6 +134,9 @@ class Parallelized:
     # in buckets of at most this many bytes (DDP's bucket_cap_mb, 25 MiB by default)
     dp_group: Any = None
     dp_bucket_bytes: int = 25 * 2**20
+    # zero=3 or a pipeline: the mode user code runs under, reading freed parameters' values (None: nothing is freed)
+    reader: Optional[GatherOnRead] = None
+    _reader_hooks: list[Any] = field(default_factory=list)
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
     _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
 
@@ -191,10 +196,39 @@ class Parallelized:
                              keep_unused=True, bucket_bytes=self.dp_bucket_bytes)
             params.grads_from_local()
 
-    def local(self) -> Any:
+    @contextmanager
+    def local(self) -> Iterator[None]:
         """Context in which the module's registered parameters are the plain local shards (what checkpoints,
-        clipping and teardown work on); a no-op without DTensor parameters."""
-        return self.params.local() if self.params is not None else nullcontext()
+        clipping and teardown work on), and freed ones stay freed (the reader of user code steps aside)."""
+        if self.reader is not None:
+            self.reader.step_aside()
+        try:
+            with self.params.local() if self.params is not None else nullcontext():
+                yield
+        finally:
+            if self.reader is not None:
+                self.reader.step_back()
+
+    def watch_freed_reads(self, module: nn.Module) -> None:
+        """Under zero=3 (no pipeline) parameters are freed between uses: build :attr:`reader`, the
+        :class:`~lightning_dpmp.parallel.freed_reads.GatherOnRead` mode user code runs under (the strategy enters
+        it), stepped aside while a module's forward runs. A pipeline's other stages are not covered yet: whether
+        a parameter is another stage's differs by rank, so a read would gather on some ranks only."""
+        engine = self.engine
+        if self.pipeline is not None or engine is None or engine.level < 3:
+            return
+        reader = GatherOnRead({id(p) for p in module.parameters()}, storage_freed, engine.gathered)
+        self.reader = reader
+        self._reader_hooks = outermost_forward_hooks(module, reader.step_aside, reader.step_back)
+
+    def leave_reader(self) -> None:
+        """Take :attr:`reader` off the mode stack (teardown) and remove its hooks."""
+        if self.reader is not None:
+            self.reader.leave()
+        for h in self._reader_hooks:
+            h.remove()
+        self._reader_hooks.clear()
+        self.reader = None
 
     def whole(self) -> Any:
         """Context in which every parameter holds its values (zero=3 gathers them over DP, then frees them; a
@@ -382,6 +416,7 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     if split.params is not None and grid.dp > 1:  # DP averaged by the strategy, in DDP's bucket size
         parallel.dp_group = grid.dp_group
         parallel.dp_bucket_bytes = int((compat.ddp_kwargs(strategy).get("bucket_cap_mb") or 25) * 2**20)
+    parallel.watch_freed_reads(module)
     if grid.mp > 1 or engine is not None or pipeline is not None:
         install_step_hooks(strategy.precision_plugin, parallel, grid.dp_group if engine is not None else None,
                            grid.pp_group if pipeline is not None else None)

@@ -317,6 +317,8 @@ class DPMPStrategy(GridStrategy):
             self._parallel.plan.text += "\n" + self.layout_report
         if self._parallel.bridge is not None:  # user code from here to teardown reads the DTensor parameters
             self._parallel.bridge.__enter__()
+        if self._parallel.reader is not None:  # ... or reads freed ZeRO-3 parameters by value
+            self._parallel.reader.__enter__()
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
@@ -487,6 +489,7 @@ class DPMPStrategy(GridStrategy):
     def teardown(self) -> None:
         if self._parallel is not None:
             self._leave_bridge()
+            self._parallel.leave_reader()
             unparallelize(self, self._parallel, self._consolidate_on_teardown, self._failed)
         with meta_safe_teardown(self):
             super().teardown()

@@ -40,7 +40,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -456,23 +456,28 @@ class ZeroEngine:
         gather_buckets(works, self.group, async_op=False)  # every bucket in one collective
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """The module's parameters whole, with their master values, for the duration (zero=3 gathers and frees
-        again; under mixed precision a master-dtype buffer stands in for the compute one)."""
-        was = [b.gathered for b in self.buckets]
-        plain = [b for b in self.buckets if not b.mixed]
+    def gathered(self, params: Optional[Sequence[Tensor]] = None) -> Iterator[None]:
+        """The module's parameters (or only the buckets holding ``params``) whole, with their master values, for the
+        duration (zero=3 gathers and frees again; under mixed precision a master-dtype buffer stands in for the
+        compute one). Collective over DP."""
+        buckets = self.buckets
+        if params is not None:
+            held = {id(found[0]): found[0] for p in params if (found := self.locate(p)) is not None}
+            buckets = [b for b in self.buckets if id(b) in held]  # (in bucket order: the same on every DP rank)
+        was = [b.gathered for b in buckets]
+        plain = [b for b in buckets if not b.mixed]
         gather_buckets(plain, self.group, async_op=False)
-        for b in self.buckets:
+        for b in buckets:
             if b.mixed:
                 b.use_master()  # the master values, not their compute-dtype copies
         try:
             yield
         finally:
-            for b in self.buckets:
+            for b in buckets:
                 if b.mixed:
                     b.use_compute()
             if self.level == 3:
-                for b, w in zip(self.buckets, was):
+                for b, w in zip(buckets, was):
                     if not w and not b.mixed:
                         b.free()
 

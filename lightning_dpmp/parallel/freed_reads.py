@@ -1,0 +1,169 @@
+"""User code reading a parameter whose storage is freed between uses: it reads the values, never freed memory.
+
+ZeRO-3 frees each unit's gathered parameters after their use (they are views of a flat buffer whose storage is
+resized to 0; a pipeline frees the parameters of the stages a rank does not run, too). A callback that reads such a
+parameter (a weight norm in ``on_train_batch_end``, a histogram in ``on_validation_epoch_end``) would read freed
+memory: measured on torch 2.13, ``p.pow(2).sum()`` of such a view dies of SIGSEGV, with no traceback.
+
+:class:`GatherOnRead` is a ``TorchFunctionMode`` that, before an op reads a watched parameter that is freed, makes
+it current for the duration of the op (``make_current``: ZeRO-3 gathers its buckets over DP and frees them again
+after), and copies any output that
+still shares the parameter's storage (a ``detach()``, a view), so nothing kept afterwards points at freed memory.
+What the op sees is this rank's parameter as it would be inside a step: the one-process tensor at ``mp=1``, the MP
+shard otherwise.
+
+Calls that only read metadata (shape, dtype, storage pointers, ``.grad``, setting ``.data``) pass through; so does
+every call while a module's forward runs (the strategy steps the mode aside there, as the layers gather what they
+use). Gathering is a collective over the ranks that share the parameter's state (a DP group at ZeRO-3): every
+rank must run the reading code, as with DTensors. The op reads a copy, so a value read
+with gradients enabled is fine until a backward reaches it (an L2 term in ``training_step`` at zero=3): that
+backward, and in-place writes, are refused with the reason.
+
+Example:
+    >>> import torch
+    >>> from contextlib import contextmanager
+    >>> full = torch.arange(4.0)
+    >>> p = torch.nn.Parameter(full[:2])
+    >>> stored = full.untyped_storage()
+    >>> _ = stored.resize_(0)  # freed, as ZeRO-3 leaves it between uses
+    >>> @contextmanager
+    ... def make_current(params):
+    ...     stored.resize_(4 * 4); full.copy_(torch.arange(4.0)); yield; stored.resize_(0)
+    >>> with GatherOnRead({id(p)}, lambda t: t.untyped_storage().nbytes() == 0, make_current):
+    ...     total = p.detach().sum().item()
+    >>> total
+    1.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+import lightning_dpmp.compat as compat
+
+__all__ = ["GatherOnRead", "outermost_forward_hooks"]
+
+# Calls that read no element of their tensors: metadata, storage handles, attributes and hooks.
+_METADATA = {
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset", "untyped_storage",
+    "data_ptr", "is_contiguous", "__len__", "get_device", "requires_grad_", "retain_grad", "register_hook",
+    "register_post_accumulate_grad_hook", "__hash__", "__setstate__", "__reduce_ex__", "__deepcopy__",
+    "__get__", "__set__", "__delete__", "_is_view", "is_floating_point", "is_complex", "type", "has_names",
+}
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, Tensor))
+
+
+def _swap(x: Any, copies: dict[int, Tensor]) -> Any:
+    if isinstance(x, Tensor):
+        return copies.get(id(x), x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_swap(v, copies) for v in x)
+    return x
+
+
+class _Read(torch.autograd.Function):
+    """A freed parameter's values, read with gradients enabled: a backward through it is refused (at ZeRO-3 or for
+    another stage's parameter the gradient would not reach the sharded update)."""
+
+    @staticmethod
+    def forward(ctx: Any, param: Tensor, value: Tensor) -> Tensor:
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        raise RuntimeError(
+            "A gradient reached a parameter read outside its layers while its storage was freed (ZeRO-3, or another"
+            " pipeline stage's parameter), e.g. an L2 term in training_step: it would not reach the sharded update."
+            " Use the optimizer's weight_decay, or zero <= 2 without a pipeline (where parameters are DTensors)."
+        )
+
+
+class GatherOnRead(TorchFunctionMode):
+    """A ``TorchFunctionMode`` in which an op reading a freed parameter reads its values (see the module docstring).
+
+    Args:
+        watched: ``id`` of the parameters to watch (the module's).
+        is_freed: whether a watched parameter is freed now; it must answer alike on every rank that takes part in
+            ``make_current``'s collectives (ZeRO-3: a bucket's state, the same on its DP ranks).
+        make_current: a context in which the given parameters hold their values.
+    """
+
+    def __init__(self, watched: set[int], is_freed: Callable[[Tensor], bool],
+                 make_current: Callable[[list[Tensor]], AbstractContextManager[Any]]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.is_freed = is_freed
+        self.make_current = make_current
+        self._aside = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _METADATA:
+            return func(*args, **kwargs)
+        freed = [t for t in _tensors(args, kwargs) if id(t) in self.watched and self.is_freed(t)]
+        if not freed:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", repr(func))
+        if name.endswith("_") and not name.endswith("__") and args and args[0] is freed[0]:
+            raise RuntimeError(
+                f"'{name}' writes into a parameter whose storage is freed between uses (ZeRO-3 or another pipeline"
+                " stage's); the write would be lost. Change parameters inside a step, or use zero <= 2 and pp=1."
+            )
+        with self.make_current(freed):
+            # the op reads copies: nothing it returns (a detach(), a view) points at storage freed again after
+            copies = {id(t): _Read.apply(t, t.detach().clone()) if torch.is_grad_enabled() and t.requires_grad
+                      else t.detach().clone() for t in freed}
+            return func(*_swap(args, copies), **{k: _swap(v, copies) for k, v in kwargs.items()})
+
+    def leave(self) -> None:
+        """Leave the mode stack for good (teardown), whether it is on it or stepped aside."""
+        if compat.current_function_mode() is self:
+            self.__exit__(None, None, None)
+        self._aside = 0
+
+    def step_aside(self) -> None:
+        """Take the mode off the stack while a module's forward runs (only when it is the innermost mode)."""
+        if compat.current_function_mode() is self:
+            self.__exit__(None, None, None)
+            self._aside += 1
+
+    def step_back(self) -> None:
+        """Undo :meth:`step_aside`."""
+        if self._aside:
+            self._aside -= 1
+            self.__enter__()
+
+
+def outermost_forward_hooks(module: nn.Module, on_enter: Callable[[], None], on_exit: Callable[[], None]) -> list[Any]:
+    """Forward hooks on every submodule of ``module`` calling ``on_enter`` when the outermost one called starts and
+    ``on_exit`` when it ends (also after an error); returns the handles."""
+    depth = [0]
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            on_enter()
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            on_exit()
+
+    handles = []
+    for mod in module.modules():
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    return handles

@@ -1,0 +1,51 @@
+"""A parameter read outside the layers at zero=3 gives its values and never crashes (issue 41): a weight-norm
+callback in ``on_train_batch_end`` (gradients enabled) and ``on_validation_epoch_end``, and the model after fit, in
+float64 against one process (``tests/distributed/freed_reads_worker.py``). Before, such a read of a freed ZeRO-3
+view died of SIGSEGV. At mp=1 the values are one process's; at mp=2 each rank reads its MP shards, alike on its DP
+replicas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.freed_reads_worker import STEPS, fit_layout
+
+LAYOUTS = ("4,1,1,3", "2,1,2,3")  # dp, pp, mp, zero
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads(json.dumps(fit_layout("1,1,1,0")))  # JSON's keys, as the ranks' files have them
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    from tests.conftest import run_ranks
+
+    out = tmp_path_factory.mktemp("freed_reads")
+    proc = run_ranks(4, ["tests/distributed/freed_reads_worker.py", str(out), ";".join(LAYOUTS)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.slow
+def test_zero3_reads_at_mp1_equal_one_process(ranks, reference):
+    assert len(reference["train"]) == STEPS and len(reference["val"]) == 2
+    for rank in ranks:
+        got = rank["4,1,1,3"]
+        assert got["train"].keys() == reference["train"].keys()
+        assert max(abs(got["train"][s] - v) for s, v in reference["train"].items()) < 1e-8
+        assert max(abs(a - b) for a, b in zip(got["val"], reference["val"], strict=True)) < 1e-8
+    assert abs(ranks[0]["4,1,1,3"]["after"] - reference["after"]) < 1e-8
+
+
+@pytest.mark.slow
+def test_zero3_reads_at_mp2_are_the_shards_alike_on_dp_replicas(ranks, reference):
+    by_rank = [rank["2,1,2,3"] for rank in ranks]  # rank = dp_rank * 2 + mp_rank
+    for mp_rank in (0, 1):
+        a, b = by_rank[mp_rank], by_rank[2 + mp_rank]
+        assert a["train"] == b["train"] and a["val"] == b["val"] and len(a["val"]) == 2
+    assert by_rank[0]["train"] != by_rank[1]["train"]  # each MP rank its own shards
+    assert abs(by_rank[0]["after"] - reference["after"]) < 1e-8  # consolidated: the dense model again
