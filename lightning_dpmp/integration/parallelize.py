@@ -65,7 +65,7 @@ from lightning_dpmp.integration.pipeline import (
 )
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
-from lightning_dpmp.integration.teardown import consolidate_engine
+from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank0
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.comm import all_reduce_grads
@@ -444,6 +444,8 @@ def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool
     parallel.engine = None
     if consolidate and not failed and module is not None and shard_dims(module):
         unsplit_model(strategy, everywhere=consolidate is True)
+    elif consolidate == "rank0" and not failed and module is not None:
+        keep_on_rank0(strategy)  # nothing split (mp=1): the other ranks let their copies go all the same
     if parallel.compiled and module is not None:
         uncompile_blocks(module)
     while parallel._hooked:

@@ -44,7 +44,7 @@ from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import Bucket, all_gather_flat
 from lightning_dpmp.planner.parallelize import consolidate
 
-__all__ = ["consolidate_engine", "gather_left_split"]
+__all__ = ["consolidate_engine", "gather_left_split", "keep_on_rank0"]
 
 
 class _ShellsOnly(DenseGather):
@@ -182,6 +182,18 @@ def _fill_state(plain: Optimizer, shard_state: dict[str, Any], b: Bucket, target
     for p, state in zip(b.params, per):
         if state:
             plain.state[target[id(p)][0]] = state
+
+
+def keep_on_rank0(strategy: Any) -> None:
+    """``consolidate_on_teardown="rank0"`` with nothing split to gather (mp=1, no ZeRO engine): every rank but global
+    rank 0 lets its copy of the model and optimizer state go, keeping the dense shapes on the meta device, as a
+    gather onto rank 0 leaves them (no communication: rank 0 holds the same values)."""
+    lm = strategy.lightning_module
+    if lm is None or strategy.global_rank == 0:
+        return
+    meta = params_to_meta(lm)
+    for optimizer in strategy.optimizers:
+        optimizer_to_meta(compat.unwrap_optimizer(optimizer), meta)
 
 
 # ---------------------------------------------------------------------------------------------- a module left split
