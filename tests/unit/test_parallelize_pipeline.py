@@ -23,9 +23,13 @@ from lightning_dpmp.planner.user_plan import PlanOverrides
 
 
 class _Engine:
-    def __init__(self, split_shard: nn.Parameter) -> None:
+    def __init__(self, split_shard: nn.Parameter, level: int) -> None:
         self.split_shard = split_shard
+        self.level = level
         self.calls: list[str] = []
+
+    def gathered(self, params: Any = None) -> Any:  # (what a user's read of a freed zero=3 parameter gathers)
+        raise AssertionError("no parameter is read here")
 
     def shard_params(self, kind: str) -> list[nn.Parameter]:
         return [self.split_shard] if kind == "split" else []
@@ -41,7 +45,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     shard = nn.Parameter(torch.zeros(1))
     plan = SimpleNamespace(conditional=conditional, text="plan")
     split = Split(applied_plan=plan, rng=None, partial_grads=[], split_params={id(module.weight)})  # type: ignore
-    engine = _Engine(shard)
+    engine = _Engine(shard, zero)
     grid = SimpleNamespace(dp=dp, mp=mp, pp=1, dp_group="dp", mp_group="mp",
                            topology=Topology(dp=dp, mp=mp, zero=zero))
     strategy = SimpleNamespace(lightning_module=module, model=module, grid=grid, root_device=torch.device("cpu"),
@@ -94,6 +98,10 @@ def test_fitting_under_zero_shards_after_the_optimizers_and_counts_its_split_sha
     assert closure is not None
     parallel.after_step()
     assert parallel.engine.calls == ["after_step"]  # type: ignore[attr-defined]
+    # zero=3 frees parameters between uses: user code runs under a mode that reads their values
+    assert (parallel.reader is not None) == (zero == 3)
+    parallel.leave_reader()
+    assert parallel.reader is None
 
 
 def test_one_dp_rank_neither_wraps_nor_shards(monkeypatch: pytest.MonkeyPatch) -> None:
