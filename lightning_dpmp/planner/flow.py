@@ -66,8 +66,9 @@ class Flow:
     partners: dict[str, set[str]] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
     blocks: dict[str, Blocks] = field(default_factory=dict)
-    # per paired source: fixed sizes to adjust, each with the module whose code used it (OpCall.scope)
-    literals: dict[str, set[tuple[int, str]]] = field(default_factory=dict)
+    # per paired source: fixed sizes to adjust, each with the module whose code passed it (OpCall.scope) and its
+    # position among the sizes passed (view(B, T, n, d): 2)
+    literals: dict[str, set[tuple[int, str, int]]] = field(default_factory=dict)
     scoped: dict[str, set[tuple[str, int, bool]]] = field(default_factory=dict)  # per source: (module, size, derived?)
     simple: dict[str, bool] = field(default_factory=dict)
     attention: dict[str, bool] = field(default_factory=dict)  # per paired layer: its region involves attention

@@ -156,12 +156,13 @@ class LayoutRules(AnalysisState):
     def _size_literal(self, ev: OpCall, sh: Shard, pos: int, ndim: int) -> None:
         """The size ``view``/``reshape``/``expand`` got at the split dim's position ``pos``: unless it was read off a
         split tensor (then it is per rank at run time by itself) or is ``-1``, it is a fixed size that must become
-        per rank, recorded with the module whose code passed it (see :func:`structure.resolve_literals`)."""
+        per rank, recorded with the module whose code passed it and its position among the sizes passed (see
+        :func:`structure.resolve_literals`)."""
         sizes = ev.values[1:]
         size = sizes[pos] if len(sizes) == ndim else None
         region = self.regions[self.find(sh.region)]
         if size is not None and size != -1 and not region.derived(int(size)):
-            region.literals.add((int(size), ev.scope))
+            region.literals.add((int(size), ev.scope, pos))
 
     @functools.cached_property
     def _consumers(self) -> dict[int, list[OpCall]]:
@@ -212,7 +213,7 @@ class LayoutRules(AnalysisState):
                 return f"split by '{ev.name}' into parts {list(sizes)} that are not its fused blocks split by mp"
             return [(sh.dim, None)] * pieces
         if ev.name == "split" and len(ints) == 2:  # split(size, dim): a fixed size becomes per-rank
-            self.regions[self.find(sh.region)].literals.add((int(ints[0]), ev.scope))
+            self.regions[self.find(sh.region)].literals.add((int(ints[0]), ev.scope, 0))
         if not self.need_blocks(sh, pieces) or sizes[0] % self.mp:
             return f"split by '{ev.name}' into unequal or indivisible parts along the split dim"
         return [(sh.dim, None)] * pieces

@@ -36,7 +36,8 @@ class Region:
     sinks: set[str] = field(default_factory=set)
     losses: int = 0
     conflicts: list[str] = field(default_factory=list)
-    literals: set[tuple[int, str]] = field(default_factory=set)  # (fixed size, module whose code used it)
+    # (fixed size, module whose code passed it, its position among the sizes passed)
+    literals: set[tuple[int, str, int]] = field(default_factory=set)
     simple: bool = True  # element-wise ops only (an MLP); False once heads/attention are involved
     attention: bool = False  # softmax, scaled_dot_product_attention or a matmul of two split activations
     queried: set[int] = field(default_factory=set)  # split-dim sizes the code read from split tensors

@@ -73,7 +73,9 @@ def resolve_literals(model: nn.Module, flow, mp: int) -> tuple[dict[str, dict[st
     module (``OpCall.scope``). It is held by the innermost module from there up to the attention block (the common
     owner of its q/k/v and output layers) that holds that value: as an int attribute (``self.n_head``), else as an
     int field of an object the module keeps (``self.config.n_head``: litgpt's config, shared by every layer), else
-    inside a tuple/list/dict attribute (an einops ``Rearrange`` layer's ``h=``). Those holders are set per rank
+    inside a tuple/list/dict attribute (an einops ``Rearrange`` layer's ``h=``); of several holding the value, those
+    the module's code passes at the size's position (``view(B, T, self.config.n_query_groups, ...,
+    self.config.head_size)``: not ``head_size`` when it happens to equal the count). Those holders are set per rank
     (:func:`set_per_rank`, a copy for objects and containers, never the shared object). A size the code computes as
     a product with an attribute already set per rank (``self.config.head_size * self.config.n_head``) is per rank by
     itself; sizes are taken smallest first, so the counts come before their products. Returns ``{module: {path:
@@ -97,11 +99,12 @@ def resolve_literals(model: nn.Module, flow, mp: int) -> tuple[dict[str, dict[st
             broken.update((s, why) for s in flow.literals if owner_of(s) in (module_name, owner_of(src)))
             broken[src] = why
 
-    for v, scope, src in sorted((v, scope, src) for src, values in flow.literals.items() for v, scope in values):
+    literals = sorted((v, scope, pos, src) for src, values in flow.literals.items() for v, scope, pos in values)
+    for v, scope, pos, src in literals:
         chain = _scope_chain(scope, owner_of(src))
         if any(_explained(model, name, v, adjust.get(name, {}), mp) for name in chain):
             continue
-        found = next(((name, paths) for name in chain if (paths := _holders(_module(model, name), v))), None)
+        found = next(((name, paths) for name in chain if (paths := _holders(_module(model, name), v, pos))), None)
         if found is None or v % mp or found[0] in refused:
             place = found[0] if found else owner_of(src)
             broken[src] = refused.get(place) or (
@@ -155,15 +158,46 @@ def _scope_chain(scope: str, owner: str) -> list[str]:
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
-def _holders(module: nn.Module, value: int) -> list[str]:
+def _holders(module: nn.Module, value: int, pos: Optional[int] = None) -> list[str]:
     """Paths (for :func:`set_per_rank`) of what ``module`` holds equal to ``value``, of the first kind that holds it:
     public int attributes, then public int fields of objects it keeps (a config shared with other modules), then
-    ints inside its tuple/list/dict attributes (an einops layer's ``axes_lengths``/``_axes_lengths``)."""
+    ints inside its tuple/list/dict attributes (an einops layer's ``axes_lengths``/``_axes_lengths``). With ``pos``
+    (where the size was among the sizes an op got), only those the module's code passes there when it passes any
+    of them (a config whose ``head_size`` equals ``n_query_groups``: the view's head dim keeps ``head_size``)."""
     for kind in _int_leaves(module):
         hits = [path for path, x in kind if x == value]
         if hits:
-            return hits
+            passed = _passed_at(type(module), pos) if pos is not None else set()
+            return [p for p in hits if p in passed] or hits
     return []
+
+
+# Ops taking sizes whose fixed sizes the flow records (flow_layout): x.view(*sizes), torch.reshape(x, sizes), ...
+_SIZE_OPS = frozenset({"view", "reshape", "expand", "broadcast_to", "split"})
+
+
+def _passed_at(cls: type, pos: int) -> set[str]:
+    """Paths the class's code passes as size number ``pos`` of a sizes-taking op (``x.view(B, T,
+    self.config.n_query_groups, ...)``: position 2, also inside one tuple, ``torch.reshape(x, (...))``), directly or
+    through a local name bound to them."""
+    out: set[str] = set()
+    for fn in _methods(cls):
+        aliases = _aliases(fn)
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            func, args = node.func, list(node.args)
+            if func.attr not in _SIZE_OPS:
+                continue
+            if isinstance(func.value, ast.Name) and func.value.id == "torch":
+                args = args[1:]  # torch.reshape(x, sizes): the tensor first
+            if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
+                args = list(args[0].elts)
+            if pos < len(args) and not any(isinstance(a, ast.Starred) for a in args[:pos + 1]):
+                path = _self_attr(args[pos], aliases)
+                if path:
+                    out.add(path)
+    return out
 
 
 def _int_leaves(module: nn.Module) -> tuple[list[tuple[str, int]], ...]:

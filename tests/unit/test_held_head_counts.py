@@ -95,8 +95,14 @@ def test_a_config_shared_by_every_layer_is_set_per_rank_on_a_copy(fused_groups, 
     unset_per_rank(attn, dense)
     assert attn.config is config
 
-    # numerically: each rank's share of the attention, summed, is the dense attention
-    x = torch.randn(2, 16, 48, dtype=torch.float64)
+    _shares_sum_to_dense(lm, plan, mp)
+    assert attn.config is config and config.n_head == 8  # the copies never touched the shared object
+
+
+def _shares_sum_to_dense(lm: CausalLM, plan, mp: int) -> None:
+    """Each rank's share of block 0's attention (its slices, its per-rank counts), summed, is the dense attention."""
+    attn, config = lm.net.transformer["h"][0].attn, lm.net.config
+    x = torch.randn(2, 16, config.n_embd, dtype=torch.float64)
     T, n = 16, config.rope_n_elem
     theta = 1.0 / 10000 ** (torch.arange(0, n, 2).double() / n)
     freqs = torch.outer(torch.arange(T).double(), theta).repeat(1, 2)
@@ -105,7 +111,18 @@ def test_a_config_shared_by_every_layer_is_set_per_rank_on_a_copy(fused_groups, 
         got = sum(_rank_share(attn, plan, "net.transformer.h.0.attn", mp, r)(x, freqs.cos(), freqs.sin())
                   for r in range(mp))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    assert attn.config is config and config.n_head == 8  # the copies never touched the shared object
+
+
+@pytest.mark.parametrize("fused_groups", [True, False], ids=["fused_per_group", "split_by_sizes"])
+def test_a_config_field_equal_to_the_count_by_chance_stays_dense(fused_groups):
+    """``head_size`` = ``n_layer`` = ``n_query_groups`` = 4: of the config's fields equal to the size a view got at
+    the head dim, only the one the code passes there goes per rank (``head_size`` sits at the view's last position,
+    ``n_layer`` is passed nowhere); per-rank ``head_size`` would cut every head in half."""
+    lm = _litgpt(fused_groups, head_size=4, n_layer=4, n_embd=32)
+    plan = _plan(lm, 2)
+    assert plan.adjust["net.transformer.h.0.attn"] == {"config.n_query_groups": (4, 2), "config.n_head": (8, 4)}
+    assert plan.layers["net.transformer.h.0.attn.attn"].style == "column"
+    _shares_sum_to_dense(lm, plan, 2)
 
 
 def test_a_config_count_mp_does_not_divide_keeps_attention_whole_and_says_why():
