@@ -399,7 +399,7 @@ class DPMPStrategy(GridStrategy):
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
             return pipeline.training_step(self.lightning_module, args, kwargs, trainer.accumulate_grad_batches,
-                                          self.optimizers)
+                                          self.optimizers, self.precision_plugin.train_step_context)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
