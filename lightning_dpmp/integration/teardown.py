@@ -14,6 +14,7 @@ tensor by flat tensor. Each shard's storage is freed once it has been read. So n
 keeps afterwards, its shards not yet read, one bucket's flat tensor and one dense tensor: with ``"rank0"`` the other
 ranks end with the dense shapes on the meta device, having held nothing full (as zero=0 leaves them). With
 ``False`` the engine is released as before: every rank keeps its MP-local model and optimizer state, as zero=0 does.
+With nothing to gather (mp=1, no engine) ``"rank0"`` still leaves the model on rank 0 alone (:func:`keep_on_rank0`).
 
 **A module a run left split** (``consolidate_on_teardown=False``; :func:`gather_left_split`). The next
 ``fit``/``validate``/``test``/``predict`` on it plans its own step afresh, so the layers are first gathered onto
