@@ -180,7 +180,8 @@ class Parallelized:
         """Before each backward: DTensor gradients whose local ones an optimizer's ``zero_grad`` cleared are
         cleared too (the backward would accumulate into them)."""
         if self.params is not None:
-            self.params.clear_stale_grads()
+            with self._bridge_aside():
+                self.params.clear_stale_grads()
 
     def finish_backward(self) -> None:
         """After each backward, before Lightning's ``on_after_backward``: with DTensor parameters, the DP average of
@@ -189,12 +190,25 @@ class Parallelized:
         params = self.params
         if params is None:
             return
-        params.grads_to_local()
-        if self.dp_group is not None and not self._accumulating:
-            # a parameter no DP rank used keeps None (an optimizer skips it, as on one process): one flag each
-            all_reduce_grads([p for p in params.locals if p.requires_grad], self.dp_group, average=True,
-                             keep_unused=True, bucket_bytes=self.dp_bucket_bytes)
-            params.grads_from_local()
+        with self._bridge_aside():  # (our own work on the shards: no per-call pass through the bridge)
+            params.grads_to_local()
+            if self.dp_group is not None and not self._accumulating:
+                # a parameter no DP rank used keeps None (an optimizer skips it, as on one process): one flag each;
+                # in place, so each DTensor gradient still wraps its local one (re-wrapping them was most of the cost)
+                all_reduce_grads([p for p in params.locals if p.requires_grad], self.dp_group, average=True,
+                                 keep_unused=True, bucket_bytes=self.dp_bucket_bytes, in_place=True)
+                params.grads_from_local()
+
+    @contextmanager
+    def _bridge_aside(self) -> Iterator[None]:
+        bridge = self.bridge
+        if bridge is not None:
+            bridge.step_aside()
+        try:
+            yield
+        finally:
+            if bridge is not None:
+                bridge.step_back()
 
     @contextmanager
     def local(self) -> Iterator[None]:

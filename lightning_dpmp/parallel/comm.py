@@ -66,12 +66,14 @@ def all_reduce_sum(tensor: Tensor, group: Optional[Any]) -> Tensor:
 
 
 def all_reduce_grads(params: Any, group: Optional[Any], *, average: bool, keep_unused: bool = False,
-                     bucket_bytes: Optional[int] = None) -> None:
+                     bucket_bytes: Optional[int] = None, in_place: bool = False) -> None:
     """Sum the gradients of ``params`` over ``group`` (divided by its size with ``average``), one flat all-reduce
     per (dtype, device), or per bucket of at most ``bucket_bytes`` of gradients (as DDP's ``bucket_cap_mb``: the
     flat copy never holds more than one bucket); a rank without a gradient contributes zeros. ``keep_unused``: a
     parameter no rank had a gradient for keeps ``None`` (so an optimizer skips it, as on one process), found from
     one more element per parameter in the same all-reduce; otherwise every parameter ends with a gradient.
+    ``in_place``: a gradient that exists is overwritten with the result (the same tensor: whatever wraps it, a
+    DTensor gradient, stays valid); else each gets a new tensor.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.full((2,), 3.0)
@@ -106,7 +108,12 @@ def all_reduce_grads(params: Any, group: Optional[Any], *, average: bool, keep_u
         for p, u in zip(ps, used):
             if u > 0:
                 total = flat[offset:offset + p.numel()].view_as(p)
-                p.grad = total.div(size) if average else total.clone()
+                if in_place and p.grad is not None:
+                    p.grad.copy_(total)
+                    if average:
+                        p.grad.div_(size)  # (the same rounding as total.div(size))
+                else:
+                    p.grad = total.div(size) if average else total.clone()
             offset += p.numel()
 
 

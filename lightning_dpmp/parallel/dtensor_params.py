@@ -313,10 +313,15 @@ class DTensorParams:
     def grads_from_local(self) -> None:
         """Each DTensor parameter's ``.grad`` wraps its local parameter's gradient (after a reduction replaced it)."""
         for loc, d in zip(self.locals, self.dtensors):
-            g, spec = loc.grad, d.data
+            g, current = loc.grad, d.grad
             if g is None:
-                d.grad = None
-            elif not (isinstance(d.grad, DTensor) and d.grad._local_tensor is g) and isinstance(spec, DTensor):
+                if current is not None:
+                    d.grad = None
+                continue
+            if isinstance(current, DTensor) and current._local_tensor is g:
+                continue  # (reduced in place: it wraps it already; reading d.data would build a DTensor each time)
+            spec = d.data
+            if isinstance(spec, DTensor):
                 d.grad = DTensor.from_local(g, spec.device_mesh, spec.placements, run_check=False, shape=d.shape,
                                             stride=d.stride())
 
