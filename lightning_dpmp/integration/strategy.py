@@ -72,7 +72,7 @@ class DPMPStrategy(GridStrategy):
         mp: tensor-parallel size, or ``"auto"`` (world // dp when ``dp`` is given). Both ``"auto"`` (the default):
             the world size is fixed and its split is chosen at setup, after tracing the model, by measuring the
             links and ranking every ``(dp, mp)`` with the cost model (:mod:`lightning_dpmp.integration.autolayout`;
-            the table is in the plan printout). ``dp * mp`` must equal ``devices * num_nodes``.
+            the table is in the plan printout). ``dp * pp * mp`` must equal ``devices * num_nodes``.
         plan_overrides: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
             ``"column_gather"``, ``"vocab"``, ``"replicate"``, ``"heads"``, ``"experts"`` (see
             :mod:`lightning_dpmp.planner.styles`); the first matching glob wins. The plan applied is
@@ -98,7 +98,8 @@ class DPMPStrategy(GridStrategy):
             DDP wrapper: as fast as zero=0), 3 the parameters as well (gathered per block for its forward and again
             for its backward, freed after; :mod:`lightning_dpmp.parallel.zero_engine`). ZeRO needs an element-wise
             optimizer (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB); every level writes both checkpoint
-            formats.
+            formats. At zero=3 user code reading a parameter between its uses reads its values (the op gathers
+            it; :mod:`lightning_dpmp.parallel.freed_reads`).
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -128,7 +129,11 @@ class DPMPStrategy(GridStrategy):
         pp_stages_per_rank: stages per rank for ``"interleaved"`` (>= 2).
         process_group_backend: ``"gloo"``/``"nccl"``; by default from the device.
         start_method: ``"popen"`` (default, Lightning's script launcher), ``"spawn"``, ``"fork"``.
-        **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``static_graph=True``).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Lightning's own, as
+            ``DDPStrategy`` takes them (the ``Trainer`` fills them in).
+        **ddp_kwargs: passed to ``DistributedDataParallel`` where it wraps the model (mp=1, zero=0, no pipeline;
+            e.g. ``static_graph=True``); with mp > 1 the parameters are DTensors and the strategy averages the DP
+            gradients itself, honouring only ``bucket_cap_mb`` and ``find_unused_parameters``.
 
     Example:
         >>> import lightning as L
