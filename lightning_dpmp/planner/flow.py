@@ -70,6 +70,7 @@ class Flow:
     # position among the sizes passed (view(B, T, n, d): 2)
     literals: dict[str, set[tuple[int, str, int]]] = field(default_factory=dict)
     scoped: dict[str, set[tuple[str, int, bool]]] = field(default_factory=dict)  # per source: (module, size, derived?)
+    queried: dict[str, set[int]] = field(default_factory=dict)  # per source: split-dim sizes the code read (x.shape)
     simple: dict[str, bool] = field(default_factory=dict)
     attention: dict[str, bool] = field(default_factory=dict)  # per paired layer: its region involves attention
     # whole parameters read only by ops on split tensors -> the first layers of the regions reading them: their
@@ -327,6 +328,7 @@ def analyse(
             flow.blocks[s] = an.blocks.get(s, 1)
             flow.literals[s] = set(reg.literals)
             flow.scoped[s] = set(reg.scoped)
+            flow.queried[s] = set(reg.queried)
             flow.simple[s] = reg.simple
             flow.attention[s] = reg.attention
         for s in reg.sinks:

@@ -75,7 +75,9 @@ def resolve_literals(model: nn.Module, flow, mp: int) -> tuple[dict[str, dict[st
     int field of an object the module keeps (``self.config.n_head``: litgpt's config, shared by every layer), else
     inside a tuple/list/dict attribute (an einops ``Rearrange`` layer's ``h=``); of several holding the value, those
     the module's code passes at the size's position (``view(B, T, self.config.n_query_groups, ...,
-    self.config.head_size)``: not ``head_size`` when it happens to equal the count). Those holders are set per rank
+    self.config.head_size)``: not ``head_size`` when it happens to equal the count) or by keyword (einops'
+    ``h=self.config.n_kv_heads``). A size held by nothing that divides a split size the code read (``x.shape``) was
+    computed from it (einops infers ``h`` from ``d=``): per rank by itself. Those holders are set per rank
     (:func:`set_per_rank`, a copy for objects and containers, never the shared object). A size the code computes as
     a product with an attribute already set per rank (``self.config.head_size * self.config.n_head``) is per rank by
     itself; sizes are taken smallest first, so the counts come before their products. Returns ``{module: {path:
@@ -105,6 +107,9 @@ def resolve_literals(model: nn.Module, flow, mp: int) -> tuple[dict[str, dict[st
         if any(_explained(model, name, v, adjust.get(name, {}), mp) for name in chain):
             continue
         found = next(((name, paths) for name in chain if (paths := _holders(_module(model, name), v, pos))), None)
+        if found is None and any(q % v == 0 for q in flow.queried.get(src, ())):
+            continue  # held by nothing, a divisor of a split size the code read: computed from that size (einops'
+            # rearrange(t, 'b n (h d) -> b h n d', d=self.dim_head) infers h = t.shape[-1] // d), per rank by itself
         if found is None or v % mp or found[0] in refused:
             place = found[0] if found else owner_of(src)
             broken[src] = refused.get(place) or (
@@ -178,12 +183,16 @@ _SIZE_OPS = frozenset({"view", "reshape", "expand", "broadcast_to", "split"})
 
 def _passed_at(cls: type, pos: int) -> set[str]:
     """Paths the class's code passes as size number ``pos`` of a sizes-taking op (``x.view(B, T,
-    self.config.n_query_groups, ...)``: position 2, also inside one tuple, ``torch.reshape(x, (...))``), directly or
-    through a local name bound to them."""
+    self.config.n_query_groups, ...)``: position 2, also inside one tuple, ``torch.reshape(x, (...))``) or by
+    keyword to any call (einops' ``rearrange(t, 'b n (h d) -> b h n d', h=self.config.n_kv_heads)``: the op that
+    gets the size runs inside the library), directly or through a local name bound to them."""
     out: set[str] = set()
     for fn in _methods(cls):
         aliases = _aliases(fn)
         for node in ast.walk(fn):
+            if isinstance(node, ast.Call):
+                out.update(p for k in node.keywords if k.arg not in (None, "dim")
+                           and (p := _self_attr(k.value, aliases)))
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
                 continue
             func, args = node.func, list(node.args)

@@ -272,6 +272,54 @@ class EinopsLayersAttention(nn.Module):
         return self.to_out(self.merge_heads(torch.einsum("b h i j, b h j d -> b h i d", attn, v)))
 
 
+class EinopsWidthAttention(nn.Module):
+    """einops given the head width instead of the count: ``rearrange(t, 'b n (h d) -> b h n d', d=dim_head)``
+    infers ``h`` from the tensor's width (``t.shape[-1] // d``), so no attribute holds the head count at all."""
+
+    def __init__(self, dim: int = 32, heads: int = 8, dim_head: int = 4) -> None:
+        super().__init__()
+        self.dim_head = dim_head
+        self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", d=self.dim_head) for t in self.to_qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(rearrange(y, "b h n d -> b n (h d)"))
+
+
+class EinopsConfigGQA(nn.Module):
+    """einops with the counts read from a config object shared with the rest of the model, grouped-query heads
+    repeated by ``einops.repeat``, and a config whose ``dim_head`` equals ``kv_heads`` (4): only the fields the code
+    passes as head counts (``h=``) may go per rank."""
+
+    def __init__(self, config: types.SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        d, h, kv, dh = config.dim, config.heads, config.kv_heads, config.dim_head
+        self.to_q = nn.Linear(d, h * dh, bias=False)
+        self.to_kv = nn.Linear(d, 2 * kv * dh, bias=False)
+        self.to_out = nn.Linear(h * dh, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange, repeat
+
+        q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.config.heads)
+        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.config.kv_heads) for t in self.to_kv(x).chunk(2, dim=-1))
+        k, v = (repeat(t, "b h n d -> b (h r) n d", r=self.config.heads // self.config.kv_heads) for t in (k, v))
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.config.dim_head**-0.5
+        causal = torch.ones(sim.shape[-2:], dtype=torch.bool, device=x.device).triu(1)
+        attn = sim.masked_fill(causal, -torch.finfo(sim.dtype).max).softmax(dim=-1)
+        return self.to_out(rearrange(torch.einsum("b h i j, b h j d -> b h i d", attn, v), "b h n d -> b n (h d)"))
+
+
+def einops_gqa_config() -> types.SimpleNamespace:
+    """The config :class:`EinopsConfigGQA` reads (one object for every layer): 8 query heads, 4 key/value heads."""
+    return types.SimpleNamespace(dim=32, heads=8, kv_heads=4, dim_head=4)
+
+
 class AttentionLM(nn.Module):
     """Two pre-norm blocks around any attention module (``attention()`` builds one), a GELU MLP each, a token
     table and an LM head: the own models whose attention is the pattern under test."""
@@ -416,6 +464,11 @@ class LitGPT(nn.Module):
 
 def _litgpt(fused_groups: bool) -> Callable[[], tuple[L.LightningModule, object]]:
     return lambda: (CausalLM(LitGPT(LitConfig(), fused_groups)), make_lm_dataset(vocab=VOCAB, seq=SEQ))
+
+
+def _einops_config_gqa() -> tuple[L.LightningModule, object]:
+    config = einops_gqa_config()
+    return _own_attention(lambda: EinopsConfigGQA(config))()
 
 
 def _bert() -> tuple[L.LightningModule, object]:
@@ -640,6 +693,8 @@ REAL_MODELS: dict[str, RealModel] = {
     "einops_layers": RealModel(_own_attention(EinopsLayersAttention), 2),
     "litgpt_grouped": RealModel(_litgpt(fused_groups=True), 2),
     "litgpt_split": RealModel(_litgpt(fused_groups=False), 2),
+    "einops_width": RealModel(_own_attention(EinopsWidthAttention), 2),  # h inferred from d=
+    "einops_config_gqa": RealModel(_einops_config_gqa, 2),
     "frozen_llama": RealModel(_frozen_llama, 2),
     "hf_bert": RealModel(_bert, 2),
     "hf_t5": RealModel(_t5, 4, per_block=_t5_block),

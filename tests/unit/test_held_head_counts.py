@@ -22,9 +22,12 @@ from lightning_dpmp.planner.trace import trace_step
 from tests.support.real_models import (
     AttentionLM,
     CausalLM,
+    EinopsConfigGQA,
     EinopsLayersAttention,
+    EinopsWidthAttention,
     LitConfig,
     LitGPT,
+    einops_gqa_config,
 )
 
 
@@ -40,9 +43,18 @@ def _litgpt(fused_groups: bool, **config) -> CausalLM:
     return CausalLM(LitGPT(LitConfig(**config), fused_groups)).double()
 
 
-def _einops() -> CausalLM:
+def _einops(attention=EinopsLayersAttention) -> CausalLM:
     torch.manual_seed(0)
-    return CausalLM(AttentionLM(EinopsLayersAttention)).double()
+    return CausalLM(AttentionLM(attention)).double()
+
+
+def _own_shares_sum_to_dense(lm: CausalLM, plan, mp: int) -> None:
+    attn = lm.net.blocks[0]["attn"]
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = attn(x)
+        got = sum(_rank_share(attn, plan, "net.blocks.0.attn", mp, r)(x) for r in range(mp))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def _rank_share(attn: nn.Module, plan, prefix: str, mp: int, rank: int) -> nn.Module:
@@ -165,3 +177,36 @@ def test_einops_rearrange_layers_hold_their_own_head_count(mp):
         got = sum(_rank_share(attn, plan, "net.blocks.0.attn", mp, r)(x) for r in range(mp))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert attn.heads == 8 and attn.split_heads.axes_lengths == {"h": 8}
+
+
+_NO_GATHER = {"forward": {"all_reduce": 7, "all_gather": 0}, "backward": {"all_reduce": 5, "all_gather": 0}}
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+def test_einops_inferring_the_count_from_the_width_needs_no_holder(mp):
+    """``rearrange(t, 'b n (h d) -> b h n d', d=dim_head)``: einops reads the width and computes h = width // d, a
+    size held by nothing that divides the split width the code read: per rank by itself (was: "reshapes to a fixed
+    size 8 ... held by no attribute", attention gathered)."""
+    pytest.importorskip("einops")
+    lm = _einops(EinopsWidthAttention)
+    plan = _plan(lm, mp)
+    assert [plan.layers[f"net.blocks.0.attn.{n}"].style for n in ("to_qkv", "to_out")] == ["column", "row"]
+    assert plan.adjust == {} and plan.comm_per_step() == _NO_GATHER
+    _own_shares_sum_to_dense(lm, plan, mp)
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+def test_einops_counts_from_a_shared_config_passed_by_keyword(mp):
+    """``h=self.config.kv_heads`` (the reshape runs inside einops): the config fields passed by keyword go per rank
+    (``heads`` with them: the code divides it by ``kv_heads``), not ``dim_head``, equal to ``kv_heads`` by chance."""
+    pytest.importorskip("einops")
+    config = einops_gqa_config()
+    lm = _einops(lambda: EinopsConfigGQA(config))
+    plan = _plan(lm, mp)
+    assert [plan.layers[f"net.blocks.0.attn.{n}"].style for n in ("to_q", "to_kv", "to_out")] == [
+        "column", "column", "row"]
+    assert plan.adjust == {f"net.blocks.{i}.attn": {"config.kv_heads": (4, 4 // mp), "config.heads": (8, 8 // mp)}
+                           for i in range(2)}
+    assert plan.comm_per_step() == _NO_GATHER
+    _own_shares_sum_to_dense(lm, plan, mp)
+    assert lm.net.blocks[1]["attn"].config is config and (config.heads, config.kv_heads) == (8, 4)
