@@ -36,9 +36,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
-from torch.overrides import TorchFunctionMode
 
-import lightning_dpmp.compat as compat
+from lightning_dpmp.parallel.modes import AsideMode
 
 __all__ = ["DTensorBridge", "plain_value"]
 
@@ -100,7 +99,7 @@ def plain_value(x: Any) -> Any:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-class DTensorBridge(TorchFunctionMode):
+class DTensorBridge(AsideMode):
     """A ``TorchFunctionMode`` under which user code mixing DTensors and plain tensors computes as one process.
 
     Args:
@@ -111,7 +110,6 @@ class DTensorBridge(TorchFunctionMode):
         super().__init__()
         self.mesh = mesh
         self._replicate = [Replicate()] * mesh.ndim
-        self._aside = 0  # times step_aside took the bridge off the stack, still to be put back
 
     def _as_dtensor(self, x: Any, like: Optional[DTensor]) -> Any:
         if isinstance(x, Tensor) and not isinstance(x, DTensor):
@@ -138,17 +136,3 @@ class DTensorBridge(TorchFunctionMode):
             args = tuple(self._as_dtensor(a, like) for a in args)
             kwargs = {k: self._as_dtensor(v, like) for k, v in kwargs.items()}
         return func(*args, **kwargs)
-
-    # ------------------------------------------------------------------ stepping aside for a module's forward
-    def step_aside(self) -> None:
-        """Take the bridge off the mode stack while a module's forward runs (the layers compute on plain tensors,
-        and a compiled block must not trace a mode); only when it is the innermost mode."""
-        if compat.current_function_mode() is self:
-            self.__exit__(None, None, None)
-            self._aside += 1
-
-    def step_back(self) -> None:
-        """Undo :meth:`step_aside`."""
-        if self._aside:
-            self._aside -= 1
-            self.__enter__()

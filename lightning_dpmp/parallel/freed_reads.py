@@ -43,9 +43,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
-import lightning_dpmp.compat as compat
+from lightning_dpmp.parallel.modes import AsideMode
 
 __all__ = ["GatherOnRead", "outermost_forward_hooks"]
 
@@ -91,7 +90,7 @@ class _Read(torch.autograd.Function):
         )
 
 
-class GatherOnRead(TorchFunctionMode):
+class GatherOnRead(AsideMode):
     """A ``TorchFunctionMode`` in which an op reading a freed parameter reads its values (see the module docstring).
 
     Args:
@@ -107,7 +106,6 @@ class GatherOnRead(TorchFunctionMode):
         self.watched = watched
         self.is_freed = is_freed
         self.make_current = make_current
-        self._aside = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -127,24 +125,6 @@ class GatherOnRead(TorchFunctionMode):
             copies = {id(t): _Read.apply(t, t.detach().clone()) if torch.is_grad_enabled() and t.requires_grad
                       else t.detach().clone() for t in freed}
             return func(*_swap(args, copies), **{k: _swap(v, copies) for k, v in kwargs.items()})
-
-    def leave(self) -> None:
-        """Leave the mode stack for good (teardown), whether it is on it or stepped aside."""
-        if compat.current_function_mode() is self:
-            self.__exit__(None, None, None)
-        self._aside = 0
-
-    def step_aside(self) -> None:
-        """Take the mode off the stack while a module's forward runs (only when it is the innermost mode)."""
-        if compat.current_function_mode() is self:
-            self.__exit__(None, None, None)
-            self._aside += 1
-
-    def step_back(self) -> None:
-        """Undo :meth:`step_aside`."""
-        if self._aside:
-            self._aside -= 1
-            self.__enter__()
 
 
 def outermost_forward_hooks(module: nn.Module, on_enter: Callable[[], None], on_exit: Callable[[], None]) -> list[Any]:

@@ -1,0 +1,47 @@
+"""A ``TorchFunctionMode`` that the strategy enters for user code and takes off the stack while its own code runs.
+
+Both modes user code runs under (:class:`~lightning_dpmp.parallel.bridge.DTensorBridge` and
+:class:`~lightning_dpmp.parallel.freed_reads.GatherOnRead`) step aside while a module's forward runs (the layers
+compute on plain tensors; a compiled block must not trace a mode) and while the strategy's own bookkeeping runs.
+
+Example:
+    >>> mode = AsideMode()
+    >>> with mode:
+    ...     mode.step_aside(); inside = compat.current_function_mode() is mode; mode.step_back()
+    >>> inside
+    False
+"""
+
+from __future__ import annotations
+
+from torch.overrides import TorchFunctionMode
+
+import lightning_dpmp.compat as compat
+
+__all__ = ["AsideMode"]
+
+
+class AsideMode(TorchFunctionMode):
+    """A ``TorchFunctionMode`` with :meth:`step_aside`/:meth:`step_back` (nestable) and :meth:`leave`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._aside = 0  # times step_aside took the mode off the stack, still to be put back
+
+    def step_aside(self) -> None:
+        """Take the mode off the stack; only when it is the innermost mode (``__exit__`` pops whatever is)."""
+        if compat.current_function_mode() is self:
+            self.__exit__(None, None, None)
+            self._aside += 1
+
+    def step_back(self) -> None:
+        """Undo :meth:`step_aside`."""
+        if self._aside:
+            self._aside -= 1
+            self.__enter__()
+
+    def leave(self) -> None:
+        """Leave the mode stack for good (teardown), whether it is on it or stepped aside."""
+        if compat.current_function_mode() is self:
+            self.__exit__(None, None, None)
+        self._aside = 0
