@@ -40,16 +40,14 @@ from lightning_dpmp.integration.data_path import (
     seed_workers_by_dp_rank,
     trainer_of,
 )
-from lightning_dpmp.integration.failfast import (
-    check_backend,
-    check_sync_batchnorm,
+from lightning_dpmp.integration.launcher import (
+    DPMPScriptLauncher,
     close_gloo_groups_at_exit,
     die_with_parent,
     is_launched_rank,
-    warn_if_mp_spans_nodes,
 )
-from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.integration.mp_batch import broadcast_batch, check_batch
+from lightning_dpmp.integration.validate import check_backend, check_sync_batchnorm, warn_if_mp_spans_nodes
 from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.grid import Grid, build_grid, device_mesh
 from lightning_dpmp.parallel.topology import Size, Topology, check_parallel_size
@@ -242,7 +240,7 @@ class GridStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         if is_launched_rank(self.cluster_environment, self.local_rank):
-            die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (failfast.py)
+            die_with_parent()  # a rank whose launcher has gone must not live on as an orphan (launcher.py)
         super().setup_environment()  # initialises the default process group
         close_gloo_groups_at_exit()
         if not self._pending:  # else the groups are built in set_layout, once the subclass has chosen (dp, mp)

@@ -1,4 +1,5 @@
-"""Process launching for DPMPStrategy: Lightning's popen launcher, made safe for Hydra multirun.
+"""Process launching for DPMPStrategy: Lightning's popen launcher, made safe for Hydra multirun, and what a launched
+rank does to end with its job (dies with its launcher, closes its gloo groups at exit).
 
 Lightning's ``_SubprocessScriptLauncher`` starts local ranks 1..N-1 by re-running ``sys.argv``. Under a Hydra
 multirun (``python train.py -m a=1,2``) every child then replays the *whole sweep*: a second multirun folder
@@ -21,11 +22,24 @@ It also makes a process that runs several jobs in a row (Hydra's basic sweeper) 
 - The child observer can be stopped: Lightning's observer SIGKILLs the *parent* as soon as a child exits
   non-zero, which ends the whole sweep even when the parent handled the failure. ``shutdown()`` stops it, waits
   for this job's children and kills any that are left.
+
+And what a launched rank does to end with its job (called in the strategy's ``setup_environment``):
+
+* :func:`die_with_parent`: a rank started by a launcher (Lightning's popen launcher, torchrun;
+  :func:`is_launched_rank`) is killed by the kernel when its launcher dies, so that a rank stuck outside any
+  collective cannot outlive the job as an orphan.
+* :func:`close_gloo_groups_at_exit`: the process destroys its gloo groups while it is still whole.
+
+Example:
+    >>> is_launched_rank(LightningEnvironment(), 0)
+    False
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -38,6 +52,8 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
@@ -46,10 +62,18 @@ from lightning_dpmp.compat import check_can_spawn_children
 from lightning_dpmp.compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from lightning_dpmp.integration.validate import check_before_launch
 
-__all__ = ["DPMPScriptLauncher", "hydra_child_command", "launch_environment"]
+__all__ = [
+    "DPMPScriptLauncher",
+    "close_gloo_groups_at_exit",
+    "die_with_parent",
+    "hydra_child_command",
+    "is_launched_rank",
+    "launch_environment",
+]
 
 log = logging.getLogger(__name__)
 _HYDRA_AVAILABLE = RequirementCache("hydra-core")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 #: Environment variables the popen launcher (or ``seed_everything`` / thread tuning) exports in the parent.
 LAUNCH_ENV_VARS: tuple[str, ...] = (
@@ -281,3 +305,91 @@ class _ChildObserver(threading.Thread):
             log.error(f"The launching process did not finish within {self._grace_period_s:.0f} s; killing it.")
             os.kill(self._main_pid, signal.SIGKILL)
             return
+
+
+def die_with_parent() -> bool:
+    """Ask Linux to SIGKILL this process when its parent exits; returns whether that is now in place.
+
+    Call it only in a process whose parent is a launcher (never in the main process: a training started with
+    ``nohup`` would die with its shell). Lightning's popen launcher kills its children only on Ctrl-C, so when
+    rank 0 fails and exits, a rank that is not waiting on rank 0 (stuck in a dataloader or a long computation)
+    would otherwise live on. Elsewhere than Linux this is a no-op, and ``timeout`` bounds the wait instead.
+
+    Example:
+        >>> die_with_parent() if False else None   # in a launched rank: True on Linux
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the parent died before the request: it will never fire
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def close_gloo_groups_at_exit() -> None:
+    """Have this process destroy its gloo process groups when the interpreter exits, while it is still whole
+    (registered once per process, however often it is called).
+
+    Left to the interpreter's teardown, gloo's threads were sometimes destroyed while still joinable: "terminate
+    called without an active exception", a SIGABRT after all the work was done (seen in torchrun and two-node launches
+    on 2 busy cores). NCCL groups are left alone. A process dying of an uncaught exception (``sys.excepthook`` ran)
+    leaves at once with exit code 1, its output and log handlers flushed, past the interpreter's teardown: destroying
+    a group that still has work queued for a dead peer can block, and gloo's threads torn down by the interpreter
+    turned that exit code 1 into a SIGABRT (-6) now and then.
+
+    Example:
+        >>> close_gloo_groups_at_exit()   # in setup_environment, once the process group exists
+    """
+    if not isinstance(sys.excepthook, _ExitWatch):
+        sys.excepthook = _ExitWatch(sys.excepthook)
+    atexit.unregister(_close_gloo_groups)  # at most one registration
+    atexit.register(_close_gloo_groups)
+
+
+class _ExitWatch:
+    """``sys.excepthook`` wrapper noting that the process dies of an uncaught exception (then the previous hook)."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous, self.dying = previous, False
+
+    def __call__(self, kind: Any, value: Any, tb: Any) -> None:
+        self.dying = not issubclass(kind, KeyboardInterrupt)  # (Ctrl-C keeps Python's own exit)
+        self.previous(kind, value, tb)
+
+
+def _close_gloo_groups() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if isinstance(sys.excepthook, _ExitWatch) and sys.excepthook.dying:  # a peer may be stuck: leave at once
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(1)
+    if getattr(sys, "last_value", None) is not None:  # an exception shown elsewhere (a debugger, a test runner)
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # exiting anyway: a group that cannot be closed must not turn a clean exit into an error
+        pass
+
+
+def is_launched_rank(environment: Any, local_rank: int) -> bool:
+    """Whether this process was started by a launcher that owns it: a torchrun worker, or a popen child
+    (local rank > 0).
+
+    Example:
+        >>> is_launched_rank(LightningEnvironment(), 0)
+        False
+    """
+    if isinstance(environment, TorchElasticEnvironment):
+        return True
+    return type(environment) is LightningEnvironment and environment.creates_processes_externally and local_rank > 0

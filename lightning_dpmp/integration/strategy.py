@@ -38,10 +38,6 @@ from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
-from lightning_dpmp.integration.failfast import (
-    check_sync_batchnorm,
-    warn_if_data_not_sharded,
-)
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized, parallelize, unparallelize
@@ -265,7 +261,7 @@ class DPMPStrategy(GridStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and self.is_global_zero:
             use_sampler = compat.uses_distributed_sampler(trainer)
-            warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
+            validate.warn_if_data_not_sharded(trainer.train_dataloader, use_sampler, self.dp, self.mp)
             validate.warn_if_data_smaller_than_dp(trainer.train_dataloader, use_sampler, self.dp)
         if self.is_global_zero:
             rank_zero_info(memory_line(self.memory_report(), self.zero))
@@ -299,7 +295,7 @@ class DPMPStrategy(GridStrategy):
         self._failed, self._parallel = False, None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not self.layout_pending:  # mp="auto" restricts itself to mp=1 under sync_batchnorm (_choose_layout)
-            check_sync_batchnorm(compat.layer_sync(self), self.mp)
+            validate.check_sync_batchnorm(compat.layer_sync(self), self.mp)
             validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero,
                                                trainer.state.fn, self.checkpointer.distributed)
         self.accelerator.setup(trainer)

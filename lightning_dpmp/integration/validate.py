@@ -4,6 +4,9 @@ A bad argument found after the processes started costs a trace of the model and 
 (48 s and 4 tracebacks for a misspelt style name; 8 under Hydra). So each check runs at the first point where
 its information exists:
 
+* when the ``Trainer`` is built (the strategy's ``set_world_ranks``, devices known, no process started):
+  ``process_group_backend="nccl"`` on CPU devices (:func:`check_backend`: NCCL would fail or hang at init) and
+  ``sync_batchnorm=True`` with ``mp > 1`` (:func:`check_sync_batchnorm`: each batch would count mp times).
 * construction (:func:`check_init_args`, :func:`ddp_kwargs_from_user`): the types and values of every plain
   constructor argument, and style names with a did-you-mean. No model, no processes.
 * before launch (:func:`check_before_launch`, called by the launcher with ``fit``'s arguments): the plan's globs and
@@ -12,13 +15,23 @@ its information exists:
 * setup (:func:`check_plan_at_setup`): the same plan checks for a model built in ``configure_model``; rank 0 raises,
   the other ranks exit quietly with code 1 (:func:`only_rank_zero_reports`).
 * after planning and at train start, warnings on rank 0: mp > 1 that splits nothing (:func:`warn_if_mp_idle`), a
-  dataset smaller than dp (:func:`warn_if_data_smaller_than_dp`).
+  dataset smaller than dp (:func:`warn_if_data_smaller_than_dp`), data Lightning cannot shard over DP
+  (``use_distributed_sampler=False`` or an ``IterableDataset``: :func:`warn_if_data_not_sharded`; each DP rank must
+  read its own part by ``strategy.dp_rank`` / ``strategy.dp_size``), MP groups that cross nodes
+  (:func:`warn_if_mp_spans_nodes`).
+
+What happens when a rank fails at run time is measured in ``tests/integration/test_reliability.py``: gloo raises
+"Connection closed by peer" on the survivors as soon as the failed process is gone, Lightning's launcher (or
+torchrun's agent) kills the rest, and the process-group timeout (``DPMPStrategy(timeout=...)``) bounds the
+remaining case, a peer that is alive but never joins the collective.
 
 Example:
     >>> check_init_args(plan_overrides={"fc1": "colum"})
     Traceback (most recent call last):
     ...
     ValueError: plan['fc1'] = 'colum' is not a style (did you mean 'column'?); choose one of column, row, ...
+    >>> check_backend("gloo", [torch.device("cpu")] * 4)
+    >>> check_sync_batchnorm(None, mp=2)
 """
 
 from __future__ import annotations
@@ -29,37 +42,44 @@ import inspect
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset  # noqa: F401  (DataLoader: doctest)
 
 from lightning_dpmp.checkpoint.integrity import check_checkpoint_file
 from lightning_dpmp.compat import compiled_by_user
-from lightning_dpmp.integration.failfast import loaders_of
 from lightning_dpmp.parallel.compiled import compiled_by_strategy
 from lightning_dpmp.planner.user_plan import PlanOverrides, UserPlan, check_plan_on_model
 
 __all__ = [
+    "DataShardingWarning",
     "DataSizeWarning",
     "IdleModelParallelWarning",
     "advise_our_arguments",
     "check_averaging_callbacks",
+    "check_backend",
     "check_before_launch",
     "check_ckpt_path",
     "check_init_args",
     "check_not_compiled",
     "check_plan_at_setup",
+    "check_sync_batchnorm",
     "check_ddp_kwargs_with_dtensors",
     "check_zero_without_ddp",
     "ddp_kwargs_from_user",
+    "loaders_of",
     "only_rank_zero_reports",
     "warn_if_data_smaller_than_dp",
+    "warn_if_data_not_sharded",
     "warn_if_mp_idle",
+    "warn_if_mp_spans_nodes",
 ]
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -74,11 +94,57 @@ class IdleModelParallelWarning(UserWarning):
     """``mp > 1``, but the plan splits no parameter: every MP rank computes the whole model."""
 
 
+class DataShardingWarning(UserWarning):
+    """The training data is not sharded by Lightning; each DP rank must read its own part."""
+
+
 class DataSizeWarning(UserWarning):
     """The training dataset is smaller than ``dp``: the DistributedSampler repeats samples to give each replica one."""
 
 
 # ---------------------------------------------------------------------------------------------- construction
+def check_backend(backend: Optional[str], devices: Sequence[torch.device]) -> None:
+    """Refuse NCCL for non-CUDA devices, or where this torch build has no NCCL.
+
+    Example:
+        >>> check_backend("nccl", [torch.device("cpu")] * 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: process_group_backend='nccl' needs CUDA devices, but the Trainer runs on 2 cpu device(s). ...
+    """
+    if backend != "nccl":
+        return
+    kinds = sorted({d.type for d in devices})
+    if kinds != ["cuda"]:
+        raise ValueError(
+            f"process_group_backend='nccl' needs CUDA devices, but the Trainer runs on {len(devices)}"
+            f" {'/'.join(kinds)} device(s). Use process_group_backend='gloo' (or leave it unset: gloo on CPU, nccl on"
+            " CUDA), or Trainer(accelerator='gpu')."
+        )
+    if not (dist.is_available() and dist.is_nccl_available()):
+        raise ValueError(
+            f"process_group_backend='nccl', but this torch build ({torch.__version__}) has no NCCL. Install a CUDA"
+            " build of torch, or use process_group_backend='gloo'."
+        )
+
+
+def check_sync_batchnorm(layer_sync: Any, mp: int) -> None:
+    """Refuse ``Trainer(sync_batchnorm=True)`` with ``mp > 1`` (statistics would be synchronised over the world).
+
+    Example:
+        >>> check_sync_batchnorm(object(), mp=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: sync_batchnorm=True is not supported with mp=2: BatchNorm statistics would be synchronised ...
+    """
+    if layer_sync is not None and mp > 1:
+        raise ValueError(
+            f"sync_batchnorm=True is not supported with mp={mp}: BatchNorm statistics would be synchronised over the"
+            f" whole world, where the mp={mp} ranks of an MP group hold the same batch, so each sample would count"
+            f" {mp} times. Use Trainer(sync_batchnorm=False), or mp=1."
+        )
+
+
 def check_init_args(
     plan_overrides: Any = None,
     sequence_parallel: Any = False,
@@ -345,6 +411,44 @@ def warn_if_mp_idle(n_split_params: int, dp: int, mp: int) -> Optional[str]:
     return msg
 
 
+def loaders_of(obj: Any) -> list[Any]:
+    """The dataloaders inside ``trainer.train_dataloader``'s structure (mappings, sequences, a CombinedLoader)."""
+    if isinstance(obj, Mapping):
+        return [x for v in obj.values() for x in loaders_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in loaders_of(v)]
+    if hasattr(obj, "flattened"):  # Lightning's CombinedLoader
+        return loaders_of(list(obj.flattened))
+    return [] if obj is None else [obj]
+
+
+def warn_if_data_not_sharded(loaders: Any, use_distributed_sampler: bool, dp: int, mp: int) -> Optional[str]:
+    """Warn (and return the message) when the training data cannot have been sharded over DP by Lightning.
+
+    Example:
+        >>> warn_if_data_not_sharded(DataLoader(range(8)), use_distributed_sampler=True, dp=2, mp=2) is None
+        True
+    """
+    if dp == 1:
+        return None  # a single replica reads everything; MP ranks read the same loader with the same seed
+    iterable = [dl for dl in loaders_of(loaders) if isinstance(getattr(dl, "dataset", None), IterableDataset)]
+    if iterable:
+        kind = type(iterable[0].dataset).__name__
+        why = f"the training data is an IterableDataset ({kind}), which no sampler can shard"
+    elif not use_distributed_sampler:
+        why = "Trainer(use_distributed_sampler=False) leaves the DataLoaders as given"
+    else:
+        return None
+    msg = (
+        f"DPMPStrategy(dp={dp}, mp={mp}): {why}. The data must be sharded by DP rank: give each of the dp={dp}"
+        " replicas a different part (`trainer.strategy.dp_rank` in 0..dp-1 and `trainer.strategy.dp_size`), and the"
+        f" same batches to the mp={mp} ranks of one MP group (those with the same dp_rank). Otherwise every replica"
+        " trains on the same samples. `check_consistency_every_n_steps` verifies the MP side."
+    )
+    warnings.warn(msg, DataShardingWarning, stacklevel=2)
+    return msg
+
+
 def warn_if_data_smaller_than_dp(loaders: Any, use_distributed_sampler: bool, dp: int) -> Optional[str]:
     """Warn (and return the message) when a training dataset has fewer samples than ``dp``. Call it on rank 0 only."""
     if dp <= 1 or not use_distributed_sampler:
@@ -364,6 +468,15 @@ def warn_if_data_smaller_than_dp(loaders: Any, use_distributed_sampler: bool, dp
             warnings.warn(msg, DataSizeWarning, stacklevel=2)
             return msg
     return None
+
+
+def warn_if_mp_spans_nodes(mp: int, devices_per_node: int, num_nodes: int) -> None:
+    """MP groups are consecutive ranks: if mp does not divide the devices of a node, some groups cross nodes."""
+    if mp > 1 and devices_per_node % mp and num_nodes > 1:
+        rank_zero_warn(
+            f"mp={mp} does not divide the {devices_per_node} devices per node: MP groups span nodes, and every"
+            " tensor-parallel all-reduce crosses the slower inter-node link."
+        )
 
 
 def advise_our_arguments(exception: BaseException, dp: Any, mp: Any, zero: int) -> bool:

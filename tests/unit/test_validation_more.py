@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.integration.failfast import DataShardingWarning, warn_if_data_not_sharded
 from lightning_dpmp.integration.guard import ConsistencyGuard, batch_checksum, first_divergence, tensor_checksum
+from lightning_dpmp.integration.validate import DataShardingWarning, warn_if_data_not_sharded
 
 
 def _trainer(**kwargs):
