@@ -50,7 +50,7 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_dpmp.parallel.sharding import Blocks
-from lightning_dpmp.planner.attention import decide_attention
+from lightning_dpmp.planner.attention_plan import decide_attention
 from lightning_dpmp.planner.experts import plan_experts
 from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.layout import LayerPlan, Plan, block_of

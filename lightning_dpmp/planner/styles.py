@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Optional, Protocol, TypeVar, Union
 
 from torch import nn
 
-from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
+from lightning_dpmp.parallel.attention_layer import HeadParallelMultiheadAttention
 from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, vocab_parallel
 from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
 from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
-from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention  # noqa: E402
+from lightning_dpmp.parallel.attention_layer import HeadParallelMultiheadAttention  # noqa: E402
 from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.sharding import gather_tensor  # noqa: E402

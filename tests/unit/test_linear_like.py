@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dpmp.parallel.attention import HeadParallelMultiheadAttention
+from lightning_dpmp.parallel.attention_layer import HeadParallelMultiheadAttention
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_dpmp.planner.plan import make_plan
 from lightning_dpmp.planner.trace import LinearCall, trace_step

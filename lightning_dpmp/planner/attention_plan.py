@@ -3,7 +3,7 @@
 torch's attention is recognised as a primitive (like ``nn.Linear``): its q/k/v live in the bare parameter
 ``in_proj_weight`` and ``F.multi_head_attention_forward`` reads ``out_proj.weight`` directly, so no call of a
 Linear marks them. Head-parallel attention is self-contained: it reads a replicated input and writes a
-replicated output (:class:`~lightning_dpmp.parallel.attention.HeadParallelMultiheadAttention`), so it needs no
+replicated output (:class:`~lightning_dpmp.parallel.attention_layer.HeadParallelMultiheadAttention`), so it needs no
 region analysis, only the facts of its calls in the traced step (:class:`~lightning_dpmp.planner.trace.AttentionCall`).
 
 Example:
@@ -24,7 +24,7 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_dpmp.parallel.attention import unsupported_reason
+from lightning_dpmp.parallel.attention_layer import unsupported_reason
 from lightning_dpmp.planner.trace import Trace
 
 __all__ = ["AttentionDecision", "decide_attention"]
