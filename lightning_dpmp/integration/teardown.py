@@ -39,7 +39,7 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer, optimizer_to_meta
 from lightning_dpmp.integration.zero import repoint_schedulers
 from lightning_dpmp.parallel.comm import group_rank, group_size
-from lightning_dpmp.parallel.experts import SHARDS_ATTR
+from lightning_dpmp.parallel.experts_layer import SHARDS_ATTR
 from lightning_dpmp.parallel.sharding import Blocks, DenseGather, ParallelLinear, dense_meta, params_to_meta, shard_dims
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import Bucket, all_gather_flat

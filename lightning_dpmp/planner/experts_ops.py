@@ -2,7 +2,7 @@
 the experts' intermediate dim or on a partial sum, the two states (split, partial), and the rules for ops that
 read them (:class:`ActivationRules`, mixed into the pass of :mod:`lightning_dpmp.planner.experts_pass`).
 
-What the rules accept is described in :mod:`lightning_dpmp.planner.experts`.
+What the rules accept is described in :mod:`lightning_dpmp.planner.experts_detect`.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
-    experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts.ExpertsLayout
+    experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts_detect.ExpertsLayout
     partial: list[str] = field(default_factory=list)  # whole parameters read inside split regions (partial_params)
 
     @property

@@ -2,7 +2,7 @@
 
 Each analysis keeps its own *semantics* (what an op does to a split tensor) but draws its op names from here, so a
 newly recognised op is added once: :mod:`lightning_dpmp.planner.flow` (column -> row regions, its ``OPS`` rule
-table), :mod:`lightning_dpmp.planner.sequence` (token-wise regions), :mod:`lightning_dpmp.planner.experts` (split
+table), :mod:`lightning_dpmp.planner.sequence` (token-wise regions), :mod:`lightning_dpmp.planner.experts_detect` (split
 and partial-sum expert regions), :mod:`lightning_dpmp.planner.linear_like` (what a linear-like forward may do) and
 :mod:`lightning_dpmp.planner.trace` (recording). Names are those :func:`lightning_dpmp.planner.trace.op_name`
 records: ``torch.add``, ``Tensor.add`` and ``F.add`` are all ``"add"``; ``x.T`` is the getter ``"T"``.

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union, cast
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.comm import gather_from_sequence, group_size, scatter_to_group
-from lightning_dpmp.parallel.experts import ExpertsShards, consolidate_experts
+from lightning_dpmp.parallel.experts_layer import ExpertsShards, consolidate_experts
 from lightning_dpmp.parallel.sharding import (
     Blocks,
     DenseGather,
@@ -78,7 +78,7 @@ def parallelize(
         if not style.swaps_module or lp.name.rpartition(".")[0] in owners:
             continue  # out_proj of a head-parallel attention: split by the attention layer itself
         dense = model.get_submodule(lp.name)
-        if style.in_place:  # split in place: the module keeps its class and code (parallel/experts.py)
+        if style.in_place:  # split in place: the module keeps its class and code (parallel/experts_layer.py)
             originals[lp.name] = style.build(dense, lp, ctx)
             continue
         layer = style.build(dense, lp, ctx)

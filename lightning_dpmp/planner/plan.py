@@ -12,7 +12,7 @@ Styles (the values a user plan may name):
   see :func:`vocab_split_pays`); or an ``nn.Embedding`` split by vocabulary rows. Its logits stay split only in
   the mode of the traced call (``LayerPlan.mode``); in any other mode the layer gathers them in its forward.
 * ``"experts"``: a mixture-of-experts module whose stacked expert weights are split along the intermediate dim
-  (:mod:`lightning_dpmp.planner.experts`); its routers stay replicated.
+  (:mod:`lightning_dpmp.planner.experts_detect`); its routers stay replicated.
 * ``"replicate"``: not split: the split dimension is not divisible by ``mp``, the weight is tied to a layer that
   stays whole, or the layer is never called through ``forward()`` (its weight is read directly).
 * ``"partial"``: whole, reading a column layer's input inside its region: the first factor ``A`` of a low-rank
@@ -51,7 +51,7 @@ from torch import nn
 
 from lightning_dpmp.parallel.sharding import Blocks
 from lightning_dpmp.planner.attention_plan import decide_attention
-from lightning_dpmp.planner.experts import plan_experts
+from lightning_dpmp.planner.experts_detect import plan_experts
 from lightning_dpmp.planner.flow import analyse
 from lightning_dpmp.planner.layout import LayerPlan, Plan, block_of
 from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole

@@ -40,7 +40,7 @@ from torch import nn
 from lightning_dpmp.parallel.attention_layer import HeadParallelMultiheadAttention
 from lightning_dpmp.parallel.embeddings import ColumnParallelEmbedding, vocab_parallel
 from lightning_dpmp.parallel.entry import GATHERED, SharedInputCopy
-from lightning_dpmp.parallel.experts import ExpertsShards, shard_experts
+from lightning_dpmp.parallel.experts_layer import ExpertsShards, shard_experts
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, EnteredLinear, RowParallelLinear
 from lightning_dpmp.parallel.sharding import Blocks
 

@@ -154,7 +154,7 @@ def user_styles(model: nn.Module, user_plan: UserPlan, mp: int, forms: Mapping[s
         layers = [n for n in matched if n in forms or type(modules[n]) is nn.Embedding
                   or isinstance(modules[n], nn.MultiheadAttention)]
         stacked = [n for n in matched if n not in layers and any(p.dim() >= 3 for p in modules[n].parameters(False))]
-        for name in stacked if style in ("experts", "replicate") else ():  # experts modules (planner/experts.py)
+        for name in stacked if style in ("experts", "replicate") else ():  # experts modules (planner/experts_detect.py)
             forced.setdefault(name, style)
         if style == "experts":
             if not stacked:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dpmp.parallel.sharding import shard_tensor
-from lightning_dpmp.planner.experts import analyse_experts
+from lightning_dpmp.planner.experts_detect import analyse_experts
 from lightning_dpmp.planner.plan import make_plan
 from lightning_dpmp.planner.trace import trace_step
 from tests.support.real_models import _Experts, _MoE

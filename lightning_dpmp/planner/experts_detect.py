@@ -14,7 +14,7 @@ indexing per expert (``W[e]``, ``W[expert_ids]``) or whole (grouped matmuls), as
   partials, ``index_add_``/``scatter_add_`` into a zero buffer (``zeros_like``), reshapes and sums;
 * the module's output must be a partial sum, and nothing split or partial may be read after it returns.
 
-Then the module is run with its expert parameters replaced by shards (:mod:`lightning_dpmp.parallel.experts`): its
+Then the module is run with its expert parameters replaced by shards (:mod:`lightning_dpmp.parallel.experts_layer`): its
 replicated inputs that reach the split region enter it once (one fused all-reduce of their gradients backward, the
 routing weights included, whose gradient is a partial sum too) and its output is all-reduced once forward:
 1 all-reduce each way per MoE block, however many experts. A replicated parameter feeding the split region (a
