@@ -24,7 +24,7 @@ from lightning_dpmp.parallel.entry import SharedInputCopy
 from lightning_dpmp.parallel.grid import Grid, build_grid
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_dpmp.parallel.loss import VocabShardedLogits, vocab_parallel_cross_entropy
-from lightning_dpmp.planner.parallelize import consolidate, consolidated_state_dict, parallelize
+from lightning_dpmp.planner.apply_plan import apply_plan, consolidate, consolidated_state_dict
 from lightning_dpmp.planner.plan import LayerPlan, Plan, make_plan
 from lightning_dpmp.planner.trace import trace_step
 
@@ -48,6 +48,7 @@ __all__ = [
     "UnverifiedPlanWarning",
     "VocabParallelEmbedding",
     "VocabShardedLogits",
+    "apply_plan",
     "build_grid",
     "clip_grad_norm_",
     "consolidate",
@@ -57,7 +58,6 @@ __all__ = [
     "gather_from_group",
     "load_weights",
     "make_plan",
-    "parallelize",
     "reduce_from_group",
     "scatter_to_group",
     "trace_step",

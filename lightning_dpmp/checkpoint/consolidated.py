@@ -170,7 +170,7 @@ def consolidate_optimizer(
     optimizer: Optimizer, moved: Mapping[int, tuple[Any, Optional[int], Blocks]], group: Any,
     gather: Optional[DenseGather] = None,
 ) -> None:
-    """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.parallelize.consolidate` made,
+    """Point ``optimizer`` at the dense parameters :func:`~lightning_dpmp.planner.apply_plan.consolidate` made,
     with its per-parameter state gathered to dense shapes (collective over MP; ``gather`` as there: a rank that
     does not keep the result gets the dense state's shapes on the meta device)."""
     gather = gather if gather is not None else DenseGather()

@@ -55,7 +55,7 @@ from lightning_dpmp.parallel.comm import group_rank, group_size
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims, shard_tensor
-from lightning_dpmp.planner.parallelize import parallelize, restore
+from lightning_dpmp.planner.apply_plan import apply_plan, restore
 from lightning_dpmp.planner.plan import Plan, make_plan
 from lightning_dpmp.planner.sequence import plan_sequence_parallel
 from lightning_dpmp.planner.trace import Trace, first_pass, loss_of, trace_step
@@ -605,7 +605,7 @@ def plan_module(
             notes[-1] += f"; fell back to {fallbacks[level]}: {_changes(failed, plan)}"
         plan.notes += _broadcast(notes)
         text = plan.describe(module)
-        originals = parallelize(module, plan, grid.mp_group, rng)
+        originals = apply_plan(module, plan, grid.mp_group, rng)
         if not checkable:
             return PlanResult(plan, text, conditional=conditional, branches=branches)
         # mypy: checkable implies a traced run with a loss

@@ -34,8 +34,8 @@ from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import DenseGather, params_to_meta, shard_dims
+from lightning_dpmp.planner.apply_plan import consolidate
 from lightning_dpmp.planner.materialize import is_meta, materialize
-from lightning_dpmp.planner.parallelize import consolidate
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = [

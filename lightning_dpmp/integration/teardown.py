@@ -43,13 +43,13 @@ from lightning_dpmp.parallel.experts_layer import SHARDS_ATTR
 from lightning_dpmp.parallel.sharding import Blocks, DenseGather, ParallelLinear, dense_meta, params_to_meta, shard_dims
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import Bucket, all_gather_flat
-from lightning_dpmp.planner.parallelize import consolidate
+from lightning_dpmp.planner.apply_plan import consolidate
 
 __all__ = ["consolidate_engine", "gather_left_split", "keep_on_rank0"]
 
 
 class _ShellsOnly(DenseGather):
-    """For :func:`~lightning_dpmp.planner.parallelize.consolidate`: the dense modules' shells and no communication.
+    """For :func:`~lightning_dpmp.planner.apply_plan.consolidate`: the dense modules' shells and no communication.
     A rank that keeps the model gets a zero-stride stand-in of each dense tensor (one element of memory), so the
     shells are allocated for real there; the values are filled in afterwards, one bucket at a time."""
 

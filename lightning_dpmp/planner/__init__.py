@@ -2,7 +2,7 @@
 
 What lives here: the step recorder (``trace``), shardedness propagation over the record (``flow``; its rules in
 ``flow_values`` and ``flow_layout``), the per-layer plan and its printout (``plan``), sequence-parallel analysis
-(``sequence``), applying a plan to a module and consolidating it back (``parallelize``), and materialising
+(``sequence``), applying a plan to a module and consolidating it back (``apply_plan``), and materialising
 meta-device models shard by shard (``materialize``).
 
 May import: torch and :mod:`lightning_dpmp.parallel`. Never Lightning or torchmetrics.

@@ -29,7 +29,7 @@ from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLine
 from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy  # noqa: E402
 from lightning_dpmp.parallel.sharding import gather_tensor, shard_tensor  # noqa: E402
 from lightning_dpmp.parallel.topology import Topology  # noqa: E402
-from lightning_dpmp.planner.parallelize import consolidated_state_dict  # noqa: E402
+from lightning_dpmp.planner.apply_plan import consolidated_state_dict  # noqa: E402
 from tests.support.pool import run_world  # noqa: E402
 
 

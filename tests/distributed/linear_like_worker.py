@@ -29,7 +29,7 @@ from lightning_dpmp.parallel.grid import build_grid  # noqa: E402
 from lightning_dpmp.parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_dpmp.parallel.sharding import gather_tensor  # noqa: E402
 from lightning_dpmp.parallel.topology import Topology  # noqa: E402
-from lightning_dpmp.planner.parallelize import consolidate, consolidated_state_dict  # noqa: E402
+from lightning_dpmp.planner.apply_plan import consolidate, consolidated_state_dict  # noqa: E402
 from tests.support.pool import run_world  # noqa: E402
 
 

@@ -6,7 +6,7 @@ parameter order are those of the dense model. Tied weights (an LM head sharing t
 both layers hold the same shard ``Parameter``.
 
 Example:
-    >>> originals = parallelize(model, plan, grid.mp_group)  # now 1/mp of each split layer  # doctest: +SKIP
+    >>> originals = apply_plan(model, plan, grid.mp_group)   # now 1/mp of each split layer  # doctest: +SKIP
     >>> consolidate(model)                                    # and now the dense layers again  # doctest: +SKIP
 """
 
@@ -30,7 +30,7 @@ from lightning_dpmp.planner.plan import Plan
 from lightning_dpmp.planner.structure import set_per_rank, unset_per_rank
 from lightning_dpmp.planner.styles import BuildContext
 
-__all__ = ["consolidate", "consolidated_state_dict", "parallelize", "restore", "set_submodule"]
+__all__ = ["apply_plan", "consolidate", "consolidated_state_dict", "restore", "set_submodule"]
 
 _ADJUSTED = "_dpmp_dense_attrs"  # on a module whose head counts were set per rank: its attributes as they were
 _SP_HOOK = "_dpmp_sequence_hook"  # on an unsplit embedding whose output is split along the sequence
@@ -55,7 +55,7 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, attr, module)
 
 
-def parallelize(
+def apply_plan(
     model: nn.Module, plan: Plan, group: Any, rng: Optional[Any] = None
 ) -> dict[str, Union[nn.Module, ExpertsShards]]:
     """Swap every planned layer of ``model`` for its parallel form, sliced from the dense weights.
@@ -144,7 +144,7 @@ def _restore_attrs(model: nn.Module) -> None:
 
 
 def restore(model: nn.Module, originals: dict[str, Union[nn.Module, ExpertsShards]]) -> None:
-    """Put back the dense layers :func:`parallelize` returned (no communication)."""
+    """Put back the dense layers :func:`apply_plan` returned (no communication)."""
     back: dict[int, nn.Parameter] = {}
     for name, dense in originals.items():
         if isinstance(dense, ExpertsShards):
