@@ -3,7 +3,7 @@
 Each MP rank holds ``size / mp`` of every block (:data:`~lightning_dpmp.parallel.sharding.Blocks`), but the model's
 code cuts the output with sizes in dense coordinates: ``qkv.split([q, kv, kv], -1)`` (DBRX), or slices by bounds it
 computes from config integers, ``qkv[..., :q_pos]``, ``qkv[..., q_pos:q_pos + kv]`` (Phi-3). The planner
-(:mod:`lightning_dpmp.planner.flow_layout`) splits such a layer only when those cuts are exactly its blocks; the
+(:mod:`lightning_dpmp.planner.flow_dims`) splits such a layer only when those cuts are exactly its blocks; the
 layer then returns a :class:`FusedOutput`, on which the cuts are read per rank: every size and bound that falls on
 a block boundary is divided by ``mp`` (each block is cut evenly, so boundary ``b`` of the dense layout is boundary
 ``b / mp`` of the local one). Element-wise ops that keep the shape (``clamp``, a dropout) keep the reading; every

@@ -2,7 +2,7 @@
 
 :mod:`lightning_dpmp.tools.costmodel` predicts a GPT of a given *shape* at a fixed *global* batch. At setup the
 strategy knows more and less: it has the traced step (every Linear's sizes, the tokens each one read, the MP
-collectives each plan issues: :meth:`~lightning_dpmp.planner.layout.Plan.layer_comm`), and the batch the
+collectives each plan issues: :meth:`~lightning_dpmp.planner.plan_types.Plan.layer_comm`), and the batch the
 dataloader hands each rank is fixed, so the global batch is ``dp`` times it. Layouts are therefore ranked by
 predicted **tokens per second** (equivalently, time per sample), with the same formulas as the GPT model:
 
@@ -34,7 +34,7 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_dpmp.planner.layout import Plan
+from lightning_dpmp.planner.plan_types import Plan
 from lightning_dpmp.planner.trace import Trace
 
 __all__ = ["Links", "LayoutCost", "ModelCost", "format_table", "model_cost", "predict_layout", "rank_layouts",

@@ -40,7 +40,7 @@ from torch import nn
 
 from lightning_dpmp.planner.experts_ops import MATMULS, Conflict, Key, prod
 from lightning_dpmp.planner.experts_pass import ExpertsPass
-from lightning_dpmp.planner.layout import LayerPlan
+from lightning_dpmp.planner.plan_types import LayerPlan
 from lightning_dpmp.planner.trace import LinearCall, ModuleCall, OpCall, Trace
 
 __all__ = ["ExpertsLayout", "analyse_experts", "plan_experts"]

@@ -11,7 +11,7 @@ self-contained layers; the planner (:mod:`lightning_dpmp.planner.plan`) picks am
 What lives here: the analysis driver (regions and their union, the pass over the recorded events, the dispatch),
 the op table ``OPS`` (op name -> rule) and :func:`analyse`, which turns regions into roles. The rules themselves
 are in :mod:`lightning_dpmp.planner.flow_values` (element-wise, reductions, losses, attention-like ops) and
-:mod:`lightning_dpmp.planner.flow_layout` (reshapes, transposes, indexing, concatenation, splits).
+:mod:`lightning_dpmp.planner.flow_dims` (reshapes, transposes, indexing, concatenation, splits).
 
 Example:
     >>> import torch
@@ -33,7 +33,7 @@ from typing import Callable, Optional, Union
 from torch import nn
 
 from lightning_dpmp.parallel.sharding import Blocks
-from lightning_dpmp.planner.flow_layout import LayoutRules
+from lightning_dpmp.planner.flow_dims import DimRules
 from lightning_dpmp.planner.flow_state import Region, Shard
 from lightning_dpmp.planner.flow_values import ValueRules
 from lightning_dpmp.planner.linear_like import LinearForm
@@ -78,7 +78,7 @@ class Flow:
     partial: dict[str, set[str]] = field(default_factory=dict)
 
 
-class _Analysis(ValueRules, LayoutRules):
+class _Analysis(ValueRules, DimRules):
     """One pass over a trace: which tensors are split, on which dim, in which region (rules: the mixins)."""
 
     def __init__(self, trace: Trace, mp: int, can_source: Callable[[str], bool], can_sink: Callable[[str], bool],

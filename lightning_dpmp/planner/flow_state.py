@@ -1,6 +1,6 @@
 """The state of one flow analysis (:mod:`lightning_dpmp.planner.flow`): where a tensor is split (:class:`Shard`), the
 regions of split tensors between source and sink layers (:class:`Region`), and what the rule mixins
-(:mod:`~lightning_dpmp.planner.flow_layout`, :mod:`~lightning_dpmp.planner.flow_values`) read from the analysis that
+(:mod:`~lightning_dpmp.planner.flow_dims`, :mod:`~lightning_dpmp.planner.flow_values`) read from the analysis that
 mixes them in (:class:`AnalysisState`). Its own module so that the driver and the rules import it, not each other.
 
 Example:

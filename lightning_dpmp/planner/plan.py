@@ -53,14 +53,14 @@ from lightning_dpmp.parallel.sharding import Blocks
 from lightning_dpmp.planner.attention_plan import decide_attention
 from lightning_dpmp.planner.experts_detect import plan_experts
 from lightning_dpmp.planner.flow import analyse
-from lightning_dpmp.planner.layout import LayerPlan, Plan, block_of
 from lightning_dpmp.planner.linear_like import LinearForm, form_of_linear, left_whole
+from lightning_dpmp.planner.plan_types import LayerPlan, Plan, block_of
 from lightning_dpmp.planner.structure import groups_by, module_aliases, resolve_literals, weight_owners
 from lightning_dpmp.planner.styles import STYLES
 from lightning_dpmp.planner.trace import LinearCall, Trace, has_own_forward, is_linear
 from lightning_dpmp.planner.user_plan import UserPlan, user_styles
 
-# LayerPlan, Plan: planner/layout.py
+# LayerPlan, Plan: planner/plan_types.py
 __all__ = ["LayerPlan", "Plan", "STYLES", "block_of", "make_plan", "vocab_split_pays"]
 
 

@@ -177,7 +177,7 @@ def _holders(module: nn.Module, value: int, pos: Optional[int] = None) -> list[s
     return []
 
 
-# Ops taking sizes whose fixed sizes the flow records (flow_layout): x.view(*sizes), torch.reshape(x, sizes), ...
+# Ops taking sizes whose fixed sizes the flow records (flow_dims): x.view(*sizes), torch.reshape(x, sizes), ...
 _SIZE_OPS = frozenset({"view", "reshape", "expand", "broadcast_to", "split"})
 
 

@@ -23,7 +23,7 @@ Layouts, as torch's ``ParallelStyle`` comments state them (``mp`` ranks, activat
 ============================  ================================================================================
 
 Example:
-    >>> from lightning_dpmp.planner.layout import LayerPlan
+    >>> from lightning_dpmp.planner.plan_types import LayerPlan
     >>> style_of(LayerPlan("fc1", "column", 16, 64)).local_shape(LayerPlan("fc1", "column", 16, 64), mp=4)
     (16, 16)
     >>> style_of(LayerPlan("fc2", "row", 64, 16)).is_column_entry
@@ -48,7 +48,7 @@ __all__ = ["STYLES", "BuildContext", "CommContext", "Comm", "LayerSpec", "Style"
 
 
 class LayerSpec(Protocol):
-    """What a style reads of one layer's plan entry: :class:`~lightning_dpmp.planner.layout.LayerPlan` has it.
+    """What a style reads of one layer's plan entry: :class:`~lightning_dpmp.planner.plan_types.LayerPlan` has it.
 
     A protocol, not the class, so that the plan (``layout``, which asks styles for shapes and collectives) and the
     styles need not import each other.
@@ -378,7 +378,7 @@ def style_of(lp: "LayerSpec") -> Style:
     """The style object of a planned layer, by its ``(kind, style)``.
 
     Example:
-        >>> from lightning_dpmp.planner.layout import LayerPlan
+        >>> from lightning_dpmp.planner.plan_types import LayerPlan
         >>> style_of(LayerPlan("wte", "vocab", 50304, 768, kind="embedding"))
         <style embedding/vocab>
     """

@@ -1,8 +1,8 @@
-"""Flow rules for layout ops: where the split dim of a column region lands through indexing, ``cat``/``stack``,
+"""Flow rules for ops that move dims: where the split dim of a column region lands through indexing, ``cat``/``stack``,
 ``unsqueeze``/``squeeze``, ``expand``/``repeat``, ``narrow``, reshapes, transposes, ``chunk``/``split`` and
 ``repeat_interleave``, with the pure dim arithmetic they need (``x[index]``, a reshape's dim groups).
 
-:class:`LayoutRules` is mixed into the analysis of :mod:`lightning_dpmp.planner.flow`, which owns the regions and
+:class:`DimRules` is mixed into the analysis of :mod:`lightning_dpmp.planner.flow`, which owns the regions and
 the op table (``flow.OPS``); each rule returns per-output ``(dim, raw)`` or a string saying why the region breaks.
 """
 
@@ -15,10 +15,10 @@ from typing import Optional, Union
 from lightning_dpmp.planner.flow_state import AnalysisState, Shard
 from lightning_dpmp.planner.trace import OpCall
 
-__all__ = ["LayoutRules"]
+__all__ = ["DimRules"]
 
 
-class LayoutRules(AnalysisState):
+class DimRules(AnalysisState):
     """Rules for ops that move the split dim of one tensor, and for concatenations."""
 
     def _getitem(self, ev: OpCall, sh: Shard, shape: tuple) -> Union[str, list]:
