@@ -25,7 +25,7 @@ activation) stays replicated, as in Megatron: splitting a (hidden, experts) rout
 all-gather.
 
 The detection pass lives in :mod:`lightning_dpmp.planner.experts_pass` (its op families and activation rules in
-:mod:`lightning_dpmp.planner.experts_ops`); this module turns its result into layouts and plan entries.
+:mod:`lightning_dpmp.planner.experts_ops`); this module turns its result into splits and plan entries.
 
 Example:
     >>> plan_experts(plan, model, trace, mp=2, forced={})     # fills plan.layers / plan.experts   # doctest: +SKIP
@@ -43,11 +43,11 @@ from lightning_dpmp.planner.experts_pass import ExpertsPass
 from lightning_dpmp.planner.plan_types import LayerPlan
 from lightning_dpmp.planner.trace import LinearCall, ModuleCall, OpCall, Trace
 
-__all__ = ["ExpertsLayout", "analyse_experts", "plan_experts"]
+__all__ = ["ExpertsSplit", "analyse_experts", "plan_experts"]
 
 
 @dataclass(frozen=True)
-class ExpertsLayout:
+class ExpertsSplit:
     """How one experts module is split.
 
     Attributes:
@@ -71,19 +71,19 @@ class ExpertsLayout:
     routers: tuple[str, ...] = ()
 
     def saved(self, module: nn.Module, mp: int) -> int:
-        """Parameters this layout takes off each rank (dense minus local numel)."""
+        """Parameters this split takes off each rank (dense minus local numel)."""
         return sum(getattr(module, p).numel() * (mp - 1) // mp for p in self.shards)
 
 
 def analyse_experts(
     model: nn.Module, trace: Trace, mp: int
-) -> tuple[dict[str, ExpertsLayout], dict[str, str]]:
-    """Experts modules of ``model`` found in ``trace``: their layouts, and why each other candidate stays whole.
+) -> tuple[dict[str, ExpertsSplit], dict[str, str]]:
+    """Experts modules of ``model`` found in ``trace``: their splits, and why each other candidate stays whole.
 
     A candidate owns a parameter of 3+ dims that reaches a matmul-like call; modules whose stacked parameters never
     do (convolutions) are not experts and are not reported.
     """
-    layouts: dict[str, ExpertsLayout] = {}
+    splits: dict[str, ExpertsSplit] = {}
     why: dict[str, str] = {}
     calls: dict[str, list[ModuleCall]] = {}
     for c in trace.calls:
@@ -104,10 +104,10 @@ def analyse_experts(
         an = ExpertsPass(trace, found[0], own, mp)
         try:
             an.run()
-            layouts[name] = _layout(name, an, found[0], own, mp)
+            splits[name] = _split(name, an, found[0], own, mp)
         except Conflict as exc:
             why[name] = str(exc)
-    return layouts, why
+    return splits, why
 
 
 def _reaches_matmul(trace: Trace, params: set[str]) -> bool:
@@ -120,7 +120,7 @@ def _reaches_matmul(trace: Trace, params: set[str]) -> bool:
     return False
 
 
-def _layout(name: str, an: ExpertsPass, call: ModuleCall, own: dict[str, tuple[int, ...]], mp: int) -> ExpertsLayout:
+def _split(name: str, an: ExpertsPass, call: ModuleCall, own: dict[str, tuple[int, ...]], mp: int) -> ExpertsSplit:
     shards: dict[str, tuple[int, int]] = {}
     hidden = intermediate = 0
     for pname, (dim, role) in sorted(an.split.items()):
@@ -136,7 +136,7 @@ def _layout(name: str, an: ExpertsPass, call: ModuleCall, own: dict[str, tuple[i
     grads = {key: rg for key, _, rg in call.args}
     entries = tuple(k for k, _, _ in call.args if k in an.entered)
     activations = tuple(k for k in entries if k in an.x_args)
-    return ExpertsLayout(name, shards, entries, any(grads[k] for k in entries), hidden, intermediate, activations)
+    return ExpertsSplit(name, shards, entries, any(grads[k] for k in entries), hidden, intermediate, activations)
 
 
 def _routers(trace: Trace, call: ModuleCall, x_keys: set[Key]) -> set[str]:
@@ -158,20 +158,20 @@ def _ancestors(trace: Trace, end: int, nodes: set[int]) -> set[int]:
 
 
 def plan_experts(plan: Any, model: nn.Module, trace: Optional[Trace], mp: int, forced: dict[str, str]) -> None:
-    """Add experts layouts to ``plan`` (``plan.experts``, ``plan.layers`` entries of kind ``"experts"``), keep their
+    """Add experts splits to ``plan`` (``plan.experts``, ``plan.layers`` entries of kind ``"experts"``), keep their
     routers replicated, and record why any other experts-like module stays whole."""
 
     if trace is None or mp == 1:
         return
-    layouts, why = analyse_experts(model, trace, mp)
+    splits, why = analyse_experts(model, trace, mp)
     for name, reason in why.items():
         if forced.get(name) == "experts":
             raise ValueError(f"plan forces {name!r} to 'experts', but it cannot be split: {reason}.")
-    for name in [n for n in layouts if forced.get(n) == "replicate"]:
-        del layouts[name]
+    for name in [n for n in splits if forced.get(n) == "replicate"]:
+        del splits[name]
         why[name] = "user plan"
     calls = {c.name: c for c in trace.calls}
-    for name, lay in layouts.items():
+    for name, lay in splits.items():
         routers = tuple(sorted(r for r in _routers(trace, calls[name], set(lay.activations))
                                if r in plan.layers and plan.layers[r].style == "column_gather" and r not in forced))
         lay = replace(lay, routers=routers)

@@ -3,7 +3,7 @@ parameter dim each view of an expert weight is, which activations are split or p
 enter the split region; it raises ``Conflict`` with the reason when the module cannot be split.
 
 The rules for ops on split activations and partial sums are in :mod:`lightning_dpmp.planner.experts_ops`; what
-the pass accepts is described in :mod:`lightning_dpmp.planner.experts_detect`, which turns its result into a layout.
+the pass accepts is described in :mod:`lightning_dpmp.planner.experts_detect`, which turns its result into a split.
 """
 
 from __future__ import annotations

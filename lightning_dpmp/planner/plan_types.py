@@ -82,7 +82,7 @@ class LayerPlan:
 
 @dataclass
 class Plan:
-    """The layout of every Linear and Embedding of a model, in module order, for an MP width ``mp``.
+    """How every Linear and Embedding of a model is split, in module order, for an MP width ``mp``.
 
     ``adjust`` maps a module name to ``{path: (dense value, local value)}``: head counts that attention code
     reshapes with, held by the module as an attribute (``"n_head"``), a field of an object it keeps
@@ -97,7 +97,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     adjust: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     sequence: Optional[Any] = None  # a lightning_dpmp.planner.sequence.SequencePlan when sequence parallel
-    experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts_detect.ExpertsLayout
+    experts: dict[str, Any] = field(default_factory=dict)  # name -> lightning_dpmp.planner.experts_detect.ExpertsSplit
     partial: list[str] = field(default_factory=list)  # whole parameters read inside split regions (partial_params)
 
     @property
