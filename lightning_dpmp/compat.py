@@ -28,6 +28,14 @@ import torch.distributed as dist
 # group) returning tensors that wait_tensor(t) completes. Imported as ``compat.functional_collectives``.
 import torch.distributed._functional_collectives as functional_collectives
 from torch import Tensor, nn
+
+# torch.distributed.tensor.placement_types._StridedShard: torch's placement for a dim split into equal blocks, each
+# rank holding the same rows of every block (the layout FSDP2 + TP produce); no public name in torch 2.13. Relies
+# on: _StridedShard(dim, split_factor=k) being a Placement that DTensor redistributes and checkpoints.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+# torch.nn.modules.dropout._DropoutNd: the base of every nn.Dropout* (torch 2.13 has no public base); relies on ``p``.
+from torch.nn.modules.dropout import _DropoutNd as DropoutNd
 from torch.overrides import TorchFunctionMode
 
 # torch.utils._python_dispatch.TorchDispatchMode: the only home of the dispatch-mode base class in torch 2.13
@@ -36,14 +44,22 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # torch.utils._pytree: torch 2.13 has no public pytree module (``torch.utils.pytree`` does not exist yet).
-# Relies on: tree_leaves(tree) -> list of leaves, tree_map(fn, tree) -> same structure.
-from torch.utils._pytree import tree_leaves, tree_map
+# Relies on: tree_leaves(tree) -> list of leaves, tree_map(fn, tree) -> same structure, tree_flatten(tree) ->
+# (leaves, spec).
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
 __all__ = [
+    "DropoutNd",
+    "StridedShard",
     "TorchDispatchMode",
+    "any_true_op",
+    "module_apply",
+    "own_buffers",
+    "own_parameters",
+    "tree_flatten",
     "functional_collectives",
     "apply_batch_transfer_handler",
     "averaged_copy",
@@ -96,6 +112,34 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- torch
+def own_parameters(module: nn.Module) -> dict[str, Optional[nn.Parameter]]:
+    """``nn.Module._parameters`` (torch 2.13): the module's own parameters by name, the live dict.
+
+    Read and written in place where ``named_parameters``/``register_parameter`` cannot serve: swapping a parameter
+    for another object (a DTensor, a shard, a meta tensor) without ``nn.Module.__setattr__``'s type checks, hooks or
+    re-ordering, and reading the slot ``None`` holds.
+    """
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> dict[str, Optional[Tensor]]:
+    """``nn.Module._buffers`` (torch 2.13): the module's own buffers by name, the live dict (as :func:`own_parameters`).
+    """
+    return module._buffers
+
+
+def module_apply(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> nn.Module:
+    """``nn.Module._apply(fn)`` (torch 2.13): ``fn`` over every parameter, gradient and buffer, as ``.to()``/``.cpu()``
+    do, for a move ``.to()`` cannot express (keep meta tensors where they are, move the rest)."""
+    return module._apply(fn)
+
+
+def any_true_op() -> Any:
+    """``torch.ops.aten._is_any_true.default`` (torch 2.13): the op autograd's anomaly mode checks every gradient
+    with."""
+    return torch.ops.aten._is_any_true.default
+
+
 def disable_torch_function_subclass() -> contextlib.AbstractContextManager:
     """``torch._C.DisableTorchFunctionSubclass()``: the context manager torch's own subclass docs use inside
     ``__torch_function__`` to call the plain op (torch 2.13); there is no public alias."""

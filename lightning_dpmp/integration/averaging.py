@@ -72,9 +72,9 @@ def _take_shards(copy: nn.Module, module: nn.Module) -> None:
         else:
             mine.data = clone
     for mod in copy.modules():
-        for key, p in list(mod._parameters.items()):
+        for key, p in list(compat.own_parameters(mod).items()):
             if p is not None and id(p) in replaced:
-                mod._parameters[key] = replaced[id(p)]
+                compat.own_parameters(mod)[key] = replaced[id(p)]
     for mine_b, theirs_b in zip(copy.buffers(), module.buffers()):
         mine_b.data = theirs_b.detach().to(device=mine_b.device, dtype=mine_b.dtype).clone()
 

@@ -248,7 +248,7 @@ def meta_safe_teardown(strategy: Any) -> Iterator[None]:
         yield
         return
     if module_meta:
-        lm._apply(lambda t: t if t.is_meta else t.cpu())
+        compat.module_apply(lm, lambda t: t if t.is_meta else t.cpu())
         lm.__dict__["cpu"] = lambda: lm  # Strategy.teardown calls lightning_module.cpu(); the move is done above
         movable = []  # their state is meta on this rank, or was never made
     strategy.optimizers = movable

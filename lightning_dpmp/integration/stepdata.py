@@ -129,7 +129,8 @@ def real_tensors_on_meta(module: nn.Module) -> Iterator[None]:
             copies[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
         return copies[id(t)]
 
-    slots: list[dict[str, Any]] = [s for m in module.modules() for s in (m._parameters, m._buffers)]
+    slots: list[dict[str, Any]] = [s for m in module.modules()
+                                   for s in (compat.own_parameters(m), compat.own_buffers(m))]
     saved = [(slot, k, t) for slot in slots for k, t in slot.items() if t is not None and not t.is_meta]
     for slot, k, t in saved:
         slot[k] = meta(t)

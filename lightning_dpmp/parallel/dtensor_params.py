@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.sharding import (
     Blocks,
     dense_size,
@@ -63,7 +63,7 @@ def local_tensor(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-class BlockShard(_StridedShard):
+class BlockShard(compat.StridedShard):
     """A fused weight split block by block where the blocks differ in size (q|k|v with fewer key/value heads): each
     rank holds the same share of every block, ``[q_r; k_r; v_r]``, each block padded with zero rows to a multiple of
     the mesh dim's size (:data:`~lightning_dpmp.parallel.sharding.Blocks`).
@@ -97,10 +97,9 @@ class BlockShard(_StridedShard):
 
     def _to_replicate_tensor(self, local_tensor: Tensor, mesh: Any, mesh_dim: int, current_logical_shape: Any
                              ) -> Tensor:
-        from torch.distributed import _functional_collectives as funcol
-
         n = mesh.size(mesh_dim=mesh_dim)
-        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+        gathered = compat.functional_collectives.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim,
+                                                                   group=(mesh, mesh_dim))
         if hasattr(gathered, "wait"):
             gathered = gathered.wait()
         return interleave_blocks(list(gathered.chunk(n, dim=self.dim)), self.dim, self.blocks)
@@ -124,7 +123,7 @@ def placement_for(dim: Optional[int], blocks: Blocks) -> Any:
     if dim is None:
         return Replicate()
     if isinstance(blocks, int) and blocks > 1:
-        return _StridedShard(dim, split_factor=blocks)
+        return compat.StridedShard(dim, split_factor=blocks)
     if isinstance(blocks, tuple) and len(blocks) > 1:
         return BlockShard(dim, blocks)
     return Shard(dim)  # equal parts, or one padded block (torch's chunk layout: the padding at the end)
@@ -137,7 +136,7 @@ def register_missing_ops() -> None:
     backward node returns with it) on the whole tensor, replicated first (a debug mode: exact, not fast)."""
     from torch.distributed.tensor.experimental import register_sharding
 
-    @register_sharding(torch.ops.aten._is_any_true.default)
+    @register_sharding(compat.any_true_op())
     def _any_true(x: Any) -> list[tuple[list[Any], list[Any]]]:
         return [([Replicate()], [Replicate()])]
 
@@ -174,7 +173,7 @@ class DTensorParams:
         self._index: dict[int, int] = {}  # id(local or DTensor parameter) -> index
         self._slots: list[_Slot] = []
         for prefix, mod in module.named_modules(remove_duplicate=False):
-            for name, p in list(mod._parameters.items()):
+            for name, p in list(compat.own_parameters(mod).items()):
                 if p is None:
                     continue
                 if isinstance(p, DTensor):
@@ -213,7 +212,7 @@ class DTensorParams:
     # ------------------------------------------------------------------ views
     def _register(self, params: list[nn.Parameter]) -> None:
         for slot in self._slots:
-            slot.module._parameters[slot.name] = params[slot.index]
+            compat.own_parameters(slot.module)[slot.name] = params[slot.index]
 
     def local(self, p: Optional[Tensor] = None) -> Any:
         """With a parameter (either form): its plain local ``Parameter``. Without one: a context in which the
@@ -231,7 +230,7 @@ class DTensorParams:
 
     @contextmanager
     def _local_context(self) -> Iterator[None]:
-        registered = [s.module._parameters[s.name] for s in self._slots]
+        registered = [compat.own_parameters(s.module)[s.name] for s in self._slots]
         self._register(self.locals)
         self._localized += 1
         try:
@@ -239,7 +238,7 @@ class DTensorParams:
         finally:
             self._localized -= 1
             for slot, p in zip(self._slots, registered):
-                slot.module._parameters[slot.name] = p
+                compat.own_parameters(slot.module)[slot.name] = p
 
     def release(self) -> None:
         """The plain local parameters, registered for good (teardown): no hooks, no DTensor left in the module."""
@@ -282,7 +281,7 @@ class DTensorParams:
                 view = views.get(slot.index)
                 if view is None:
                     view = views[slot.index] = d.to_local() if isinstance(d, DTensor) else d
-                slot.module._parameters[slot.name] = view  # type: ignore[assignment]  # a view, for the forward
+                compat.own_parameters(slot.module)[slot.name] = view  # type: ignore[assignment]  # a view, for the forward
 
         return hook
 
@@ -292,7 +291,7 @@ class DTensorParams:
             if self._depth > 0 or self._localized:
                 return
             for slot in slots:
-                slot.module._parameters[slot.name] = self.dtensors[slot.index]
+                compat.own_parameters(slot.module)[slot.name] = self.dtensors[slot.index]
             if self._on_exit is not None:
                 self._on_exit()
 

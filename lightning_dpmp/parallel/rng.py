@@ -25,6 +25,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+import lightning_dpmp.compat as compat
+
 __all__ = ["RNGTracker", "has_dropout"]
 
 _OFFSET = 2718  # keeps the sharded stream apart from the replicated one for every mp_rank
@@ -41,7 +43,7 @@ def has_dropout(module: nn.Module) -> bool:
     attribute whose name contains "drop" (``attention_dropout``, ``attn_pdrop``, ``nn.MultiheadAttention.dropout``:
     rates passed to functional dropout) above 0. Conservative: a rate it cannot read counts as active."""
     for mod in module.modules():
-        if isinstance(mod, nn.modules.dropout._DropoutNd):
+        if isinstance(mod, compat.DropoutNd):
             if mod.p > 0:
                 return True
             continue

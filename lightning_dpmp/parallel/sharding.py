@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Self
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.comm import gather_from_group, group_rank, group_size
 
 __all__ = [
@@ -406,12 +407,12 @@ def params_to_meta(module: nn.Module) -> dict[int, nn.Parameter]:
     kept), freeing its memory; buffers stay. Returns ``{id(old parameter): meta parameter}``."""
     memo: dict[int, nn.Parameter] = {}
     for mod in module.modules():
-        for key, p in list(mod._parameters.items()):
+        for key, p in list(compat.own_parameters(mod).items()):
             if p is None or p.is_meta:
                 continue
             if id(p) not in memo:
                 memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-            mod._parameters[key] = memo[id(p)]
+            compat.own_parameters(mod)[key] = memo[id(p)]
     return memo
 
 

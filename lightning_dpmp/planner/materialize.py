@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.sharding import MATERIALIZED_ATTR, ParallelLinear
 
 __all__ = ["empty_parameters", "is_meta", "materialize"]
@@ -129,7 +130,8 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
     model_init = _model_init(module)
     for name, mod in module.named_modules():
         fresh = False
-        for key, p in list(mod._parameters.items()):
+        params, buffers = compat.own_parameters(mod), compat.own_buffers(mod)
+        for key, p in list(params.items()):
             if p is not None and not p.is_meta and p.device != device:
                 p.data = p.data.to(device)  # the same Parameter: ties and references stay
             if p is None or not p.is_meta:
@@ -139,26 +141,26 @@ def materialize(module: nn.Module, device: torch.device, seed: int, mp_rank: int
                 setattr(made_params[id(p)], MATERIALIZED_ATTR, True)
                 made += p.numel()
                 fresh = True
-            mod._parameters[key] = made_params[id(p)]
-        for key, b in list(mod._buffers.items()):
+            params[key] = made_params[id(p)]
+        for key, b in list(buffers.items()):
             if b is None:
                 continue
             if b.is_meta:
-                mod._buffers[key] = torch.empty_like(b, device=device)
-                setattr(mod._buffers[key], MATERIALIZED_ATTR, True)
+                buffers[key] = torch.empty_like(b, device=device)
+                setattr(buffers[key], MATERIALIZED_ATTR, True)
                 made += b.numel()
                 fresh = True
             elif b.device != device:
-                mod._buffers[key] = b.to(device)
+                buffers[key] = b.to(device)
         if not fresh:
             continue
         # a parallel layer holding only whole parameters (EnteredLinear) initialises alike on every rank
         split = isinstance(mod, ParallelLinear) and any(d is not None for d in mod._shard_dims.values())
-        key = f"{seed}:{name}:{mp_rank if split else 'replicated'}".encode()
+        stream = f"{seed}:{name}:{mp_rank if split else 'replicated'}".encode()
         init = model_init.get(name)
-        release = [p for k, p in mod._parameters.items() if p is not None and (f"{name}.{k}" if name else k) in free]
+        release = [p for k, p in params.items() if p is not None and (f"{name}.{k}" if name else k) in free]
         with _freed_after(release), torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(zlib.crc32(key))
+            torch.manual_seed(zlib.crc32(stream))
             if init is not None:
                 init(_as_linear(mod) if isinstance(mod, ParallelLinear) else mod)
             elif hasattr(mod, "reset_parameters"):

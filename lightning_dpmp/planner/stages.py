@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
+import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.compiled import repeated_blocks
 
 __all__ = ["BETWEEN", "POST", "PRE", "StackProfile", "StageCutError", "balance", "probe_stack", "stand_in_shape"]
@@ -212,7 +212,7 @@ class _Watch(TorchFunctionMode):
         fname = getattr(func, "__name__", str(func))
         if fname in _NOT_READS:
             return out
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves, _ = compat.tree_flatten((args, kwargs))
         for leaf in leaves:
             if isinstance(leaf, Tensor):
                 if id(leaf) in self.params:
@@ -225,7 +225,7 @@ class _Watch(TorchFunctionMode):
                 self._check_read(leaf, fname)
         if func in _MATMULS:
             self.flops[self.region] = self.flops.get(self.region, 0.0) + _matmul_flops(func, args, out)
-        for leaf in tree_flatten(out)[0]:
+        for leaf in compat.tree_flatten(out)[0]:
             if isinstance(leaf, Tensor) and self.source(leaf) is None:
                 self.mark(leaf, self.region)
         return out

@@ -466,3 +466,25 @@ def test_dtensor_sharding_cache_can_be_cleared() -> None:
     assert callable(getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)), "the C++ cache's clear moved"
     compat.clear_dtensor_sharding_cache()
     assert cache.cache_info().currsize == 0
+
+
+def test_module_internals_own_parameters_buffers_and_apply() -> None:
+    mod = nn.BatchNorm1d(2)
+    params, buffers = compat.own_parameters(mod), compat.own_buffers(mod)
+    assert list(params) == ["weight", "bias"] and "running_mean" in buffers, "nn.Module._parameters/_buffers changed"
+    replaced = nn.Parameter(torch.ones(2))
+    params["weight"] = replaced  # written in place: the module sees it
+    assert mod.weight is replaced, "nn.Module._parameters is no longer the live dict"
+    compat.module_apply(mod, lambda t: t.double())
+    assert mod.weight.dtype == torch.float64 and mod.running_mean.dtype == torch.float64, "nn.Module._apply changed"
+
+
+def test_torch_private_classes_and_ops() -> None:
+    from torch.distributed.tensor.placement_types import Placement
+
+    assert issubclass(compat.StridedShard, Placement), "torch's _StridedShard is no longer a Placement"
+    assert compat.StridedShard(0, split_factor=3).split_factor == 3, "_StridedShard(dim, split_factor=) changed"
+    assert isinstance(nn.Dropout(0.1), compat.DropoutNd) and isinstance(nn.Dropout2d(0.1), compat.DropoutNd)
+    assert bool(compat.any_true_op()(torch.tensor([False, True]))), "aten._is_any_true changed"
+    leaves, _ = compat.tree_flatten(((1, [2]), {"a": 3}))
+    assert leaves == [1, 2, 3], "torch.utils._pytree.tree_flatten changed"

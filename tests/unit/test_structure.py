@@ -119,3 +119,84 @@ def test_the_package_docstring_lists_every_module(sub: str) -> None:
     listed = set(re.findall(r"^\* ``(\w+)``: \S", doc, flags=re.M))
     actual = {m.stem for m in (PKG / sub).glob("*.py") if m.stem != "__init__"}
     assert listed == actual, {"missing": sorted(actual - listed), "not a module": sorted(listed - actual)}
+
+
+_EXTERNAL = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torchmetrics")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_attributes_of_their_objects() -> set[str]:
+    """The private attribute names of the torch and Lightning objects the package handles (a module, a tensor, an
+    optimizer, a LightningModule, a DDP strategy, a Trainer): read on any of them, they are a private touch."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    objects = [torch.nn.Linear(1, 1), torch.zeros(1), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+               pl.LightningModule(), DDPStrategy(), pl.Trainer(logger=False, enable_progress_bar=False,
+                                                               enable_model_summary=False, enable_checkpointing=False)]
+    names = {n for obj in objects for n in dir(obj) if _private(n)}
+    return names | {n for obj in objects if hasattr(obj, "__dict__") for n in vars(obj) if _private(n)}
+
+
+def _private_touches(path: pathlib.Path, known: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text())
+    external: set[str] = set()  # local names bound to torch / Lightning modules or objects
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] in _EXTERNAL:
+                for alias in node.names:
+                    external.add(alias.asname or alias.name)
+                    if any(_private(p) for p in parts + [alias.name]):
+                        out.append(f"{path.name}:{node.lineno} from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in _EXTERNAL:
+                    external.add(alias.asname or parts[0])
+                    if any(_private(p) for p in parts):
+                        out.append(f"{path.name}:{node.lineno} import {alias.name}")
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def enclosing_function(node: ast.AST) -> str:
+        while id(node) in parents:
+            node = parents[id(node)]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return node.name
+        return ""
+
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)  # getattr(obj, "_name") and friends
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in known):
+            out.append(f"{path.name}:{node.lineno} {ast.unparse(node)[:80]}")
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Call) and isinstance(root.func, ast.Name) and root.func.id == "super":
+            # an override calling the method it overrides (``super()._configure_launcher()`` in
+            # ``_configure_launcher``): the hook itself is checked in test_compat.py
+            if enclosing_function(node) != node.attr:
+                out.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+        elif isinstance(root, ast.Name) and root.id in external:
+            out.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+        elif node.attr in known and not (isinstance(root, ast.Name) and root.id in ("self", "cls")):
+            out.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return sorted(set(out))
+
+
+def test_private_torch_and_lightning_names_go_through_compat() -> None:
+    """Every private name of torch or Lightning the package touches is in ``compat.py`` (one named function each,
+    tested against the pinned versions in test_compat.py): an import of a private module or name, a private
+    attribute of an imported torch/Lightning name (``torch.ops.aten._x``, ``nn.Module._apply``), or a private
+    attribute of a torch/Lightning object read on something other than ``self`` (``module._parameters``)."""
+    known = _private_attributes_of_their_objects()
+    bad = [t for p in sorted(PKG.rglob("*.py")) if p.name != "compat.py" for t in _private_touches(p, known)]
+    assert not bad, f"private torch/Lightning names outside lightning_dpmp/compat.py (add a compat function): {bad}"
