@@ -387,8 +387,10 @@ def _shard_dp_with_fsdp2() -> None:
     import lightning_dpmp.integration.parallelize as pipeline
     from lightning_dpmp.parallel.zero_engine import find_units
 
-    def shard_dp(strategy: Any, split: Any, zero: int, mixed_precision: Any = None) -> None:
-        module, mesh = strategy.lightning_module, strategy.device_mesh["dp"]
+    def shard_dp(module: Any, optimizers: Any, scheduler_configs: Any, grid: Any, split: Any, zero: int,
+                 mixed_precision: Any = None, pipeline: Any = None) -> tuple[Any, None]:
+        strategy = module.trainer.strategy  # (benchmark only: its DP mesh, and configure_optimizers run again)
+        mesh = strategy.device_mesh["dp"]
         for _, unit in find_units(module):
             fully_shard(unit, mesh=mesh, reshard_after_forward=zero == 3)
         # FSDP2's root hooks run on forward(), which Lightning never calls (training_step does): the children the
@@ -397,7 +399,7 @@ def _shard_dp_with_fsdp2() -> None:
             if any(True for _ in child.parameters()):
                 fully_shard(child, mesh=mesh, reshard_after_forward=zero == 3)
         strategy.setup_optimizers(module.trainer)  # over the DTensor shards FSDP2 registered
-        return None
+        return strategy.optimizers, None
 
     pipeline.shard_dp = shard_dp  # type: ignore[assignment]
 

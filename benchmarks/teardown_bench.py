@@ -65,7 +65,7 @@ def run(mode: str) -> dict[str, Any]:
     saved = parallelize_mod.consolidate_engine
     if mode.endswith("/release-first"):  # the old order: whole MP-local state everywhere, then the MP gather
         parallelize_mod.consolidate_engine = (  # type: ignore[assignment]
-            lambda strategy, engine, optimizers, configs, everywhere: release_engine(engine, optimizers, configs))
+            lambda module, grid, engine, optimizers, configs, everywhere: release_engine(engine, optimizers, configs))
     try:
         L.seed_everything(0, workers=True)
         net = GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=16, n_head=8, n_embd=256, dropout=0.0,

@@ -379,9 +379,10 @@ def defer_loading() -> Iterator[None]:
         _DEFERRING.reset(token)
 
 
-def note_deferring_strategy(strategy: Any) -> None:
-    """Record a live strategy that splits models after building them (a weak reference)."""
-    _STRATEGIES.add(strategy)
+def note_deferring_strategy(owner: object) -> None:
+    """Record ``owner``, a live strategy that splits models after building them (a weak reference: only its
+    lifetime is read)."""
+    _STRATEGIES.add(owner)
 
 
 def loading_deferred() -> bool:

@@ -18,7 +18,8 @@ With no batch to trace (or a step that cannot run outside the loop), or a world 
 today's rule, dp = nodes and mp = devices per node, and the printout says so.
 
 Example:
-    >>> choice = choose_layout(strategy, trainer, meta=False, plan_overrides=None)  # doctest: +SKIP
+    >>> choice = choose_layout(trainer, module, plugin, torch.device("cpu"), global_rank=0,  # doctest: +SKIP
+    ...                        num_processes=4, num_nodes=1, meta=False, plan_overrides=None)
     >>> print(choice.text)                                                           # doctest: +SKIP
 """
 
@@ -160,58 +161,63 @@ def rank_candidates(costs: dict[int, ModelCost], links: Links, layouts: list[Top
     return rank_layouts(rows)
 
 
-def _fallback(strategy: Any, why: str) -> Choice:
-    lay = Topology.resolve("auto", "auto", strategy.num_processes * strategy.num_nodes, num_nodes=strategy.num_nodes)
+def _fallback(num_processes: int, num_nodes: int, why: str) -> Choice:
+    lay = Topology.resolve("auto", "auto", num_processes * num_nodes, num_nodes=num_nodes)
     return Choice(lay, [], None, f"  layout: mp='auto' fell back to dp = nodes, mp = devices per node"
                                  f" (dp={lay.dp} x mp={lay.mp}): {why}", measured=False)
 
 
-def _trace(strategy: Any, trainer: Any, meta: bool) -> Optional[Trace]:
+def _trace(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int, meta: bool
+           ) -> Optional[Trace]:
     """Rank 0's first batch, traced on every rank's dense model (collective: the batch broadcast); ``None`` on
     every rank when any rank could not trace it."""
-    batch, _ = first_batch(trainer, strategy)
+    batch, _ = first_batch(trainer, module, global_rank)
     trace: Optional[Trace] = None
     if batch is not None:
-        run = step_runner(trainer, strategy, batch, meta)
+        run = step_runner(trainer, module, plugin, device, batch, meta)
         try:
-            with isolated(strategy.lightning_module, []), torch.enable_grad():
-                trace = trace_step(strategy.lightning_module, run)
+            with isolated(module, []), torch.enable_grad():
+                trace = trace_step(module, run)
                 trace.result = None  # drop the graph
         except Exception:  # the planner reports it at its own trace; here it only means "no measurement"
             trace = None
-    failed = torch.tensor([float(trace is None)], device=strategy.root_device)
+    failed = torch.tensor([float(trace is None)], device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     return trace if failed.item() == 0 else None
 
 
-def choose_layout(strategy: Any, trainer: Any, meta: bool, plan_overrides: PlanOverrides,
+def choose_layout(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int,
+                  num_processes: int, num_nodes: int, meta: bool, plan_overrides: PlanOverrides,
                   mp_one_only: bool = False) -> Choice:
-    """Trace, measure, predict and choose (collective over the world); the caller builds the groups."""
-    world = strategy.num_processes * strategy.num_nodes
+    """Trace ``module``'s step (on ``device``, under the precision ``plugin``), measure, predict and choose a
+    (dp, mp) for ``num_processes`` per node on ``num_nodes`` (collective over the world); the caller builds the
+    groups."""
+    world = num_processes * num_nodes
     layouts = candidate_layouts(world, mp_one_only)
     if len(layouts) == 1:
         return Choice(layouts[0], [], None, f"  layout: dp={layouts[0].dp} x mp={layouts[0].mp} (the only one)",
                       measured=True)
-    trace = _trace(strategy, trainer, meta)
+    trace = _trace(trainer, module, plugin, device, global_rank, meta)
     if trace is None:
-        return _fallback(strategy, "no batch to trace at this stage (or the step did not run outside the loop)")
+        return _fallback(num_processes, num_nodes,
+                         "no batch to trace at this stage (or the step did not run outside the loop)")
     t0 = time.perf_counter()
     act, elem = _elem_bytes(str(trainer.precision))
     dtype = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}[act]
-    links = measure_links(strategy.root_device, strategy.num_processes, strategy.num_nodes, dtype)
+    links = measure_links(device, num_processes, num_nodes, dtype)
     seconds = time.perf_counter() - t0
     box: list[Any] = [None]
-    if strategy.global_rank == 0:
-        costs = _model_costs(strategy.lightning_module, trace, layouts, plan_overrides, act)
+    if global_rank == 0:
+        costs = _model_costs(module, trace, layouts, plan_overrides, act)
         training = trainer.state.fn == TrainerFn.FITTING
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if training else 1
-        table = rank_candidates(costs, links, layouts, strategy.num_processes, elem, accumulate, training)
+        table = rank_candidates(costs, links, layouts, num_processes, elem, accumulate, training)
         refused = [f"mp={mp}: {c.note}" for mp, c in costs.items() if c.note]
         box = [(table, refused)]
     dist.broadcast_object_list(box, src=0)
     table, refused = box[0]
     if not table:
-        return _fallback(strategy, "no layout could be planned (" + "; ".join(refused) + ")")
+        return _fallback(num_processes, num_nodes, "no layout could be planned (" + "; ".join(refused) + ")")
     best = table[0]
     text = (
         f"  layout: mp='auto' chose dp={best.dp} x mp={best.mp} of {world} processes, ranked first by predicted"

@@ -17,7 +17,8 @@ Fitting only:
    split model after step 4; DP then averages the stages' gradients itself (no DDP: its reducer cannot follow a
    schedule's interleaved micro-batches);
 5. :func:`wrap_dp`: zero=0 with dp > 1 and no pipeline: ``DistributedDataParallel`` over the DP group
-   (``find_unused_parameters`` when the trace saw a step leave parameters out);
+   (``find_unused_parameters`` when the trace saw a step leave parameters out), built by the strategy's
+   ``configure_ddp`` with this run's options on a copy of the user's;
 6. the user's ``configure_optimizers``, through the strategy's public ``setup_optimizers`` (so the LR finder's
    wrapper of it still applies), over the split parameters;
 7. :func:`shard_dp`: zero >= 1 with dp > 1: the ZeRO engine shards gradients, optimizer state (and at 3 the
@@ -26,6 +27,11 @@ Fitting only:
 Then, at every stage:
 
 8. :func:`install_step_hooks`: global-norm clipping over the shards and ``found_inf`` agreed over the world.
+
+No step receives the strategy: each takes what it reads (the module, the grid, the device, the precision plugin,
+the configuration, the optimizers) and returns what it makes, like torchtitan's ``apply_*(model, mesh, config)``.
+The two things only Lightning's strategy can do, building DDP and running the user's ``configure_optimizers``,
+come in as callables.
 
 :func:`unparallelize` undoes them in reverse at teardown. What the strategy needs between the two is the
 :class:`Parallelized` result: the plan, the RNG tracker, which parameters are MP shards or partial, and the engine,
@@ -36,17 +42,20 @@ Example:
     >>> config = ParallelConfig(PlanOverrides(), verify=True, sequence_parallel=True)
     >>> config.sequence_parallel
     True
-    >>> parallel = parallelize(strategy, trainer, config, meta=False)   # doctest: +SKIP
+    >>> parallel = parallelize(trainer, module, model, grid, device, plugin, config, meta=False,  # doctest: +SKIP
+    ...                        mesh=lambda: mesh, ddp_kwargs={}, configure_ddp=configure_ddp,
+    ...                        setup_optimizers=setup_optimizers)
     >>> print(parallel.plan.text)                                       # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -136,6 +145,8 @@ class Parallelized:
     dp_bucket_bytes: int = 25 * 2**20
     # zero=3 or a pipeline: the mode user code runs under, reading freed parameters' values (None: nothing is freed)
     reader: Optional[GatherOnRead] = None
+    # when fitting: the optimizers the strategy steps (over the ZeRO engine's shards at zero >= 1); None otherwise
+    optimizers: Optional[list[Any]] = None
     _reader_hooks: list[Any] = field(default_factory=list)
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
     _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
@@ -277,16 +288,17 @@ def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[],
 
 
 # ---------------------------------------------------------------------------------------------- the steps
-def plan_and_split(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool,
-                   free: frozenset = frozenset(), batch: Optional[Any] = None) -> Split:
-    """Step 1: trace, plan and split ``strategy.lightning_module`` over ``strategy.grid`` (collective); a meta
-    model's parameters named in ``free`` are initialised and their storage freed at once (other stages'); ``batch``:
-    the first batch if step 0 read it already. The split parameters become DTensors on the grid's mesh
-    (:func:`distributes_parameters`)."""
+def plan_and_split(trainer: Any, module: nn.Module, grid: Any, device: torch.device, plugin: Any,
+                   config: ParallelConfig, meta: bool, mesh: Callable[[], Any], free: frozenset = frozenset(),
+                   batch: Optional[Any] = None, layout_report: str = "") -> Split:
+    """Step 1: trace, plan and split the LightningModule ``module`` over ``grid`` (collective); a meta model's
+    parameters named in ``free`` are initialised and their storage freed at once (other stages'); ``batch``: the
+    first batch if step 0 read it already. The split parameters become DTensors on the grid's mesh (``mesh()``, built
+    only then: :func:`distributes_parameters`)."""
     fitting = trainer.state.fn == TrainerFn.FITTING
-    mesh = strategy.device_mesh if distributes_parameters(strategy.grid.topology, fitting) else None
-    return split_model(strategy, trainer, meta, config.plan_overrides, config.verify, config.sequence_parallel,
-                       free, batch, mesh)
+    on_mesh = mesh() if distributes_parameters(grid.topology, fitting) else None
+    return split_model(trainer, module, grid, device, plugin, meta, config.plan_overrides, config.verify,
+                       config.sequence_parallel, free, batch, on_mesh, layout_report)
 
 
 def distributes_parameters(topology: Topology, fitting: bool) -> bool:
@@ -315,7 +327,7 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
     return enabled
 
 
-def plan_pipeline(strategy: Any, trainer: Any, config: Topology, meta: bool
+def plan_pipeline(trainer: Any, module: Any, grid: Any, device: torch.device, plugin: Any, meta: bool
                   ) -> tuple[StackProfile, frozenset, Any]:
     """Step 0 (fitting, ``pp > 1``), before the split: probe the first batch's training step on the dense model (on
     meta tensors for a meta model) and check that it can be cut into stages. Returns the probe's profile and, for a
@@ -323,39 +335,35 @@ def plan_pipeline(strategy: Any, trainer: Any, config: Topology, meta: bool
     their storage at once, so that no rank ever holds more than its stages and one module; and the probed batch."""
     from lightning_dpmp.integration.autoplan import isolated
 
-    lm = strategy.lightning_module
+    lm, config = module, grid.topology
     check_pipeline_at_setup(trainer, lm)
-    batch, _ = first_batch(trainer, strategy)  # (rank 0 reads, every rank receives: the same probe everywhere)
+    batch, _ = first_batch(trainer, lm, grid.rank)  # (rank 0 reads, every rank receives: the same probe everywhere)
     if batch is None:
         raise RuntimeError("DPMPStrategy(pp > 1) plans its stages from the first training batch; the train "
                            "dataloader gave none.")
-    run = step_runner(trainer, strategy, batch, meta)
+    run = step_runner(trainer, lm, plugin, device, batch, meta)
     with isolated(lm):
         profile = probe_pipeline(lm, run, batch, config)
     if not meta:
         return profile, frozenset(), batch
-    grid = strategy.grid
     ranks = reading_ranks(lm, profile, stage_ranges(profile, config), grid.pp)
     remote = remote_parameters(lm, profile, ranks, grid.pp_rank)
     return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote), batch
 
 
-def wrap_dp(strategy: Any, conditional: bool) -> None:
+def wrap_dp(configure_ddp: Callable[[dict[str, Any]], None], ddp_kwargs: Mapping[str, Any], grid: Any,
+            conditional: bool) -> None:
     """Step 5 (zero=0, dp > 1): ``DistributedDataParallel`` over the DP group, so gradients are averaged over DP
     only; with mp=1 the DP group is the world and DDP gets the default group, as ``DDPStrategy`` gives it.
     ``conditional``: the traced step left parameters out or branched on the data, so DDP must find each step the
-    parameters no rank used (their gradients stay None, as on one process)."""
-    # This run's options on a copy, the user's dict put back after: a later fit at another layout (or with a plan
-    # that does not branch) must not inherit this run's process group or find_unused_parameters.
-    user = compat.ddp_kwargs(strategy)
-    run = {**user, "process_group": strategy.grid.dp_group if strategy.mp > 1 else None}
+    parameters no rank used (their gradients stay None, as on one process). ``configure_ddp`` builds it with the
+    options it is given (the strategy's ``configure_ddp`` over them)."""
+    # This run's options on a copy of the user's (never mutated): a later fit at another layout (or with a plan that
+    # does not branch) must not inherit this run's process group or find_unused_parameters.
+    run = {**ddp_kwargs, "process_group": grid.dp_group if grid.mp > 1 else None}
     if conditional:
         run["find_unused_parameters"] = True
-    compat.set_ddp_kwargs(strategy, run)
-    try:
-        strategy.configure_ddp()
-    finally:
-        compat.set_ddp_kwargs(strategy, user)
+    configure_ddp(run)
 
 
 def step_local_shards(optimizers: list[Any], params: DTensorParams) -> None:
@@ -366,19 +374,19 @@ def step_local_shards(optimizers: list[Any], params: DTensorParams) -> None:
         params.step_locals(compat.unwrap_optimizer(optimizer))
 
 
-def shard_dp(strategy: Any, split: Split, zero: int, mixed_precision: Optional[Any] = None,
-             pipeline: Optional[Pipeline] = None) -> Optional[ZeroEngine]:
-    """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild the strategy's optimizers over the shards (their LR
-    schedulers re-pointed), with ``mixed_precision`` (zero >= 2); with a ``pipeline``, buckets by stage and the
-    engine attached to it; ``None`` when there is nothing to shard."""
-    optimizers, engine = shard_optimizers(strategy.lightning_module, strategy.optimizers,
-                                          strategy.lr_scheduler_configs, zero, strategy.grid, split.split_params,
+def shard_dp(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], grid: Any, split: Split,
+             zero: int, mixed_precision: Optional[Any] = None, pipeline: Optional[Pipeline] = None
+             ) -> tuple[list[Any], Optional[ZeroEngine]]:
+    """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild ``optimizers`` over the shards (the LR schedulers of
+    ``scheduler_configs`` re-pointed), with ``mixed_precision`` (zero >= 2); with a ``pipeline``, buckets by stage
+    and the engine attached to it. Returns the optimizers to step and the engine (``None`` when there is nothing to
+    shard)."""
+    optimizers, engine = shard_optimizers(module, optimizers, scheduler_configs, zero, grid, split.split_params,
                                           split.partial_grads, split.applied_plan, mixed_precision,
                                           pipeline.keys if pipeline is not None else None)
-    strategy.optimizers = optimizers
     if engine is not None and pipeline is not None:
         pipeline.attach_engine(engine)
-    return engine
+    return optimizers, engine
 
 
 def install_step_hooks(plugin: Any, parallel: Parallelized, dp_group: Any, pp_group: Any = None) -> None:
@@ -391,76 +399,84 @@ def install_step_hooks(plugin: Any, parallel: Parallelized, dp_group: Any, pp_gr
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline
-def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool) -> Parallelized:
-    """Run steps 1-8 on ``strategy``'s module over its grid (collective over the world: every rank calls it).
+def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, device: torch.device, plugin: Any,
+                config: ParallelConfig, meta: bool, *, mesh: Callable[[], Any], ddp_kwargs: Mapping[str, Any],
+                configure_ddp: Callable[[dict[str, Any]], None],
+                setup_optimizers: Callable[[], tuple[list[Any], list[Any]]], layout_report: str = "") -> Parallelized:
+    """Run steps 1-8 on the LightningModule ``module`` (``model``: what Lightning wraps around it) over ``grid``
+    (collective over the world: every rank calls it), on ``device`` under the precision ``plugin``.
 
-    ``meta``: the module's parameters are on the meta device (each rank allocates only its shards). When fitting,
-    the strategy's ``model`` is DDP-wrapped (zero=0) and its ``optimizers`` are set (over the ZeRO shards at
-    zero >= 1), as Lightning's setup would leave them.
+    ``meta``: the module's parameters are on the meta device (each rank allocates only its shards). ``mesh()``: the
+    grid's ``DeviceMesh`` (built on first use). When fitting, ``configure_ddp`` wraps ``model`` in DDP (zero=0) with
+    this run's copy of ``ddp_kwargs``, ``setup_optimizers()`` runs the user's ``configure_optimizers`` and returns
+    the optimizers and LR scheduler configs, and the result's ``optimizers`` are the ones to step (over the ZeRO
+    shards at zero >= 1), as Lightning's setup would leave them.
     """
-    module = strategy.lightning_module
-    grid = strategy.grid
     fitting = trainer.state.fn == TrainerFn.FITTING
     topology = grid.topology
-    profile, free, batch = plan_pipeline(strategy, trainer, topology, meta) if fitting and grid.pp > 1 else (
+    profile, free, batch = plan_pipeline(trainer, module, grid, device, plugin, meta) if fitting and grid.pp > 1 else (
         None, frozenset(), None)
-    split = plan_and_split(strategy, trainer, config, meta, free, batch)
-    route_metrics(strategy.model, grid.dp_group)
-    overlap_grad_allreduce(strategy.model, config.async_grad_allreduce, strategy.root_device.type)
+    split = plan_and_split(trainer, module, grid, device, plugin, config, meta, mesh, free, batch, layout_report)
+    route_metrics(model, grid.dp_group)
+    overlap_grad_allreduce(model, config.async_grad_allreduce, device.type)
     compiled = compile_model(module, config.compile)
     engine = pipeline = None
+    optimizers: Optional[list[Any]] = None
     if fitting:
         if profile is not None:  # the stages, over the split model
-            pipeline = Pipeline(module, profile, grid, strategy.root_device, batch,
+            pipeline = Pipeline(module, profile, grid, device, batch,
                                 sequence_parallel=split.applied_plan.plan.sequence is not None)
             split.applied_plan.text += "\n" + pipeline.text()
             rank_zero_info(pipeline.text())
         elif grid.dp > 1 and topology.zero == 0 and split.params is None:
-            wrap_dp(strategy, bool(split.applied_plan.conditional))
-        strategy.setup_optimizers(trainer)
+            wrap_dp(configure_ddp, ddp_kwargs, grid, bool(split.applied_plan.conditional))
+        optimizers, scheduler_configs = setup_optimizers()
         if split.params is not None:  # they step the local shards: plain tensors, no DTensor dispatch per op
-            step_local_shards(strategy.optimizers, split.params)
+            step_local_shards(optimizers, split.params)
         if topology.zero_enabled:
-            engine = shard_dp(strategy, split, topology.zero, config.mixed_precision, pipeline)
+            optimizers, engine = shard_dp(module, optimizers, scheduler_configs, grid, split, topology.zero,
+                                          config.mixed_precision, pipeline)
     # the engine's flat shards of MP-split parameters are MP shards too
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
-                            engine, compiled, pipeline, split.params, split.bridge)
+                            engine, compiled, pipeline, split.params, split.bridge, optimizers=optimizers)
     if split.params is not None and grid.dp > 1:  # DP averaged by the strategy, in DDP's bucket size
         parallel.dp_group = grid.dp_group
-        parallel.dp_bucket_bytes = int((compat.ddp_kwargs(strategy).get("bucket_cap_mb") or 25) * 2**20)
+        parallel.dp_bucket_bytes = int((ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20)
     parallel.watch_freed_reads(module)
     if grid.mp > 1 or engine is not None or pipeline is not None:
-        install_step_hooks(strategy.precision_plugin, parallel, grid.dp_group if engine is not None else None,
+        install_step_hooks(plugin, parallel, grid.dp_group if engine is not None else None,
                            grid.pp_group if pipeline is not None else None)
     return parallel
 
 
-def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool, str], failed: bool) -> None:
+def unparallelize(module: Optional[nn.Module], optimizers: list[Any], scheduler_configs: list[Any], grid: Any,
+                  parallel: Parallelized, consolidate: Union[bool, str], failed: bool) -> list[Any]:
     """Undo :func:`parallelize` in reverse (collective unless ``failed``: after an error no rank communicates, since
     a peer may be dead): gather the layers back per ``consolidate`` (``"rank0"``: global rank 0 alone ends with the
     plain model; ``True``: every rank; ``False``: stays split), under ZeRO straight from the engine's shards
     (:func:`~lightning_dpmp.integration.teardown.consolidate_engine`; with ``False`` the engine is released: whole
-    MP-local parameters, plain optimizers with their gathered state), uncompile, remove the step hooks."""
-    module = strategy.lightning_module
+    MP-local parameters, plain optimizers with their gathered state), uncompile, remove the step hooks. Returns the
+    optimizers the strategy holds from then on (``optimizers``, or the plain ones that replace the engine's)."""
     if parallel.params is not None:  # the plain shards for good: what the rest of the teardown gathers
         parallel.params.release()
         parallel.params = parallel.bridge = None  # a save after fit reads the module as teardown leaves it
     if parallel.pipeline is not None and not failed:
-        parallel.pipeline.sync(strategy.optimizers)  # every rank the trained model before gathering it
+        parallel.pipeline.sync(optimizers)  # every rank the trained model before gathering it
     if parallel.engine is not None and not failed:
         if consolidate and module is not None:  # each bucket straight into the dense model: nobody holds it whole
-            strategy.optimizers = consolidate_engine(strategy, parallel.engine, strategy.optimizers,
-                                                     strategy.lr_scheduler_configs, everywhere=consolidate is True)
+            optimizers = consolidate_engine(module, grid, parallel.engine, optimizers, scheduler_configs,
+                                            everywhere=consolidate is True)
         else:  # the module stays split: every rank its MP-local model and optimizer state, as at zero=0
-            strategy.optimizers = release_engine(parallel.engine, strategy.optimizers, strategy.lr_scheduler_configs)
+            optimizers = release_engine(parallel.engine, optimizers, scheduler_configs)
     parallel.engine = None
     if consolidate and not failed and module is not None and shard_dims(module):
-        unsplit_model(strategy, everywhere=consolidate is True)
+        unsplit_model(module, optimizers, grid, everywhere=consolidate is True)
     elif consolidate == "rank0" and not failed and module is not None:
-        keep_on_rank0(strategy)  # nothing split (mp=1): the other ranks let their copies go all the same
+        keep_on_rank0(module, optimizers, grid.rank)  # nothing split (mp=1): the other ranks let theirs go as well
     if parallel.compiled and module is not None:
         uncompile_blocks(module)
     while parallel._hooked:
         hooks.remove(parallel._hooked.pop())
+    return optimizers

@@ -6,7 +6,8 @@ after Lightning's move to the device and before the DP wrap; it returns what tra
 :func:`unsplit_model` makes the module (and its optimizers' state) dense again.
 
 Example:
-    >>> split = split_model(strategy, trainer, False, None, verify=True, sequence_parallel=False)  # doctest: +SKIP
+    >>> split = split_model(trainer, module, grid, device, plugin, False, None, verify=True,  # doctest: +SKIP
+    ...                     sequence_parallel=False)
     >>> print(split.applied_plan.text)  # doctest: +SKIP
 """
 
@@ -65,7 +66,7 @@ def broadcast_dense(module: nn.Module) -> None:
                 dist.broadcast(t.data, src=0)
 
 
-def agree_on_meta(strategy: Any) -> bool:
+def agree_on_meta(module: nn.Module, global_rank: int, device: torch.device) -> bool:
     """Whether the model is to be split from the meta device, agreed by every rank (one all-reduce).
 
     A model that is meta on some ranks and real on global rank 0 (what ``consolidate_on_teardown="rank0"`` leaves
@@ -73,12 +74,12 @@ def agree_on_meta(strategy: Any) -> bool:
     to meta, and after the split each reads its slices of rank 0's tensors, one broadcast tensor at a time.
     Raises ``ValueError`` on every rank when rank 0 is meta but another rank is not.
     """
-    lm = strategy.lightning_module
+    lm = module
     meta = is_meta(lm)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return meta
-    real0 = strategy.global_rank == 0 and not meta
-    flags = torch.tensor([float(meta), float(not meta), float(real0)], device=strategy.root_device)
+    real0 = global_rank == 0 and not meta
+    flags = torch.tensor([float(meta), float(not meta), float(real0)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     any_meta, any_real, rank0_real = (bool(f) for f in flags.tolist())
     if not any_meta or not any_real:
@@ -89,11 +90,11 @@ def agree_on_meta(strategy: Any) -> bool:
             " same way on every rank (lightning_dpmp.from_pretrained decides laziness per process: create the"
             " Trainer before the model, call it in configure_model, or pass lazy=True)."
         )
-    state = {k: v.detach() for k, v in lm.state_dict().items()} if strategy.global_rank == 0 else None
+    state = {k: v.detach() for k, v in lm.state_dict().items()} if global_rank == 0 else None
     for mod in lm.modules():  # rank 0's values win over any other source
         mod.__dict__.pop(DEFERRED_ATTR, None)
     params_to_meta(lm)
-    lm.__dict__[DEFERRED_ATTR] = DeferredWeights(RankZeroWeights(state, strategy.root_device))
+    lm.__dict__[DEFERRED_ATTR] = DeferredWeights(RankZeroWeights(state, device))
     return True
 
 
@@ -152,8 +153,11 @@ def split_module(
 
 
 def split_model(
-    strategy: Any,
     trainer: Any,
+    module: nn.Module,
+    grid: Any,
+    device: torch.device,
+    plugin: Any,
     meta: bool,
     plan_overrides: PlanOverrides,
     verify: bool,
@@ -161,33 +165,33 @@ def split_model(
     free: frozenset = frozenset(),
     batch: Optional[Any] = None,
     mesh: Optional[Any] = None,
+    layout_report: str = "",
 ) -> Split:
-    """Plan and split ``strategy.lightning_module`` in place over ``strategy.grid`` (collective over the world); a
-    meta model's parameters named in ``free`` are freed right after their initialisation (a pipeline's other
-    stages); ``batch``: the first batch, when an earlier step (the pipeline's probe) read and broadcast it
-    already; ``mesh``: the parameters become DTensors on it (:func:`split_module`)."""
-    lm = strategy.lightning_module
-    assert lm is not None
-    grid, device = strategy.grid, strategy.root_device
-    validate.check_plan_at_setup(lm, plan_overrides, strategy.mp, strategy.global_rank)  # a configure_model model
-    batch, notes = (batch, []) if batch is not None else first_batch(trainer, strategy)
-    run = step_runner(trainer, strategy, batch, meta) if batch is not None else None
+    """Plan and split the LightningModule ``module`` in place over ``grid`` (collective over the world), its step
+    traced on ``device`` under the precision ``plugin``; a meta model's parameters named in ``free`` are freed right
+    after their initialisation (a pipeline's other stages); ``batch``: the first batch, when an earlier step (the
+    pipeline's probe) read and broadcast it already; ``mesh``: the parameters become DTensors on it
+    (:func:`split_module`); ``layout_report``: how (dp, mp) was chosen, printed with the plan."""
+    lm = module
+    validate.check_plan_at_setup(lm, plan_overrides, grid.mp, grid.rank)  # a configure_model model
+    batch, notes = (batch, []) if batch is not None else first_batch(trainer, lm, grid.rank)
+    run = step_runner(trainer, lm, plugin, device, batch, meta) if batch is not None else None
     split = split_module(lm, grid, device, run, plan_overrides, verify, sequence_parallel, str(trainer.precision),
                          trainer.state.fn == TrainerFn.FITTING, meta, notes, free, mesh)
     applied, split_params = split.applied_plan, split.split_params
-    if strategy.is_global_zero:
-        validate.warn_if_mp_idle(len(split_params), strategy.dp, strategy.mp)
+    if grid.rank == 0:
+        validate.warn_if_mp_idle(len(split_params), grid.dp, grid.mp)
     if applied.conditional and grid.dp > 1:
         applied.text += (f"\n  data-dependent parameter use ({'; '.join(applied.conditional)}): "
                          + _unused_line(grid, split.params is not None))
     summary = ""
     if split.params is not None:
         summary = "; parameters are DTensors on the (dp, pp, mp) mesh: user code reads the dense model"
-    elif strategy.mp > 1:
+    elif grid.mp > 1:
         summary = "; Lightning's model summary counts this rank's parameters"
     rank_zero_info(
         f"{applied.text}\n  grid: {_grid_line(grid)}{summary}"
-        + (f"\n{strategy.layout_report}" if getattr(strategy, "layout_report", "") else "")
+        + (f"\n{layout_report}" if layout_report else "")
     )
     return split
 
@@ -211,53 +215,51 @@ def _grid_line(grid: Any) -> str:
     return f"dp={topology.dp} x mp={topology.mp} (rank = dp_rank*mp + mp_rank)"
 
 
-def unsplit_model(strategy: Any, everywhere: bool = True) -> None:
-    """Gather ``strategy.lightning_module``'s layers back to dense, and its optimizers' state with them (collective;
-    under ZeRO the strategy has released the engine first, so the optimizers are plain again).
+def unsplit_model(module: nn.Module, optimizers: list[Any], grid: Any, everywhere: bool = True) -> None:
+    """Gather ``module``'s layers (split over ``grid``) back to dense, and the state of its ``optimizers`` with them
+    (collective; under ZeRO the strategy has released the engine first, so the optimizers are plain again).
 
     ``everywhere=False``: only global rank 0 ends with the plain model. Its MP group gathers each tensor onto it
     (no all-gather); the other DP rows do not communicate at all; every rank but 0 ends with the dense shapes on
     the meta device, having held nothing more than its shards.
     """
-    lm = strategy.lightning_module
-    grid = strategy.grid
+    lm = module
     if everywhere:
         gather = DenseGather()
     else:
-        gather = DenseGather(to_first=True, keep=strategy.global_rank == 0, communicate=grid.dp_rank == 0)
+        gather = DenseGather(to_first=True, keep=grid.rank == 0, communicate=grid.dp_rank == 0)
     moved = consolidate(lm, gather)
-    for optimizer in strategy.optimizers:
+    for optimizer in optimizers:
         consolidate_optimizer(compat.unwrap_optimizer(optimizer), moved, grid.mp_group, gather)
     if not gather.keep:  # the replicated rest too: the next setup takes every value from rank 0
         meta = params_to_meta(lm)
-        for optimizer in strategy.optimizers:
+        for optimizer in optimizers:
             optimizer_to_meta(compat.unwrap_optimizer(optimizer), meta)
 
 
 @contextlib.contextmanager
-def meta_safe_teardown(strategy: Any) -> Iterator[None]:
-    """Around Lightning's teardown, which moves the module and optimizer state to the CPU: a module left with
-    meta parameters (a rank that does not keep the model, or a setup that failed before materialising) moves its
-    real tensors only, and optimizers holding meta state (the earlier run's, whose model went to rank 0 before this
-    run split it again) are not moved, instead of failing with "Cannot copy out of meta tensor"."""
-    lm = strategy.lightning_module
+def meta_safe_teardown(module: Optional[nn.Module], optimizers: list[Any]) -> Iterator[list[Any]]:
+    """Around Lightning's teardown, which moves the module and optimizer state to the CPU: yields the optimizers it
+    may move. A ``module`` left with meta parameters (a rank that does not keep the model, or a setup that failed
+    before materialising) moves its real tensors only, and ``optimizers`` holding meta state (the earlier run's,
+    whose model went to rank 0 before this run split it again) are left out, instead of failing with "Cannot copy
+    out of meta tensor". The caller holds the yielded list while the teardown runs, and its own afterwards."""
+    lm = module
     module_meta = lm is not None and is_meta(lm)
-    optimizers = strategy.optimizers
     movable = [o for o in optimizers if not _meta_state(o)]
     if not module_meta and len(movable) == len(optimizers):
-        yield
+        yield optimizers
         return
     if module_meta:
+        assert lm is not None
         compat.module_apply(lm, lambda t: t if t.is_meta else t.cpu())
         lm.__dict__["cpu"] = lambda: lm  # Strategy.teardown calls lightning_module.cpu(); the move is done above
         movable = []  # their state is meta on this rank, or was never made
-    strategy.optimizers = movable
     try:
-        yield
+        yield movable
     finally:
         if lm is not None:
             lm.__dict__.pop("cpu", None)
-        strategy.optimizers = optimizers
 
 
 def _meta_state(optimizer: Any) -> bool:

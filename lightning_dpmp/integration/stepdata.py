@@ -2,13 +2,14 @@
 
 The step runs at setup, before Lightning has built the optimizers. A training step may read them
 (``self.trainer.optimizers[0].param_groups[0]["lr"]``, ``self.lr_schedulers().get_last_lr()``), so while it runs
-the strategy holds real ones, fresh from ``configure_optimizers`` (:func:`trainer_state`); they are never stepped,
-and the strategy's own (empty) lists come back afterwards.
+the Trainer holds real ones, fresh from ``configure_optimizers`` (:func:`trainer_state`); they are never stepped,
+and its own (empty) lists come back afterwards. Each function takes what it reads (the module, the precision plugin,
+the device, the global rank), never the strategy.
 
 Example:
     >>> # collective: rank 0 reads, everyone receives; run() -> training_step(batch, 0)'s output
-    >>> batch, notes = first_batch(trainer, strategy)  # doctest: +SKIP
-    >>> run = step_runner(trainer, strategy, batch)  # doctest: +SKIP
+    >>> batch, notes = first_batch(trainer, module, global_rank=0)  # doctest: +SKIP
+    >>> run = step_runner(trainer, module, plugin, torch.device("cpu"), batch)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,15 +48,16 @@ def _first_of(loaders: Any) -> Any:
     return loaders
 
 
-def first_batch(trainer: Any, strategy: Any) -> tuple[Optional[Any], list[str]]:
-    """Rank 0 reads one batch of the stage's dataloader (RNG states untouched) and broadcasts it to every rank."""
+def first_batch(trainer: Any, module: Any, global_rank: int) -> tuple[Optional[Any], list[str]]:
+    """Global rank 0 reads one batch of the stage's dataloader (RNG states untouched, ``module``'s modes kept) and
+    broadcasts it to every rank."""
     notes: list[str] = []
     batch = None
-    if strategy.global_rank == 0:
+    if global_rank == 0:
         loop_name = _STEPS[trainer.state.fn][0]
         source = compat.loop_data_source(trainer, loop_name)
         try:
-            with isolated(strategy.lightning_module):
+            with isolated(module):
                 loader = _first_of(source.dataloader())
                 batch = move_data_to_device(next(iter(loader)), "cpu")
         except Exception as exc:
@@ -65,24 +68,25 @@ def first_batch(trainer: Any, strategy: Any) -> tuple[Optional[Any], list[str]]:
     return box[0], box[1]
 
 
-def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> Callable[[], Any]:
-    """A callable running the stage's step hook on ``batch`` as the loop would (device, precision, context);
-    with ``meta``, on meta tensors (shapes only), for a model built on the meta device."""
-    lm = strategy.lightning_module
+def step_runner(trainer: Any, module: Any, plugin: Any, device: torch.device, batch: Any, meta: bool = False
+                ) -> Callable[[], Any]:
+    """A callable running the stage's step hook of ``module`` on ``batch`` as the loop would (moved to ``device``,
+    the precision ``plugin``'s input conversion and step context); with ``meta``, on meta tensors (shapes only), for
+    a model built on the meta device."""
+    lm = module
     _, hook, context = _STEPS[trainer.state.fn]
-    plugin = strategy.precision_plugin
     training = trainer.state.fn == TrainerFn.FITTING
     # Lightning's fit loop runs each module in the mode it is in now (it never calls train(): a submodule that
     # from_pretrained or the user left in eval mode trains in eval mode), so the traced step runs in these modes
     modes = [(m, m.training) for m in lm.modules()]
 
     def run() -> Any:
-        b = compat.apply_batch_transfer_handler(lm, batch, strategy.root_device)
+        b = compat.apply_batch_transfer_handler(lm, batch, device)
         b = plugin.convert_input(to_meta(b) if meta else b)
         if training:  # trace the path that trains (caches, checkpointing, aux losses follow self.training)
             for m, mode in modes:  # `isolated` restores every module's mode afterwards
                 m.training = mode
-        state = trainer_state(strategy, lm) if training else contextlib.nullcontext()
+        state = trainer_state(trainer, lm) if training else contextlib.nullcontext()
         buffers = real_tensors_on_meta(lm) if meta else contextlib.nullcontext()
         with state, buffers, getattr(plugin, context)(), NoDropout() if training else contextlib.nullcontext():
             return getattr(lm, hook)(b, 0)
@@ -91,29 +95,31 @@ def step_runner(trainer: Any, strategy: Any, batch: Any, meta: bool = False) -> 
 
 
 @contextlib.contextmanager
-def trainer_state(strategy: Any, module: Any) -> Iterator[None]:
-    """While a training step runs at setup: ``strategy.optimizers`` and ``strategy.lr_scheduler_configs`` (what
-    ``trainer.optimizers``, ``self.optimizers()`` and ``self.lr_schedulers()`` read) built by ``module``'s
-    ``configure_optimizers`` over its current (dense or split) parameters, then the previous values again.
+def trainer_state(trainer: Any, module: Any) -> Iterator[None]:
+    """While a training step runs at setup: ``trainer.optimizers`` and ``trainer.lr_scheduler_configs`` (what
+    ``self.optimizers()`` and ``self.lr_schedulers()`` read; Lightning keeps both on ``trainer.strategy``) built by
+    ``module``'s ``configure_optimizers`` over its current (dense or split) parameters, then the previous values
+    again.
 
     Nothing is stepped: a scheduler's constructor sets the first learning rate, as it does in the real run. Lightning
     already holds optimizers (a later stage), or ``configure_optimizers`` fails here: the step runs as it is.
     """
-    if strategy.optimizers or not is_overridden("configure_optimizers", module):
+    holder = trainer.strategy  # (the Trainer's setter covers optimizers only)
+    if holder.optimizers or not is_overridden("configure_optimizers", module):
         yield
         return
-    saved = (strategy.optimizers, strategy.lr_scheduler_configs)
+    saved = (holder.optimizers, holder.lr_scheduler_configs)
     try:
         with warnings.catch_warnings():  # Lightning's warnings about the configuration come at its own call
             warnings.simplefilter("ignore")
             optimizers, configs = compat.init_optimizers_and_lr_schedulers(module)
     except Exception:  # reported, if it matters, when Lightning calls configure_optimizers itself
         optimizers, configs = [], []
-    strategy.optimizers, strategy.lr_scheduler_configs = optimizers, configs
+    holder.optimizers, holder.lr_scheduler_configs = optimizers, configs
     try:
         yield
     finally:
-        strategy.optimizers, strategy.lr_scheduler_configs = saved
+        holder.optimizers, holder.lr_scheduler_configs = saved
 
 
 @contextlib.contextmanager

@@ -303,9 +303,10 @@ class DPMPStrategy(GridStrategy):
         if fitting and layer_sync is not None:
             self.model = layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
-        gather_left_split(self)  # a previous run's teardown left it split (consolidate_on_teardown=False): to rank 0
+        # a previous run's teardown left it split (consolidate_on_teardown=False): to rank 0
+        gather_left_split(self.lightning_module, self.optimizers, self.global_rank)
         # rank 0 alone holding the model (a previous run's teardown): every rank takes it from rank 0
-        meta = agree_on_meta(self)
+        meta = agree_on_meta(self.lightning_module, self.global_rank, self.root_device)
         if not meta:
             self.model_to_device()
         if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
@@ -313,7 +314,13 @@ class DPMPStrategy(GridStrategy):
         validate.check_mixed_precision(self._config.mixed_precision, self.zero, self.dp)  # (dp chosen by now)
         # No module-state sync from rank 0 outside fitting (DDPStrategy's): the split broadcast rank 0's dense
         # weights before splitting, and a sync now would overwrite each rank's MP shards with rank 0's.
-        self._parallel = parallelize(self, trainer, self._config, meta)
+        self._parallel = parallelize(
+            trainer, self.lightning_module, self.model, self.grid, self.root_device, self.precision_plugin,
+            self._config, meta, mesh=lambda: self.device_mesh, ddp_kwargs=compat.ddp_kwargs(self),
+            configure_ddp=self._configure_ddp_with, setup_optimizers=lambda: self._setup_optimizers(trainer),
+            layout_report=self.layout_report)
+        if self._parallel.optimizers is not None:  # fitting: over the split parameters (the ZeRO shards at zero >= 1)
+            self.optimizers = self._parallel.optimizers
         if self.layout_report:
             self._parallel.plan.text += "\n" + self.layout_report
         if self._parallel.bridge is not None:  # user code from here to teardown reads the DTensor parameters
@@ -337,9 +344,27 @@ class DPMPStrategy(GridStrategy):
         if not self.layout_pending and self._topology is not None and self.zero == 0 and self.pp == 1:
             validate.check_ddp_kwargs_with_dtensors(compat.ddp_kwargs(self), self.mp)
 
+    def _configure_ddp_with(self, ddp_kwargs: dict[str, Any]) -> None:
+        """``configure_ddp`` (DDP over ``self.model``) with ``ddp_kwargs``, a copy of the user's with this run's
+        options: the user's dict is put back after, never mutated, so a later run does not inherit them."""
+        user = compat.ddp_kwargs(self)
+        compat.set_ddp_kwargs(self, ddp_kwargs)
+        try:
+            self.configure_ddp()
+        finally:
+            compat.set_ddp_kwargs(self, user)
+
+    def _setup_optimizers(self, trainer: "pl.Trainer") -> tuple[list[Optimizer], list[Any]]:
+        """The user's ``configure_optimizers`` through the public ``setup_optimizers`` (so the LR finder's wrapper
+        of it still applies): the optimizers and LR scheduler configs it made."""
+        self.setup_optimizers(trainer)
+        return self.optimizers, self.lr_scheduler_configs
+
     def _choose_layout(self, trainer: "pl.Trainer", meta: bool) -> None:
         validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
-        choice = choose_layout(self, trainer, meta, self._config.plan_overrides, compat.layer_sync(self) is not None)
+        choice = choose_layout(trainer, self.lightning_module, self.precision_plugin, self.root_device,
+                               self.global_rank, self.num_processes, self.num_nodes, meta, self._config.plan_overrides,
+                               compat.layer_sync(self) is not None)
         self.set_layout(choice.layout.dp, choice.layout.mp, choice.text, keep=choice.measured)
         self._check_ddp_kwargs()
         validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero, trainer.state.fn,
@@ -491,9 +516,15 @@ class DPMPStrategy(GridStrategy):
         if self._parallel is not None:
             self._leave_bridge()
             self._parallel.leave_reader()
-            unparallelize(self, self._parallel, self._consolidate_on_teardown, self._failed)
-        with meta_safe_teardown(self):
-            super().teardown()
+            self.optimizers = unparallelize(self.lightning_module, self.optimizers, self.lr_scheduler_configs,
+                                            self.grid, self._parallel, self._consolidate_on_teardown, self._failed)
+        optimizers = self.optimizers
+        with meta_safe_teardown(self.lightning_module, optimizers) as movable:
+            self.optimizers = movable  # what Lightning's teardown moves to the CPU
+            try:
+                super().teardown()
+            finally:
+                self.optimizers = optimizers
 
     # ------------------------------------------------------------------ checkpoints (delegated to self.checkpointer)
     @property

@@ -22,7 +22,7 @@ global rank 0 over the MP group they were split over (the other ranks keep meta 
 would have left them; the split then takes the weights from rank 0.
 
 Example:
-    >>> optimizers = consolidate_engine(strategy, engine, optimizers, configs, everywhere=False)  # doctest: +SKIP
+    >>> optimizers = consolidate_engine(module, grid, engine, optimizers, configs, everywhere=False)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -93,14 +93,15 @@ def _free(t: Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
-def consolidate_engine(strategy: Any, engine: ZeroEngine, optimizers: Sequence[Any], scheduler_configs: list[Any],
-                       everywhere: bool) -> list[Optimizer]:
-    """Undo ``engine`` straight into the dense model (collective over the world; see the module docstring):
+def consolidate_engine(module: nn.Module, grid: Any, engine: ZeroEngine, optimizers: Sequence[Any],
+                       scheduler_configs: list[Any], everywhere: bool) -> list[Optimizer]:
+    """Undo ``engine`` straight into the dense ``module`` over ``grid`` (collective over the world; see the module
+    docstring):
     ``everywhere`` (``consolidate_on_teardown=True``): every rank ends with the plain model and optimizer state;
     else global rank 0 alone, the other ranks with their shapes on the meta device. ``optimizers`` (the engine's,
     as the strategy holds them) give way to the plain ones returned, which the LR schedulers now drive."""
-    lm, grid = strategy.lightning_module, strategy.grid
-    keep = everywhere or strategy.global_rank == 0
+    lm = module
+    keep = everywhere or grid.rank == 0
     # "rank0": the first stage's DP groups gather onto their DP rank 0 (every stage holds the synced model), and
     # the MP group of global rank 0 gathers onto it; the other ranks only give their shards, or nothing
     gives = everywhere or grid.pp_rank == 0
@@ -185,15 +186,15 @@ def _fill_state(plain: Optimizer, shard_state: dict[str, Any], b: Bucket, target
             plain.state[target[id(p)][0]] = state
 
 
-def keep_on_rank0(strategy: Any) -> None:
+def keep_on_rank0(module: Optional[nn.Module], optimizers: list[Any], global_rank: int) -> None:
     """``consolidate_on_teardown="rank0"`` with nothing split to gather (mp=1, no ZeRO engine): every rank but global
     rank 0 lets its copy of the model and optimizer state go, keeping the dense shapes on the meta device, as a
     gather onto rank 0 leaves them (no communication: rank 0 holds the same values)."""
-    lm = strategy.lightning_module
-    if lm is None or strategy.global_rank == 0:
+    lm = module
+    if lm is None or global_rank == 0:
         return
     meta = params_to_meta(lm)
-    for optimizer in strategy.optimizers:
+    for optimizer in optimizers:
         optimizer_to_meta(compat.unwrap_optimizer(optimizer), meta)
 
 
@@ -208,23 +209,23 @@ def _split_group(module: nn.Module) -> Any:
     return None
 
 
-def gather_left_split(strategy: Any) -> bool:
+def gather_left_split(module: Optional[nn.Module], optimizers: list[Any], global_rank: int) -> bool:
     """Before a run's split: a module that an earlier run left split (``consolidate_on_teardown=False``) is gathered
     onto global rank 0 over the MP group it was split over, with its optimizers' state, and the other ranks keep
     its shapes on the meta device (collective over that run's world: every rank holds such a module, or none does;
     its grid's groups live as long as the process group). Returns whether it was split."""
-    lm = strategy.lightning_module
+    lm = module
     if lm is None or not shard_dims(lm) or not (dist.is_available() and dist.is_initialized()):
         return False
     group = _split_group(lm)
     first = group is not None and dist.get_global_rank(group, 0) == 0  # (the MP group global rank 0 is in gathers)
-    gather = DenseGather(to_first=True, keep=strategy.global_rank == 0, communicate=first)
+    gather = DenseGather(to_first=True, keep=global_rank == 0, communicate=first)
     moved = consolidate(lm, gather)
-    optimizers = [compat.unwrap_optimizer(o) for o in strategy.optimizers]
-    for optimizer in optimizers:
+    plain = [compat.unwrap_optimizer(o) for o in optimizers]
+    for optimizer in plain:
         consolidate_optimizer(optimizer, moved, group, gather)
     if not gather.keep:
         meta = params_to_meta(lm)
-        for optimizer in optimizers:
+        for optimizer in plain:
             optimizer_to_meta(optimizer, meta)
     return True

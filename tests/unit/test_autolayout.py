@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_dpmp import DPMPStrategy
 from lightning_dpmp.integration.autolayout import candidate_layouts, rank_candidates
@@ -114,12 +115,10 @@ def test_transformer_costs_count_the_blocks_collectives(name):
 def test_no_trace_falls_back_to_todays_rule(monkeypatch):
     import lightning_dpmp.integration.autolayout as autolayout
 
-    class FakeStrategy:
-        num_processes, num_nodes = 4, 1
-
     monkeypatch.setattr(autolayout, "_trace", lambda *a: None)
-    choice = autolayout.choose_layout(FakeStrategy(), object(), meta=False, plan_overrides=PlanOverrides())
+    choice = autolayout.choose_layout(object(), None, None, torch.device("cpu"), 0, num_processes=4, num_nodes=1,
+                                      meta=False, plan_overrides=PlanOverrides())
     assert choice.layout == Topology(dp=1, mp=4) and not choice.measured
     assert "fell back to dp = nodes, mp = devices per node" in choice.text
-    one = autolayout.choose_layout(type("One", (), {"num_processes": 1, "num_nodes": 1})(), None, False, None)
+    one = autolayout.choose_layout(None, None, None, torch.device("cpu"), 0, 1, 1, False, None)
     assert one.layout == Topology()

@@ -48,9 +48,11 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     engine = _Engine(shard, zero)
     grid = SimpleNamespace(dp=dp, mp=mp, pp=1, dp_group="dp", mp_group="mp",
                            topology=Topology(dp=dp, mp=mp, zero=zero))
-    strategy = SimpleNamespace(lightning_module=module, model=module, grid=grid, root_device=torch.device("cpu"),
-                               precision_plugin="plugin")
-    strategy.setup_optimizers = lambda trainer: calls.append("setup_optimizers")
+    optimizers: list[Any] = []
+
+    def setup_optimizers() -> tuple[list[Any], list[Any]]:
+        calls.append("setup_optimizers")
+        return optimizers, []
 
     def record(name: str, result: Any = None) -> Any:
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -62,14 +64,18 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     monkeypatch.setattr(pipeline, "route_metrics", record("route_metrics"))
     monkeypatch.setattr(pipeline, "overlap_grad_allreduce", record("overlap_grad_allreduce"))
     monkeypatch.setattr(pipeline, "compile_model", lambda m, enabled: calls.append("compile_model") or enabled)
-    monkeypatch.setattr(pipeline, "wrap_dp", lambda s, cond: calls.append(f"wrap_dp(conditional={cond})"))
-    monkeypatch.setattr(pipeline, "shard_dp", record("shard_dp", engine))
+    monkeypatch.setattr(pipeline, "wrap_dp", lambda configure, kwargs, grid, cond: calls.append(
+        f"wrap_dp(conditional={cond})"))
+    monkeypatch.setattr(pipeline, "shard_dp", record("shard_dp", (optimizers, engine)))
     monkeypatch.setattr(pipeline, "install_step_hooks",
                         lambda plugin, parallel, dp_group, pp_group=None: calls.append(
                             f"install_step_hooks(dp_group={dp_group})"))
     config = ParallelConfig(PlanOverrides(), compile=True)
     trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
-    return calls, pipeline.parallelize(strategy, trainer, config, meta=False), shard
+    parallel = pipeline.parallelize(trainer, module, module, grid, torch.device("cpu"), "plugin", config, meta=False,
+                                    mesh=lambda: None, ddp_kwargs={}, configure_ddp=lambda kwargs: None,
+                                    setup_optimizers=setup_optimizers)
+    return calls, parallel, shard
 
 
 MODEL_STEPS = ["plan_and_split", "route_metrics", "overlap_grad_allreduce", "compile_model"]
@@ -136,13 +142,27 @@ def test_step_closure_sums_only_the_stepped_partial_gradients(monkeypatch: pytes
 
 def test_wrap_dp_gives_ddp_this_runs_options_on_a_copy() -> None:
     """DDP gets the DP group and, for a step that branched, ``find_unused_parameters=True``; the user's options are
-    put back afterwards, so a later fit (another layout, a plan without branches) does not inherit them."""
+    never mutated, so a later fit (another layout, a plan without branches) does not inherit them."""
     seen: list[dict[str, Any]] = []
     user = {"bucket_cap_mb": 50}
-    strategy = SimpleNamespace(_ddp_kwargs=user, mp=2, grid=SimpleNamespace(dp_group="dp"))
-    strategy.configure_ddp = lambda: seen.append(dict(strategy._ddp_kwargs))
-    pipeline.wrap_dp(strategy, conditional=True)
-    pipeline.wrap_dp(strategy, conditional=False)
+    grid = SimpleNamespace(mp=2, dp_group="dp")
+    pipeline.wrap_dp(seen.append, user, grid, conditional=True)
+    pipeline.wrap_dp(seen.append, user, grid, conditional=False)
     assert seen == [{"bucket_cap_mb": 50, "process_group": "dp", "find_unused_parameters": True},
                     {"bucket_cap_mb": 50, "process_group": "dp"}]
-    assert strategy._ddp_kwargs is user and user == {"bucket_cap_mb": 50}
+    assert user == {"bucket_cap_mb": 50} and all(s is not user for s in seen)
+
+
+def test_the_strategy_builds_ddp_with_the_runs_options_and_puts_the_users_back() -> None:
+    """``DPMPStrategy._configure_ddp_with`` (what :func:`wrap_dp` is given): ``configure_ddp`` sees this run's
+    options, and the strategy holds the user's own dict again afterwards."""
+    from lightning_dpmp import DPMPStrategy
+    from lightning_dpmp.compat import ddp_kwargs
+
+    strategy = DPMPStrategy(dp=2, mp=1, bucket_cap_mb=50)
+    user = ddp_kwargs(strategy)
+    seen: list[dict[str, Any]] = []
+    strategy.configure_ddp = lambda: seen.append(dict(ddp_kwargs(strategy)))  # type: ignore[method-assign]
+    strategy._configure_ddp_with({**user, "find_unused_parameters": True})
+    assert seen == [{**user, "find_unused_parameters": True}]
+    assert ddp_kwargs(strategy) is user and "find_unused_parameters" not in user

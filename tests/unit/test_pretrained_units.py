@@ -195,8 +195,6 @@ def test_teardown_of_a_meta_module_moves_only_real_tensors():
     """Lightning's teardown calls ``lightning_module.cpu()`` and moves the optimizer state: on a module left on
     meta (a rank that does not keep the model, a setup that failed) that raises "Cannot copy out of meta tensor"
     over the first error; under ``meta_safe_teardown`` the real tensors move and the meta ones stay."""
-    from types import SimpleNamespace
-
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     from lightning_dpmp.integration.split import meta_safe_teardown
@@ -206,11 +204,11 @@ def test_teardown_of_a_meta_module_moves_only_real_tensors():
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     with pytest.raises(NotImplementedError, match="meta tensor"):
         module.cpu()
-    strategy = SimpleNamespace(lightning_module=module, optimizers=[optimizer])
-    with meta_safe_teardown(strategy):
-        _optimizers_to_device(strategy.optimizers, torch.device("cpu"))
-        strategy.lightning_module.cpu()
-    assert strategy.optimizers == [optimizer] and "cpu" not in module.__dict__
+    with meta_safe_teardown(module, [optimizer]) as movable:
+        assert movable == []  # its state would be meta: left where it is
+        _optimizers_to_device(movable, torch.device("cpu"))
+        module.cpu()
+    assert "cpu" not in module.__dict__
     assert module.lin.weight.is_meta and module.inv_freq.device.type == "cpu"
 
 

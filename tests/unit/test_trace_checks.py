@@ -75,10 +75,9 @@ def test_trainer_state_gives_real_optimizers_and_schedulers_then_restores_them()
     m = _Scheduled()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     m.trainer = trainer
-    strategy = trainer.strategy
     assert trainer.optimizers == [] and trainer.lr_scheduler_configs == []
     before = [p.detach().clone() for p in m.parameters()]
-    with trainer_state(strategy, m):
+    with trainer_state(trainer, m):
         assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1
         assert m.lr_schedulers().get_last_lr() == [0.1]
         assert m.optimizers().param_groups[0]["params"][0] is next(m.parameters())
