@@ -60,6 +60,11 @@ class Device:
         devices_per_node: devices sharing the intra-node link.
         efficiency_width: matmuls narrower than this lose efficiency: the sustained fraction is
             ``efficiency * hidden / (hidden + efficiency_width)`` (0 = constant).
+        overhead_s: fixed seconds per block per micro-batch, forward and backward (kernel launches, Python).
+        overlap_dp: the DP gradient reduction runs during the backward pass (devices with their own copy
+            engines); ``False`` where it competes for the same cores (gloo on CPU).
+        idle_bubble: a stage waiting in the pipeline bubble idles its device; ``False`` where processes share
+            cores, so that one waiting gives its core to another.
     """
 
     name: str
@@ -73,6 +78,9 @@ class Device:
     inter_latency: float = 10e-6
     devices_per_node: int = 8
     efficiency_width: float = 0.0
+    overhead_s: float = 30e-6
+    overlap_dp: bool = True
+    idle_bubble: bool = True
 
     def sustained(self, dtype: str, hidden: int) -> float:
         """FLOP/s one device sustains on the model's matmuls at width ``hidden``."""
@@ -99,7 +107,7 @@ DEVICES: dict[str, Device] = {
     # core; efficiency calibrated on the benchmark Llama's (4,1,1) step (docs/benchmarks.md).
     "cpu": Device("cpu", memory_gib=16.0, peak_flops={"bf16": 25e9, "fp32": 50e9, "fp64": 25e9}, efficiency=0.5,
                   mem_bw=5e9, intra_bw=1.0e9, inter_bw=1.0e9, intra_latency=50e-6, inter_latency=50e-6,
-                  devices_per_node=64),
+                  devices_per_node=64, overhead_s=5e-3, overlap_dp=False, idle_bubble=False),
 }
 
 # precision -> (compute dtype, bytes per parameter, per gradient, optimizer state per parameter (AdamW + master))
@@ -299,14 +307,14 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     mp_s = per_stage * n_ar * ring_s(act, mp, mp_bw, mp_lat) if mp > 1 else 0.0   # SP: AG + RS, the same time
     if vocab_split and mp > 1:
         mp_s += 2 * ring_s(act, mp, mp_bw, mp_lat) / max(pp, 1)       # the embedding and the head's input grad
-    micro_s = stage_fwdbwd + mp_s
+    micro_s = stage_fwdbwd + mp_s + per_stage * dev.overhead_s * (1.33 if spec.recompute else 1.0)
     pp_s = 0.0
     if pp > 1:
         inter = pp * mp > dev.devices_per_node                          # neighbouring stages lie mp apart
         bw, lat = (dev.inter_bw, dev.inter_latency) if inter else (dev.intra_bw, dev.intra_latency)
         pp_s = 2 * (msg / bw + lat)                                     # activation forward, its gradient backward
         micro_s += pp_s
-    bubble = (pp - 1) / v * micro_s if pp > 1 else 0.0
+    bubble = (pp - 1) / v * micro_s if pp > 1 and dev.idle_bubble else 0.0
     pipe_s = m * micro_s + bubble + (m * head_s if pp > 1 else 0.0)
     # DP: gradients of the largest stage, over dp ranks; inter-node once the DP group spans nodes
     n_local = max(_stage_params(prof, spec))
@@ -317,7 +325,7 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     dp_s = ring_s(grad_bytes, dp, bw, 0.0) + (buckets * 2 * (dp - 1) * lat if dp > 1 else 0.0)
     if zero == 3:
         dp_s += m * ring_s(n_local * pb, dp, bw, lat, "all_gather")   # parameters gathered again per micro-batch
-    dp_exposed = max(0.0, dp_s - micro_s * 2 / 3) if dp > 1 else 0.0
+    dp_exposed = (max(0.0, dp_s - micro_s * 2 / 3) if dev.overlap_dp else dp_s) if dp > 1 else 0.0
     optim_s = n_local / (dp if zero else 1) * 28 / dev.mem_bw        # AdamW: ~7 words read/written per parameter
     step = pipe_s + dp_exposed + optim_s
     tokens = global_batch * prof.seq

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dpmp.tools.costmodel import GPTShape
 
-__all__ = ["ModelProfile", "profile_config", "profile_step"]
+__all__ = ["ModelProfile", "config_sizes", "profile_config", "profile_step"]
 
 
 @dataclass(frozen=True)
@@ -347,7 +347,7 @@ def profile_step(module: nn.Module, step: Callable[[], Any], vocab: int, hidden:
     )
 
 
-def _config_sizes(cfg: Any) -> tuple[int, int, int, int, int]:
+def config_sizes(cfg: Any) -> tuple[int, int, int, int, int]:
     """(vocab, hidden, heads, kv_heads, ffn) of a transformers config, by the names transformers uses."""
     def first(*names: str, default: int = 0) -> int:
         for n in names:
@@ -380,7 +380,7 @@ def profile_config(config: Any, seq: int, dtype: torch.dtype = torch.float32) ->
         config = AutoConfig.from_pretrained(str(config))
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
-    vocab, hidden, heads, kv, ffn = _config_sizes(config)
+    vocab, hidden, heads, kv, ffn = config_sizes(config)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
 
     def step() -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""The layout estimator (``python -m lightning_dpmp.plan``) against what ``benchmarks/gpt_bench.py`` measured on
+this machine: transformers' Llama of the benchmark (hidden 256, 8 heads / 4 kv heads, SwiGLU 1024, vocab 256,
+sequence 128, global batch 8, float32, AdamW) at world 4 on CPU (gloo, 2 shared cores).
+
+* memory: the predicted peak tensor bytes per rank of the worst stage against ``peak_mb`` of the runs
+  (what was held when the step began + the highest running total of torch.profiler's allocation events in it);
+* step time: the ``cpu`` preset's compute efficiency, link bandwidth, latency and per-block overhead are fitted
+  (grid search, squared log error) on the calibration layouts only; every other layout is held out. The ranking
+  check: is the measured fastest layout predicted first, or within 5% of the predicted first?
+
+Measured rows come from ``benchmarks/results/{pipeline,pipeline_zero,hf_llama_zero}/results.json`` (8 layers at
+(dp, pp, mp) = (1,2,2) (1,1,4) (2,1,2) (4,1,1) (1,4,1), (2,2,1) at zero 0/1/3, (4,1,1) at zero 3; 4 layers at
+(2,1,2) zero 0..3)::
+
+    python benchmarks/estimator_check.py            # writes benchmarks/results/estimator/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from lightning_dpmp.tools.estimate import DEVICES, LayoutSpec, predict  # noqa: E402
+from lightning_dpmp.tools.profile import ModelProfile, profile_config  # noqa: E402
+
+CALIBRATION = {("pipeline", "dpmp_4x1"), ("pipeline", "dpmp_1x4"), ("pipeline", "dpmp_2x2")}
+
+
+def bench_profile(layers: int) -> ModelProfile:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return profile_config(cfg, seq=128)
+
+
+def parse(config: str, microbatches: int) -> LayoutSpec:
+    """gpt_bench's names: ``dpmp_<dp>x<mp>[_pp<k>][_zero<z>]``."""
+    m = re.fullmatch(r"dpmp_(\d+)x(\d+)(?:_pp(\d+))?(?:_zero(\d))?", config)
+    if m is None:
+        raise ValueError(config)
+    dp, mp, pp, zero = int(m[1]), int(m[2]), int(m[3] or 1), int(m[4] or 0)
+    return LayoutSpec(dp, pp, mp, zero, False, microbatches if pp > 1 else 1, "1f1b" if pp > 1 else "none", False)
+
+
+def measured() -> list[dict[str, Any]]:
+    out = []
+    for folder in ("pipeline", "pipeline_zero", "hf_llama_zero"):
+        res = json.loads((ROOT / "benchmarks" / "results" / folder / "results.json").read_text())
+        args = res["args"]
+        for name, row in res["rows"].items():
+            if not name.startswith("dpmp"):
+                continue
+            out.append(dict(folder=folder, config=name, layers=args["layers"],
+                            spec=parse(name, args.get("pp_microbatches", 4)), peak_mib=row["peak_mb"],
+                            step_s=row["step_s"], calibration=(folder, name) in CALIBRATION))
+    return out
+
+
+def fit_cpu(rows: list[dict[str, Any]], profiles: dict[int, ModelProfile]) -> Any:
+    """The cpu preset's efficiency, link bandwidth, latency and per-block overhead that fit the calibration rows."""
+    base = DEVICES["cpu"]
+    best, best_err = base, math.inf
+    grid = itertools.product((0.2, 0.3, 0.4, 0.5, 0.6, 0.8), (0.25e9, 0.5e9, 1e9, 2e9), (20e-6, 100e-6, 300e-6),
+                             (0.0, 2e-3, 5e-3, 10e-3))
+    cal = [r for r in rows if r["calibration"]]
+    for eff, bw, lat, over in grid:
+        dev = replace(base, efficiency=eff, intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat,
+                      overhead_s=over)
+        err = sum(math.log(predict(profiles[r["layers"]], dev, 4, 8, r["spec"], "32-true").step_s / r["step_s"])
+                  ** 2 for r in cal)
+        if err < best_err:
+            best, best_err = dev, err
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results/estimator")
+    a = p.parse_args()
+    rows = measured()
+    profiles = {n: bench_profile(n) for n in sorted({r["layers"] for r in rows})}
+    dev = fit_cpu(rows, profiles)
+    lines = [f"cpu preset fitted on {sorted(c for _, c in CALIBRATION)} (8 layers): efficiency {dev.efficiency}, "
+             f"link {dev.intra_bw / 1e9:g} GB/s, latency {dev.intra_latency * 1e6:g} us, overhead "
+             f"{dev.overhead_s * 1e3:g} ms per block per micro-batch", "",
+             "| run | layers | (dp, pp, mp) | zero | micro | measured peak MiB | predicted MiB | error | measured step s | "
+             "predicted s | error | |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out = []
+    for r in rows:
+        e = predict(profiles[r["layers"]], dev, 4, 8, r["spec"], "32-true")
+        s = r["spec"]
+        pm = e.peak_mem_gib * 1024
+        rec = dict(folder=r["folder"], layers=r["layers"], dp=s.dp, pp=s.pp, mp=s.mp, zero=s.zero, microbatches=s.microbatches,
+                   measured_peak_mib=r["peak_mib"], predicted_peak_mib=pm, measured_step_s=r["step_s"],
+                   predicted_step_s=e.step_s, calibration=r["calibration"],
+                   memory_mib={k: v / 2**20 for k, v in (e.memory or {}).items()})
+        out.append(rec)
+        lines.append(f"| {r['folder']} | {r['layers']} | ({s.dp}, {s.pp}, {s.mp}) | {s.zero} | {s.microbatches} | {r['peak_mib']:.1f} | "
+                     f"{pm:.1f} | {pm / r['peak_mib'] - 1:+.1%} | {r['step_s']:.3f} | {e.step_s:.3f} | "
+                     f"{e.step_s / r['step_s'] - 1:+.1%} | {'calibration' if r['calibration'] else 'held out'} |")
+    mem_err = [abs(o["predicted_peak_mib"] / o["measured_peak_mib"] - 1) for o in out]
+    lines.append("")
+    lines.append(f"- peak memory: {sum(x <= 0.10 for x in mem_err)} of {len(mem_err)} layouts within 10% "
+                 f"(largest error {max(mem_err):.1%}, median {sorted(mem_err)[len(mem_err) // 2]:.1%})")
+    for folder in ("pipeline", "pipeline_zero", "hf_llama_zero"):  # step times compare within one run only
+        group = [o for o, r in zip(out, rows) if r["folder"] == folder]
+        layers = group[0]["layers"]
+        fastest = min(group, key=lambda o: o["measured_step_s"])
+        first = min(group, key=lambda o: o["predicted_step_s"])
+        ratio = first["measured_step_s"] / fastest["measured_step_s"]
+        lines.append(f"- {folder} ({layers} layers, one run), step-time ranking: measured fastest ({fastest['dp']}, {fastest['pp']}, "
+                     f"{fastest['mp']}) zero={fastest['zero']} at {fastest['measured_step_s']:.3f} s; predicted "
+                     f"first ({first['dp']}, {first['pp']}, {first['mp']}) zero={first['zero']}, measured "
+                     f"{first['measured_step_s']:.3f} s = {ratio:.3f}x the fastest "
+                     f"({'within 5%' if ratio <= 1.05 else 'NOT within 5%'})")
+    text = "\n".join(lines)
+    print(text)
+    d = ROOT / a.out
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "results.md").write_text(text + "\n")
+    (d / "results.json").write_text(json.dumps(dict(device=dict(efficiency=dev.efficiency, link_bw=dev.intra_bw,
+                                                                latency=dev.intra_latency,
+                                                                overhead_s=dev.overhead_s), rows=out), indent=1))
+
+
+if __name__ == "__main__":
+    main()
