@@ -73,8 +73,10 @@ def fit_cpu(rows: list[dict[str, Any]], profiles: dict[int, ModelProfile]) -> An
     """The cpu preset's efficiency, link bandwidth, latency and per-block overhead that fit the calibration rows."""
     base = DEVICES["cpu"]
     best, best_err = base, math.inf
-    grid = itertools.product((0.2, 0.3, 0.4, 0.5, 0.6, 0.8), (0.25e9, 0.5e9, 1e9, 2e9), (20e-6, 100e-6, 300e-6),
-                             (0.0, 2e-3, 5e-3, 10e-3))
+    # two free figures for three calibration layouts: the compute rate and the link bandwidth (latency and
+    # per-block overhead held at 100 us and 0: the three layouts cannot tell them apart from the bandwidth)
+    grid = itertools.product([x / 100 for x in range(10, 151, 2)], [x * 0.25e9 for x in range(1, 33)],
+                             (100e-6,), (0.0,))
     cal = [r for r in rows if r["calibration"]]
     for eff, bw, lat, over in grid:
         dev = replace(base, efficiency=eff, intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat,
@@ -96,20 +98,23 @@ def main() -> None:
     lines = [f"cpu preset fitted on {sorted(c for _, c in CALIBRATION)} (8 layers): efficiency {dev.efficiency}, "
              f"link {dev.intra_bw / 1e9:g} GB/s, latency {dev.intra_latency * 1e6:g} us, overhead "
              f"{dev.overhead_s * 1e3:g} ms per block per micro-batch", "",
-             "| run | layers | (dp, pp, mp) | zero | micro | measured peak MiB | predicted MiB | error | measured step s | "
+             "| run | layers | (dp, pp, mp) | zero | micro | measured peak MiB | predicted MiB | error | "
+             "measured step s | "
              "predicted s | error | |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     out = []
     for r in rows:
         e = predict(profiles[r["layers"]], dev, 4, 8, r["spec"], "32-true")
         s = r["spec"]
         pm = e.peak_mem_gib * 1024
-        rec = dict(folder=r["folder"], layers=r["layers"], dp=s.dp, pp=s.pp, mp=s.mp, zero=s.zero, microbatches=s.microbatches,
+        rec = dict(folder=r["folder"], layers=r["layers"], dp=s.dp, pp=s.pp, mp=s.mp, zero=s.zero,
+                   microbatches=s.microbatches,
                    measured_peak_mib=r["peak_mib"], predicted_peak_mib=pm, measured_step_s=r["step_s"],
                    predicted_step_s=e.step_s, calibration=r["calibration"],
                    memory_mib={k: v / 2**20 for k, v in (e.memory or {}).items()})
         out.append(rec)
-        lines.append(f"| {r['folder']} | {r['layers']} | ({s.dp}, {s.pp}, {s.mp}) | {s.zero} | {s.microbatches} | {r['peak_mib']:.1f} | "
-                     f"{pm:.1f} | {pm / r['peak_mib'] - 1:+.1%} | {r['step_s']:.3f} | {e.step_s:.3f} | "
+        lines.append(f"| {r['folder']} | {r['layers']} | ({s.dp}, {s.pp}, {s.mp}) | {s.zero} | {s.microbatches} | "
+                     f"{r['peak_mib']:.1f} | {pm:.1f} | {pm / r['peak_mib'] - 1:+.1%} | {r['step_s']:.3f} | "
+                     f"{e.step_s:.3f} | "
                      f"{e.step_s / r['step_s'] - 1:+.1%} | {'calibration' if r['calibration'] else 'held out'} |")
     mem_err = [abs(o["predicted_peak_mib"] / o["measured_peak_mib"] - 1) for o in out]
     lines.append("")
@@ -121,7 +126,8 @@ def main() -> None:
         fastest = min(group, key=lambda o: o["measured_step_s"])
         first = min(group, key=lambda o: o["predicted_step_s"])
         ratio = first["measured_step_s"] / fastest["measured_step_s"]
-        lines.append(f"- {folder} ({layers} layers, one run), step-time ranking: measured fastest ({fastest['dp']}, {fastest['pp']}, "
+        lines.append(f"- {folder} ({layers} layers, one run), step-time ranking: measured fastest "
+                     f"({fastest['dp']}, {fastest['pp']}, "
                      f"{fastest['mp']}) zero={fastest['zero']} at {fastest['measured_step_s']:.3f} s; predicted "
                      f"first ({first['dp']}, {first['pp']}, {first['mp']}) zero={first['zero']}, measured "
                      f"{first['measured_step_s']:.3f} s = {ratio:.3f}x the fastest "

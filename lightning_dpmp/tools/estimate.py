@@ -92,22 +92,29 @@ class Device:
 # bus bandwidths commonly achieved (NVLink3 ~230 GB/s, NVLink4 ~360 GB/s, NVLink5 ~720 GB/s; 200/400 Gb/s
 # InfiniBand per GPU ~22/45 GB/s). efficiency and efficiency_width of the NVIDIA presets are calibrated on
 # Megatron-LM's Table 1 (benchmarks/megatron_check.py); cpu's on this machine (benchmarks/estimator_check.py).
-_A100 = dict(peak_flops={"bf16": 312e12, "fp32": 19.5e12, "fp64": 19.5e12}, intra_bw=230e9, inter_bw=22e9)
-_H100 = dict(peak_flops={"bf16": 989e12, "fp32": 67e12, "fp64": 67e12}, intra_bw=360e9, inter_bw=45e9)
-_CALIBRATED = dict(efficiency=0.62, efficiency_width=2000.0)
+_A100 = {"bf16": 312e12, "fp32": 19.5e12, "fp64": 19.5e12}
+_H100 = {"bf16": 989e12, "fp32": 67e12, "fp64": 67e12}
+
+
+def _nvidia(name: str, memory_gb: float, mem_bw: float, peak: dict[str, float], intra_bw: float,
+            inter_bw: float) -> Device:
+    # efficiency, efficiency_width and overhead fitted on the A100 rows of Megatron-LM's Table 1
+    return Device(name, memory_gib=memory_gb * 1e9 / 2**30, peak_flops=peak, efficiency=0.64, mem_bw=mem_bw,
+                  intra_bw=intra_bw, inter_bw=inter_bw, efficiency_width=500.0, overhead_s=0.0)
+
+
 DEVICES: dict[str, Device] = {
-    "a100-40gb": Device("a100-40gb", memory_gib=40 * 1e9 / 2**30, mem_bw=1.555e12, **_A100, **_CALIBRATED),
-    "a100-80gb": Device("a100-80gb", memory_gib=80 * 1e9 / 2**30, mem_bw=2.039e12, **_A100, **_CALIBRATED),
-    "h100": Device("h100", memory_gib=80 * 1e9 / 2**30, mem_bw=3.35e12, **_H100, **_CALIBRATED),
-    "h200": Device("h200", memory_gib=141 * 1e9 / 2**30, mem_bw=4.8e12, **_H100, **_CALIBRATED),
-    "b200": Device("b200", memory_gib=180 * 1e9 / 2**30, mem_bw=8.0e12,
-                   peak_flops={"bf16": 2.25e15, "fp32": 75e12, "fp64": 37e12}, intra_bw=720e9, inter_bw=45e9,
-                   **_CALIBRATED),
-    # This machine: 4 gloo processes on 2 shared cores; peak = one core's float32 matmul rate / 2 processes per
-    # core; efficiency calibrated on the benchmark Llama's (4,1,1) step (docs/benchmarks.md).
-    "cpu": Device("cpu", memory_gib=16.0, peak_flops={"bf16": 25e9, "fp32": 50e9, "fp64": 25e9}, efficiency=0.5,
-                  mem_bw=5e9, intra_bw=1.0e9, inter_bw=1.0e9, intra_latency=50e-6, inter_latency=50e-6,
-                  devices_per_node=64, overhead_s=5e-3, overlap_dp=False, idle_bubble=False),
+    "a100-40gb": _nvidia("a100-40gb", 40, 1.555e12, _A100, 230e9, 22e9),
+    "a100-80gb": _nvidia("a100-80gb", 80, 2.039e12, _A100, 230e9, 22e9),
+    "h100": _nvidia("h100", 80, 3.35e12, _H100, 360e9, 45e9),
+    "h200": _nvidia("h200", 141, 4.8e12, _H100, 360e9, 45e9),
+    "b200": _nvidia("b200", 180, 8.0e12, {"bf16": 2.25e15, "fp32": 75e12, "fp64": 37e12}, 720e9, 45e9),
+    # This machine (2 cores of an AVX-512 Xeon, 23 GiB, 4 gloo processes): peak = half a core's (2 FMA units x 16
+    # float32 lanes x 2 FLOPs at an assumed 2.0 GHz: 128 GFLOP/s per core); memory = 23 GiB / 4 processes less the
+    # runtime; efficiency and link bandwidth fitted on 3 measured layouts (benchmarks/estimator_check.py).
+    "cpu": Device("cpu", memory_gib=4.0, peak_flops={"bf16": 64e9, "fp32": 64e9, "fp64": 32e9}, efficiency=0.58,
+                  mem_bw=5e9, intra_bw=0.5e9, inter_bw=0.5e9, intra_latency=100e-6, inter_latency=100e-6,
+                  devices_per_node=64, overhead_s=0.0, overlap_dp=False, idle_bubble=False),
 }
 
 # precision -> (compute dtype, bytes per parameter, per gradient, optimizer state per parameter (AdamW + master))

@@ -111,7 +111,8 @@ def load_profile(model: str, seq: Optional[int], precision: str) -> ModelProfile
 
 def format_table(rows: Sequence[Estimate], top: int) -> str:
     """A markdown table of the ``top`` fastest layouts that fit, then the fastest ones that do not."""
-    head = ("| dp | pp | mp | zero | SP | micro | schedule | recompute | fits | peak GiB | step s | tokens/s | MFU | |\n"
+    head = ("| dp | pp | mp | zero | SP | micro | schedule | recompute | fits | peak GiB | step s | tokens/s | MFU "
+            "| |\n"
             "|---:|---:|---:|---:|---|---:|---|---|---|---:|---:|---:|---:|---|")
     fit = [r for r in rows if r.fits][:top]
     nofit = [r for r in rows if not r.fits][:max(3, top // 5)]

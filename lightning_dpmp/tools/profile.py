@@ -137,7 +137,7 @@ class ModelProfile:
 def _blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks: the entries of the longest ``nn.ModuleList`` (the pipeline cuts there too)."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) >= 1]
-    return list(max(lists, key=len)) if lists else []
+    return list(max(lists, key=lambda m: len(m))) if lists else []
 
 
 def _storage_key(t: torch.Tensor) -> int:
