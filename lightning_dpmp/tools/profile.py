@@ -136,8 +136,8 @@ class ModelProfile:
 # ---------------------------------------------------------------------------------------------------- the recorder
 def _blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks: the entries of the longest ``nn.ModuleList`` (the pipeline cuts there too)."""
-    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) >= 1]
-    return list(max(lists, key=lambda m: len(m))) if lists else []
+    lists = [list(m) for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) >= 1]
+    return max(lists, key=len) if lists else []
 
 
 def _storage_key(t: torch.Tensor) -> int:
