@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_dpmp.tools.estimate import DEVICES, PRECISIONS, Estimate, estimate
-from lightning_dpmp.tools.profile import ModelProfile, config_sizes, profile_config, profile_step
+from lightning_dpmp.tools.profile import ModelProfile, config_sizes, profile_config, profile_step, token_tensor
 
 __all__ = ["explain", "format_table", "load_profile", "main"]
 
@@ -49,15 +49,6 @@ def _import(target: str) -> Any:
     return getattr(mod, fn)
 
 
-def _tokens(batch: Any) -> torch.Tensor:
-    from torch.utils._pytree import tree_leaves
-
-    for t in tree_leaves(batch):
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point():
-            return t
-    raise ValueError("the batch has no (sequences, tokens) integer tensor to read the sequence length from")
-
-
 def _profile_module(target: str, dtype: torch.dtype) -> ModelProfile:
     from torch import nn
 
@@ -73,7 +64,7 @@ def _profile_module(target: str, dtype: torch.dtype) -> ModelProfile:
                          "(module, batch) from the function instead")
     module.to(device="meta", dtype=dtype)
     batch = tuple(batch) if isinstance(batch, list) else batch
-    ids = _tokens(batch)
+    ids = token_tensor(batch)
     ids = torch.zeros(ids.shape, dtype=ids.dtype, device="meta")
     batch = ids if isinstance(batch, torch.Tensor) else type(batch)(ids if t is ids or (
         isinstance(t, torch.Tensor) and t.shape == ids.shape and not t.is_floating_point()) else t for t in batch) \

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dpmp.tools.costmodel import GPTShape
 
-__all__ = ["ModelProfile", "config_sizes", "profile_config", "profile_step"]
+__all__ = ["ModelProfile", "config_sizes", "profile_config", "profile_step", "token_tensor"]
 
 
 @dataclass(frozen=True)
@@ -345,6 +345,21 @@ def profile_step(module: nn.Module, step: Callable[[], Any], vocab: int, hidden:
         act_bytes=block_elem[0] if block_elem else (first.element_size() if first is not None else 4),
         tied=bool(rec.vocab_param_ids) and len(rec.vocab_param_ids) == 1 and rec.head_flops > 0,
     )
+
+
+def token_tensor(batch: Any) -> torch.Tensor:
+    """The first ``(sequences, tokens)`` integer tensor of a batch (what a language model reads).
+
+    Example:
+        >>> token_tensor((torch.zeros(2, 8, dtype=torch.long), torch.ones(2))).shape
+        torch.Size([2, 8])
+    """
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point():
+            return t
+    raise ValueError("the batch has no (sequences, tokens) integer tensor to read the sequence length from")
 
 
 def config_sizes(cfg: Any) -> tuple[int, int, int, int, int]:

@@ -180,3 +180,39 @@ def test_megatron_table1_within_15_percent() -> None:
     for r in table:
         tf, _ = megatron_check.predicted_tflops(r, DEVICES["a100-80gb"])
         assert abs(tf / r["tflops_per_gpu"] - 1) <= 0.15, (r["params_billion"], tf, r["tflops_per_gpu"])
+
+
+def test_mfu_monitor_logs_measured_throughput_beside_the_prediction(llama: ModelProfile) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dpmp.tools.mfu import MFUMonitor
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(256, 16)
+            self.out = torch.nn.Linear(16, 256)
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            ids = batch[0]
+            return torch.nn.functional.cross_entropy(self.out(self.emb(ids)).flatten(0, 1), ids.flatten())
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randint(0, 256, (16, 64))), batch_size=2)
+    monitor = MFUMonitor(device="cpu", profile=llama)  # the Llama profile at seq 64: a prediction to log beside
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+    trainer.fit(Tiny(), data)
+    assert len(monitor.history) == 3  # steps 2..4 measured (one warm-up step, the last step has no successor)
+    flops = llama.model_flops_per_token() * 2 * 64
+    for row in monitor.history:
+        assert row["tokens_per_s"] == pytest.approx(128 / row["step_s"])
+        assert row["mfu"] == pytest.approx(flops / (row["step_s"] * DEVICES["cpu"].peak_flops["fp32"]))
+        assert row["predicted_step_s"] > 0 and 0 < row["predicted_mfu"] < 1
+    assert set(monitor.summary()) == set(monitor.history[0])
+    assert "perf/mfu" in trainer.callback_metrics
+    with pytest.raises(ValueError, match="known presets"):
+        MFUMonitor(device="tpu")
