@@ -10,7 +10,7 @@ sequence 128, global batch 8, float32, AdamW) at world 4 on CPU (gloo, 2 shared 
 
 Measured rows come from ``benchmarks/results/{pipeline,pipeline_zero,hf_llama_zero}/results.json`` (8 layers at
 (dp, pp, mp) = (1,2,2) (1,1,4) (2,1,2) (4,1,1) (1,4,1), (2,2,1) at zero 0/1/3, (4,1,1) at zero 3; 4 layers at
-(2,1,2) zero 0..3)::
+(2,1,2) zero 0..3); one process with and without recomputation is measured by this script itself::
 
     python benchmarks/estimator_check.py            # writes benchmarks/results/estimator/results.md
 """
@@ -67,6 +67,45 @@ def measured() -> list[dict[str, Any]]:
                             spec=parse(name, args.get("pp_microbatches", 4)), peak_mib=row["peak_mb"],
                             step_s=row["step_s"], calibration=(folder, name) in CALIBRATION))
     return out
+
+
+def measure_one_process(recompute: bool, layers: int = 8, seqs: int = 2) -> float:
+    """Peak tensor MiB of one training step of the benchmark Llama in this process (float32, AdamW), measured as
+    gpt_bench does: parameters + gradients + AdamW state held at the step's start + the highest running total of
+    torch.profiler's allocation events during it (forward, ``zero_grad`` where Lightning calls it, backward, step);
+    ``recompute``: transformers' ``gradient_checkpointing_enable`` (non-reentrant) on every block."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    net = LlamaForCausalLM(cfg).train()
+    if recompute:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    ids = torch.randint(0, 256, (seqs, 128))
+
+    def step() -> None:
+        logits = net(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)  # Lightning's order: after training_step, before backward
+        loss.backward()
+        opt.step()
+
+    step()
+    held = 2 * sum(p.numel() * p.element_size() for p in net.parameters()) + sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    running = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    return (held + peak) / 2**20
 
 
 def fit_cpu(rows: list[dict[str, Any]], profiles: dict[int, ModelProfile]) -> Any:
@@ -132,6 +171,16 @@ def main() -> None:
                      f"first ({first['dp']}, {first['pp']}, {first['mp']}) zero={first['zero']}, measured "
                      f"{first['measured_step_s']:.3f} s = {ratio:.3f}x the fastest "
                      f"({'within 5%' if ratio <= 1.05 else 'NOT within 5%'})")
+    lines += ["", "One process, 2 sequences, measured here by this script (with and without recomputation):", "",
+              "| layers | (dp, pp, mp) | recompute | measured peak MiB | predicted MiB | error |",
+              "|---:|---|---|---:|---:|---:|"]
+    for rc in (False, True):
+        meas = measure_one_process(rc)
+        e = predict(profiles[8], dev, 1, 2, LayoutSpec(1, 1, 1, recompute=rc), "32-true")
+        pm = e.peak_mem_gib * 1024
+        out.append(dict(folder="one_process", layers=8, dp=1, pp=1, mp=1, zero=0, microbatches=1, recompute=rc,
+                        measured_peak_mib=meas, predicted_peak_mib=pm))
+        lines.append(f"| 8 | (1, 1, 1) | {'yes' if rc else 'no'} | {meas:.1f} | {pm:.1f} | {pm / meas - 1:+.1%} |")
     text = "\n".join(lines)
     print(text)
     d = ROOT / a.out

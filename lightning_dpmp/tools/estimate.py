@@ -13,7 +13,8 @@ pipeline stage:
   with recomputation only each block's input and one block's activations), times the micro-batches a stage
   holds in flight (1F1B: ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``),
   the logits and loss on the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken
-  where the step holds the most: the end of the forward pass, before the old gradients are freed.
+  where the step holds the most: the end of the forward pass, before the old gradients are freed, or the
+  optimizer step (the gradients, and foreach AdamW's float32 temporary of the stepped parameters).
 * **step time**: forward + backward FLOPs (+1 forward of the blocks with recomputation) at the device's
   calibrated fraction of its dense peak; MP collectives per block (ring formula of
   :func:`lightning_dpmp.planner.cost.ring_s`; on the intra-node link when an MP group fits in a node);
@@ -295,6 +296,12 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
         buffers = 2 * msg if pp > 1 else 0.0                         # the stage's send and receive buffers
         mem = dict(parameters=held_p, gradients=held_g, optimizer=held_o, activations=acts, dp_buffers=extra,
                    comm_buffers=buffers)
+        # the optimizer step, activations freed: torch's foreach AdamW holds one float32 temporary per parameter
+        # it steps (sqrt of the second moment); with recomputation this phase is often the peak
+        stepped = n / (dp if zero else 1)
+        grads_at_step = n * gb if zero == 0 else n * gb / dp
+        at_step = held_p + grads_at_step + held_o + (n * gb if zero == 0 and dp > 1 else 0.0) + stepped * 4
+        mem["optimizer_step"] = max(0.0, at_step - sum(mem.values()))
         if sum(mem.values()) > sum(worst.values()):
             worst = mem
     peak = sum(worst.values())
