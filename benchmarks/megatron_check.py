@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lightning_dpmp.tools.costmodel import GPTShape  # noqa: E402
-from lightning_dpmp.tools.estimate import DEVICES, Device, Estimate, LayoutSpec, predict  # noqa: E402
+from lightning_dpmp.tools.estimate import DEVICES, Device, Estimate, LayoutSpec, estimate, layouts, predict  # noqa: E402
 from lightning_dpmp.tools.profile import ModelProfile  # noqa: E402
 
 TABLE = ROOT / "benchmarks" / "data" / "megatron_2021_table1.csv"
@@ -102,8 +102,31 @@ def report(dev: Device, table: list[dict[str, Any]]) -> tuple[str, list[float]]:
                      f"{e.schedule} | {r['tflops_per_gpu']} | {tf:.1f} | {err:+.1%} | {e.peak_mem_gib:.1f} | "
                      f"{'calibration' if cal else 'held out'} |")
     lines += ["", f"- held out: {sum(abs(x) <= 0.15 for x in held)} of {len(held)} rows within 15% (largest "
-              f"|error| {max(abs(x) for x in held):.1%})"]
+              f"|error| {max(abs(x) for x in held):.1%})", ""]
+    lines += choices(dev, table)
     return "\n".join(lines), held
+
+
+def choices(dev: Device, table: list[dict[str, Any]]) -> list[str]:
+    """For the same model, GPUs and batch: the layout the estimator chooses among those Megatron could run (no
+    ZeRO, full recomputation, no sequence parallelism), against the published one."""
+    lines = ["Chosen layout for the same model, GPUs and batch (no ZeRO, recomputation, no sequence parallelism, as in "
+             "2021), against the published one:", "",
+             "| params (B) | published (dp, pp, mp) | chosen (dp, pp, mp), micro-batches, schedule | published step / "
+             "chosen step (predicted) | published fits |", "|---:|---|---|---:|---|"]
+    same = 0
+    for r in table:
+        prof, spec = layout(r)
+        specs = [s for s in layouts(prof, r["gpus"], r["batch"], zeros=(0,), max_microbatches=4096)
+                 if s.recompute and not s.sequence_parallel]
+        best = estimate(prof, dev, r["gpus"], r["batch"], "megatron-bf16", specs=specs)[0]
+        theirs = predict(prof, dev, r["gpus"], r["batch"], spec, "megatron-bf16")
+        same += (best.dp, best.pp, best.mp) == (spec.dp, spec.pp, spec.mp)
+        lines.append(f"| {r['params_billion']} | ({spec.dp}, {spec.pp}, {spec.mp}) | ({best.dp}, {best.pp}, "
+                     f"{best.mp}), {best.microbatches}, {best.schedule} | {theirs.step_s / best.step_s:.3f} | "
+                     f"{'yes' if theirs.fits else 'no'} ({theirs.peak_mem_gib:.1f} GiB) |")
+    lines += ["", f"- (dp, pp, mp) chosen = published in {same} of {len(table)} rows"]
+    return lines
 
 
 def main() -> None:
