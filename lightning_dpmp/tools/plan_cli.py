@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_dpmp.compat import tree_map
 from lightning_dpmp.tools.estimate import DEVICES, PRECISIONS, Estimate, estimate
 from lightning_dpmp.tools.profile import ModelProfile, config_sizes, profile_config, profile_step, token_tensor
 
@@ -63,12 +64,10 @@ def _profile_module(target: str, dtype: torch.dtype) -> ModelProfile:
         raise ValueError(f"--model {target!r}: the LightningModule has no example_input_array; return "
                          "(module, batch) from the function instead")
     module.to(device="meta", dtype=dtype)
-    batch = tuple(batch) if isinstance(batch, list) else batch
+    # every tensor of the batch on meta, same shape and dtype: nothing is allocated, token ids read as zeros
+    batch = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor)
+                     else t, batch)
     ids = token_tensor(batch)
-    ids = torch.zeros(ids.shape, dtype=ids.dtype, device="meta")
-    batch = ids if isinstance(batch, torch.Tensor) else type(batch)(ids if t is ids or (
-        isinstance(t, torch.Tensor) and t.shape == ids.shape and not t.is_floating_point()) else t for t in batch) \
-        if isinstance(batch, tuple) else batch
     cfg = next((m.config for m in module.modules() if hasattr(getattr(m, "config", None), "to_dict")), None)
     if cfg is not None:
         vocab, hidden, heads, kv, ffn = config_sizes(cfg)

@@ -20,7 +20,8 @@ Data-dependent reads (``.item()``, ``bool(t)``) on meta tensors answer the dense
 a step that branches on its data is profiled along one branch.
 
 Example:
-    >>> from lightning_dpmp.tools.costmodel import GPTShape
+    >>> from lightning_dpmp.compat import storage_identity, tree_leaves
+from lightning_dpmp.tools.costmodel import GPTShape
     >>> p = ModelProfile.from_gpt(GPTShape(layers=2, hidden=64, heads=4, vocab=128, seq=32, batch=8))
     >>> p.layers, p.block_split_params, p.mp_allreduces_per_block
     (2, 49600, (2, 2))
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_dpmp.compat import storage_identity, tree_leaves
 from lightning_dpmp.tools.costmodel import GPTShape
 
 __all__ = ["ModelProfile", "config_sizes", "profile_config", "profile_step", "token_tensor"]
@@ -141,7 +143,7 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata  # one key per storage, shared by views (meta tensors have no data pointer)
+    return storage_identity(t)  # one key per storage, shared by views (meta tensors have no data pointer)
 
 
 class _Recorder(TorchFunctionMode):
@@ -199,7 +201,7 @@ class _Recorder(TorchFunctionMode):
             return 0 if func is torch.Tensor.item else torch.zeros(args[0].shape).tolist()
         flat = list(args) + list(kwargs.values())
         split = any(self._is_split(a) for a in flat)
-        if func is torch.nn.functional.linear or func is torch._C._nn.linear:
+        if func is torch.nn.functional.linear:
             w = args[1] if len(args) > 1 else kwargs["weight"]
             if id(w) in self.params:
                 split = self._linear(args[0], w, args[2] if len(args) > 2 else kwargs.get("bias"), in_dim=1)
@@ -354,8 +356,6 @@ def token_tensor(batch: Any) -> torch.Tensor:
         >>> token_tensor((torch.zeros(2, 8, dtype=torch.long), torch.ones(2))).shape
         torch.Size([2, 8])
     """
-    from torch.utils._pytree import tree_leaves
-
     for t in tree_leaves(batch):
         if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point():
             return t

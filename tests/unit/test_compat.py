@@ -466,3 +466,11 @@ def test_dtensor_sharding_cache_can_be_cleared() -> None:
     assert callable(getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)), "the C++ cache's clear moved"
     compat.clear_dtensor_sharding_cache()
     assert cache.cache_info().currsize == 0
+
+
+def test_storage_identity_is_shared_by_views_and_tells_meta_tensors_apart() -> None:
+    """storage_identity (UntypedStorage._cdata): the layout estimator's profile dedupes saved tensors by it."""
+    a = torch.zeros(4, 4, device="meta")
+    b = torch.zeros(4, 4, device="meta")
+    assert compat.storage_identity(a) == compat.storage_identity(a.t()) == compat.storage_identity(a[1:])
+    assert compat.storage_identity(a) != compat.storage_identity(b)
