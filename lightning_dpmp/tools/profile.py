@@ -20,8 +20,7 @@ Data-dependent reads (``.item()``, ``bool(t)``) on meta tensors answer the dense
 a step that branches on its data is profiled along one branch.
 
 Example:
-    >>> from lightning_dpmp.compat import storage_identity, tree_leaves
-from lightning_dpmp.tools.costmodel import GPTShape
+    >>> from lightning_dpmp.tools.costmodel import GPTShape
     >>> p = ModelProfile.from_gpt(GPTShape(layers=2, hidden=64, heads=4, vocab=128, seq=32, batch=8))
     >>> p.layers, p.block_split_params, p.mp_allreduces_per_block
     (2, 49600, (2, 2))
