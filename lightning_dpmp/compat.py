@@ -60,6 +60,7 @@ __all__ = [
     "own_buffers",
     "own_parameters",
     "tree_flatten",
+    "storage_identity",
     "functional_collectives",
     "apply_batch_transfer_handler",
     "averaged_copy",
@@ -243,6 +244,13 @@ def storage_record(x: Any) -> Optional[tuple[Any, Any, int, int]]:
     if torch.is_storage(x):
         return x, torch.UntypedStorage, x.nbytes(), x._cdata
     return None
+
+
+def storage_identity(t: Tensor) -> int:
+    """A key for the storage ``t`` views, shared by every view of it: ``UntypedStorage._cdata`` (the StorageImpl's
+    address, what torch.save keys storages by), torch 2.13. Unlike ``data_ptr()`` it tells meta tensors apart;
+    it is unique only while the storage is alive."""
+    return t.untyped_storage()._cdata
 
 
 def tensor_rebuild_call(storage: Any, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[Any, tuple]:

@@ -74,6 +74,10 @@ COMMANDS: dict[str, tuple[str, list[str]]] = {
         "elsewhere", ["tests/distributed/test_checkpoint.py (sharded -> consolidated conversion)"]
     ),
     "python -m lightning_dpmp.costmodel --model gpt-7b --hardware dgx-a100 --devices 64": ("run", []),
+    "python -m lightning_dpmp.plan --model benchmarks/data/llama2_7b_config.json --devices 64 --gpus-per-node 8"
+    " --hardware h100 --seq 4096 --global-batch 512": ("run", []),
+    "python -m lightning_dpmp.plan --model benchmarks/data/llama_bench_config.json --devices 4 --hardware cpu"
+    " --seq 128 --global-batch 8 --precision 32-true": ("run", []),
     "python examples/finetune.py": ("run", FEW_STEPS + SMALL_TEXT),
     "python -m lightning_dpmp.convert last.ckpt finetuned/ --hf --config pretrained/": (
         "elsewhere", ["tests/distributed/test_pretrained.py (convert --hf from the consolidated checkpoint)"]
@@ -157,7 +161,7 @@ def test_readme_command_runs(command, tmp_path, cache):
     extra_env = {"DPMP_CACHE_DIR": str(cache), "HYDRA_FULL_ERROR": "1"}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra_env}
     argv = _argv(command, COMMANDS[command][1], tmp_path)
-    cwd = ROOT if "costmodel" in command else tmp_path
+    cwd = ROOT if "costmodel" in command or "lightning_dpmp.plan" in command else tmp_path
     if command in POOLED and os.environ.get("DPMP_TEST_POOL", "1") != "0":
         args = argv[1:]  # each pool rank runs `python ARGS`; under torchrun, the script and its arguments
         if args[:2] == ["-m", "torch.distributed.run"]:

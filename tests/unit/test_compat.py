@@ -488,3 +488,9 @@ def test_torch_private_classes_and_ops() -> None:
     assert bool(compat.any_true_op()(torch.tensor([False, True]))), "aten._is_any_true changed"
     leaves, _ = compat.tree_flatten(((1, [2]), {"a": 3}))
     assert leaves == [1, 2, 3], "torch.utils._pytree.tree_flatten changed"
+def test_storage_identity_is_shared_by_views_and_tells_meta_tensors_apart() -> None:
+    """storage_identity (UntypedStorage._cdata): the layout estimator's profile dedupes saved tensors by it."""
+    a = torch.zeros(4, 4, device="meta")
+    b = torch.zeros(4, 4, device="meta")
+    assert compat.storage_identity(a) == compat.storage_identity(a.t()) == compat.storage_identity(a[1:])
+    assert compat.storage_identity(a) != compat.storage_identity(b)

@@ -1,0 +1,195 @@
+"""The layout estimator (``python -m lightning_dpmp.plan``) against what ``benchmarks/gpt_bench.py`` measured on
+this machine: transformers' Llama of the benchmark (hidden 256, 8 heads / 4 kv heads, SwiGLU 1024, vocab 256,
+sequence 128, global batch 8, float32, AdamW) at world 4 on CPU (gloo, 2 shared cores).
+
+* memory: the predicted peak tensor bytes per rank of the worst stage against ``peak_mb`` of the runs
+  (what was held when the step began + the highest running total of torch.profiler's allocation events in it);
+* step time: the ``cpu`` preset's compute efficiency, link bandwidth, latency and per-block overhead are fitted
+  (grid search, squared log error) on the calibration layouts only; every other layout is held out. The ranking
+  check: is the measured fastest layout predicted first, or within 5% of the predicted first?
+
+Measured rows come from ``benchmarks/results/{pipeline,pipeline_zero,hf_llama_zero}/results.json`` (8 layers at
+(dp, pp, mp) = (1,2,2) (1,1,4) (2,1,2) (4,1,1) (1,4,1), (2,2,1) at zero 0/1/3, (4,1,1) at zero 3; 4 layers at
+(2,1,2) zero 0..3); one process with and without recomputation is measured by this script itself::
+
+    python benchmarks/estimator_check.py            # writes benchmarks/results/estimator/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from lightning_dpmp.tools.estimate import DEVICES, LayoutSpec, predict  # noqa: E402
+from lightning_dpmp.tools.profile import ModelProfile, profile_config  # noqa: E402
+
+CALIBRATION = {("pipeline", "dpmp_4x1"), ("pipeline", "dpmp_1x4"), ("pipeline", "dpmp_2x2")}
+
+
+def bench_profile(layers: int) -> ModelProfile:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return profile_config(cfg, seq=128)
+
+
+def parse(config: str, microbatches: int) -> LayoutSpec:
+    """gpt_bench's names: ``dpmp_<dp>x<mp>[_pp<k>][_zero<z>]``."""
+    m = re.fullmatch(r"dpmp_(\d+)x(\d+)(?:_pp(\d+))?(?:_zero(\d))?", config)
+    if m is None:
+        raise ValueError(config)
+    dp, mp, pp, zero = int(m[1]), int(m[2]), int(m[3] or 1), int(m[4] or 0)
+    return LayoutSpec(dp, pp, mp, zero, False, microbatches if pp > 1 else 1, "1f1b" if pp > 1 else "none", False)
+
+
+def measured() -> list[dict[str, Any]]:
+    out = []
+    for folder in ("pipeline", "pipeline_zero", "hf_llama_zero"):
+        res = json.loads((ROOT / "benchmarks" / "results" / folder / "results.json").read_text())
+        args = res["args"]
+        for name, row in res["rows"].items():
+            if not name.startswith("dpmp"):
+                continue
+            out.append(dict(folder=folder, config=name, layers=args["layers"],
+                            spec=parse(name, args.get("pp_microbatches", 4)), peak_mib=row["peak_mb"],
+                            step_s=row["step_s"], calibration=(folder, name) in CALIBRATION))
+    return out
+
+
+def measure_one_process(recompute: bool, layers: int = 8, seqs: int = 2) -> float:
+    """Peak tensor MiB of one training step of the benchmark Llama in this process (float32, AdamW), measured as
+    gpt_bench does: parameters + gradients + AdamW state held at the step's start + the highest running total of
+    torch.profiler's allocation events during it (forward, ``zero_grad`` where Lightning calls it, backward, step);
+    ``recompute``: transformers' ``gradient_checkpointing_enable`` (non-reentrant) on every block."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    net = LlamaForCausalLM(cfg).train()
+    if recompute:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    ids = torch.randint(0, 256, (seqs, 128))
+
+    def step() -> None:
+        logits = net(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)  # Lightning's order: after training_step, before backward
+        loss.backward()
+        opt.step()
+
+    step()
+    held = 2 * sum(p.numel() * p.element_size() for p in net.parameters()) + sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    running = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    return (held + peak) / 2**20
+
+
+def fit_cpu(rows: list[dict[str, Any]], profiles: dict[int, ModelProfile]) -> Any:
+    """The cpu preset's efficiency, link bandwidth, latency and per-block overhead that fit the calibration rows."""
+    base = DEVICES["cpu"]
+    best, best_err = base, math.inf
+    # two free figures for three calibration layouts: the compute rate and the link bandwidth (latency and
+    # per-block overhead held at 100 us and 0: the three layouts cannot tell them apart from the bandwidth)
+    grid = itertools.product([x / 100 for x in range(10, 151, 2)], [x * 0.25e9 for x in range(1, 33)],
+                             (100e-6,), (0.0,))
+    cal = [r for r in rows if r["calibration"]]
+    for eff, bw, lat, over in grid:
+        dev = replace(base, efficiency=eff, intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat,
+                      overhead_s=over)
+        err = sum(math.log(predict(profiles[r["layers"]], dev, 4, 8, r["spec"], "32-true").step_s / r["step_s"])
+                  ** 2 for r in cal)
+        if err < best_err:
+            best, best_err = dev, err
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results/estimator")
+    a = p.parse_args()
+    rows = measured()
+    profiles = {n: bench_profile(n) for n in sorted({r["layers"] for r in rows})}
+    dev = fit_cpu(rows, profiles)
+    lines = [f"cpu preset fitted on {sorted(c for _, c in CALIBRATION)} (8 layers): efficiency {dev.efficiency}, "
+             f"link {dev.intra_bw / 1e9:g} GB/s, latency {dev.intra_latency * 1e6:g} us, overhead "
+             f"{dev.overhead_s * 1e3:g} ms per block per micro-batch", "",
+             "| run | layers | (dp, pp, mp) | zero | micro | measured peak MiB | predicted MiB | error | "
+             "measured step s | "
+             "predicted s | error | |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out = []
+    for r in rows:
+        e = predict(profiles[r["layers"]], dev, 4, 8, r["spec"], "32-true")
+        s = r["spec"]
+        pm = e.peak_mem_gib * 1024
+        rec = dict(folder=r["folder"], layers=r["layers"], dp=s.dp, pp=s.pp, mp=s.mp, zero=s.zero,
+                   microbatches=s.microbatches,
+                   measured_peak_mib=r["peak_mib"], predicted_peak_mib=pm, measured_step_s=r["step_s"],
+                   predicted_step_s=e.step_s, calibration=r["calibration"],
+                   memory_mib={k: v / 2**20 for k, v in (e.memory or {}).items()})
+        out.append(rec)
+        lines.append(f"| {r['folder']} | {r['layers']} | ({s.dp}, {s.pp}, {s.mp}) | {s.zero} | {s.microbatches} | "
+                     f"{r['peak_mib']:.1f} | {pm:.1f} | {pm / r['peak_mib'] - 1:+.1%} | {r['step_s']:.3f} | "
+                     f"{e.step_s:.3f} | "
+                     f"{e.step_s / r['step_s'] - 1:+.1%} | {'calibration' if r['calibration'] else 'held out'} |")
+    mem_err = [abs(o["predicted_peak_mib"] / o["measured_peak_mib"] - 1) for o in out]
+    lines.append("")
+    lines.append(f"- peak memory: {sum(x <= 0.10 for x in mem_err)} of {len(mem_err)} layouts within 10% "
+                 f"(largest error {max(mem_err):.1%}, median {sorted(mem_err)[len(mem_err) // 2]:.1%})")
+    for folder in ("pipeline", "pipeline_zero", "hf_llama_zero"):  # step times compare within one run only
+        group = [o for o, r in zip(out, rows) if r["folder"] == folder]
+        layers = group[0]["layers"]
+        fastest = min(group, key=lambda o: o["measured_step_s"])
+        first = min(group, key=lambda o: o["predicted_step_s"])
+        ratio = first["measured_step_s"] / fastest["measured_step_s"]
+        lines.append(f"- {folder} ({layers} layers, one run), step-time ranking: measured fastest "
+                     f"({fastest['dp']}, {fastest['pp']}, "
+                     f"{fastest['mp']}) zero={fastest['zero']} at {fastest['measured_step_s']:.3f} s; predicted "
+                     f"first ({first['dp']}, {first['pp']}, {first['mp']}) zero={first['zero']}, measured "
+                     f"{first['measured_step_s']:.3f} s = {ratio:.3f}x the fastest "
+                     f"({'within 5%' if ratio <= 1.05 else 'NOT within 5%'})")
+    lines += ["", "One process, 2 sequences, measured here by this script (with and without recomputation):", "",
+              "| layers | (dp, pp, mp) | recompute | measured peak MiB | predicted MiB | error |",
+              "|---:|---|---|---:|---:|---:|"]
+    for rc in (False, True):
+        meas = measure_one_process(rc)
+        e = predict(profiles[8], dev, 1, 2, LayoutSpec(1, 1, 1, recompute=rc), "32-true")
+        pm = e.peak_mem_gib * 1024
+        out.append(dict(folder="one_process", layers=8, dp=1, pp=1, mp=1, zero=0, microbatches=1, recompute=rc,
+                        measured_peak_mib=meas, predicted_peak_mib=pm))
+        lines.append(f"| 8 | (1, 1, 1) | {'yes' if rc else 'no'} | {meas:.1f} | {pm:.1f} | {pm / meas - 1:+.1%} |")
+    text = "\n".join(lines)
+    print(text)
+    d = ROOT / a.out
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "results.md").write_text(text + "\n")
+    (d / "results.json").write_text(json.dumps(dict(device=dict(efficiency=dev.efficiency, link_bw=dev.intra_bw,
+                                                                latency=dev.intra_latency,
+                                                                overhead_s=dev.overhead_s), rows=out), indent=1))
+
+
+if __name__ == "__main__":
+    main()
