@@ -11,12 +11,13 @@ Importing the package registers the strategy names ``"dpmp"`` and ``"dpmp_spawn"
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpmp.integration.accounting import CommAccounting, CommCounter
-from lightning_dpmp.integration.autoplan import PlanFallbackWarning, PlanVerificationError, UnverifiedPlanWarning
+from lightning_dpmp.integration.autoplan import PlanFallbackWarning, UnverifiedPlanWarning
 from lightning_dpmp.integration.data_path import UnevenBatchesError
 from lightning_dpmp.integration.fabric import FabricDPMPStrategy
 from lightning_dpmp.integration.mp_batch import BatchMismatchError
 from lightning_dpmp.integration.pretrained import from_pretrained, load_weights
 from lightning_dpmp.integration.strategy import DPMPStrategy
+from lightning_dpmp.integration.verify import PlanVerificationError
 from lightning_dpmp.parallel.clipping import clip_grad_norm_
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_group, reduce_from_group, scatter_to_group
 from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding

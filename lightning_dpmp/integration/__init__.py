@@ -7,10 +7,11 @@ Modules, one line each:
 * ``fabric``: DP x MP under Lightning Fabric (``FabricDPMPStrategy``).
 * ``launcher``: the multirun-safe popen launcher, and a launched rank's end (dies with its launcher, closes gloo).
 * ``validate``: the checks of the user's input, each at the first point its information exists.
+* ``verify``: numerical verification of a plan: the dense first step against the parallel one.
 * ``parallelize``: the setup pipeline from the dense module to the parallel one, in order, and its undoing.
 * ``autolayout``: ``dp="auto"``/``mp="auto"``, the (dp, mp) split chosen at setup.
-* ``autoplan``: plan a LightningModule from one traced step, parallelise it, verify it numerically.
-* ``stepdata``: the first batch of the current stage, and a callable running its step.
+* ``autoplan``: plan a LightningModule from one traced step, parallelise it, fall back until it verifies.
+* ``stepdata``: the first batch of the current stage, a callable running its step, and its isolation.
 * ``split``: splitting the model at setup and gathering it back at teardown.
 * ``teardown``: what a run leaves at its end (the dense model gathered back, from ZeRO's shards too).
 * ``pipeline``: the Lightning side of pipeline parallelism (stages planned at setup, the step by torch's schedule).

@@ -5,7 +5,7 @@ measurement and the cost model.
 parallelize pipeline plans it for real, on every rank:
 
 1. rank 0's first batch is broadcast and the step is traced once on the dense model (side-effect free, as the
-   planner's own trace: :func:`~lightning_dpmp.integration.autoplan.isolated`);
+   planner's own trace: :func:`~lightning_dpmp.integration.stepdata.isolated`);
 2. the links are measured briefly (:func:`measure_links`: a few all-reduces of 4 KiB and 4 MiB on the world group,
    per node and across nodes when ``num_nodes > 1``, one matmul and one copy; well under a second on 4 CPU
    processes) and rank 0's figures are broadcast, so that every rank predicts from the same numbers;
@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_dpmp.integration.autoplan import isolated
-from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.integration.stepdata import first_batch, isolated, step_runner
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.cost import (
     LayoutCost,

@@ -58,7 +58,6 @@ from lightning_dpmp.checkpoint.consolidated import (
 )
 from lightning_dpmp.checkpoint.weights import note_deferring_strategy
 from lightning_dpmp.integration import validate
-from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.mp_batch import broadcast_batch
 from lightning_dpmp.integration.split import Split, split_module
 from lightning_dpmp.integration.stepdata import real_tensors_on_meta, to_meta
@@ -69,6 +68,7 @@ from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 from lightning_dpmp.parallel.topology import Topology, check_parallel_size
 from lightning_dpmp.planner.materialize import empty_parameters, is_meta
+from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.trace import NoDropout
 
 __all__ = ["FabricDPMPStrategy", "ParallelOnFirstCall"]

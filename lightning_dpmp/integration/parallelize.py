@@ -62,7 +62,6 @@ from torch import nn
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks
-from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
 from lightning_dpmp.integration.pipeline import (
     Pipeline,
@@ -73,7 +72,7 @@ from lightning_dpmp.integration.pipeline import (
     stage_ranges,
 )
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
-from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.integration.stepdata import first_batch, isolated, step_runner
 from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank0
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.bridge import DTensorBridge
@@ -87,6 +86,7 @@ from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import storage_freed
+from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.stages import StackProfile
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
@@ -333,8 +333,6 @@ def plan_pipeline(trainer: Any, module: Any, grid: Any, device: torch.device, pl
     meta tensors for a meta model) and check that it can be cut into stages. Returns the probe's profile and, for a
     meta model, the names of the parameters this rank's stages never read: the split initialises them and frees
     their storage at once, so that no rank ever holds more than its stages and one module; and the probed batch."""
-    from lightning_dpmp.integration.autoplan import isolated
-
     lm, config = module, grid.topology
     check_pipeline_at_setup(trainer, lm)
     batch, _ = first_batch(trainer, lm, grid.rank)  # (rank 0 reads, every rank receives: the same probe everywhere)

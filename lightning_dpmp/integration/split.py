@@ -29,7 +29,7 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer, optimizer_to_meta
 from lightning_dpmp.checkpoint.weights import DEFERRED_ATTR, DeferredWeights, RankZeroWeights, load_deferred
 from lightning_dpmp.integration import validate
-from lightning_dpmp.integration.autoplan import PlanResult, plan_module
+from lightning_dpmp.integration.autoplan import plan_module
 from lightning_dpmp.integration.stepdata import first_batch, step_runner
 from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
@@ -37,6 +37,7 @@ from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import DenseGather, params_to_meta, shard_dims
 from lightning_dpmp.planner.apply_plan import consolidate
 from lightning_dpmp.planner.materialize import is_meta, materialize
+from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = [

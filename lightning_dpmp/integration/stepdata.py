@@ -1,10 +1,11 @@
-"""The Lightning side of tracing: the first batch of the current stage, and a callable running its step.
+"""The Lightning side of tracing: the first batch of the current stage, a callable running its step, isolation.
 
 The step runs at setup, before Lightning has built the optimizers. A training step may read them
 (``self.trainer.optimizers[0].param_groups[0]["lr"]``, ``self.lr_schedulers().get_last_lr()``), so while it runs
 the Trainer holds real ones, fresh from ``configure_optimizers`` (:func:`trainer_state`); they are never stepped,
-and its own (empty) lists come back afterwards. Each function takes what it reads (the module, the precision plugin,
-the device, the global rank), never the strategy.
+and its own (empty) lists come back afterwards. :func:`isolated` makes such an extra step leave no trace: RNG
+states, buffers, torchmetrics states and modes are restored, ``self.log`` is silenced. Each function takes what it
+reads (the module, the precision plugin, the device, the global rank), never the strategy.
 
 Example:
     >>> # collective: rank 0 reads, everyone receives; run() -> training_step(batch, 0)'s output
@@ -27,10 +28,90 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.integration.autoplan import isolated
+from lightning_dpmp.compat import (
+    collect_rng_states,
+    init_optimizers_and_lr_schedulers,
+    metric_state_keys,
+    set_rng_states,
+)
 from lightning_dpmp.planner.trace import NoDropout
 
-__all__ = ["real_tensors_on_meta", "first_batch", "step_runner", "trainer_state"]
+__all__ = ["real_tensors_on_meta", "first_batch", "isolated", "step_runner", "trainer_state"]
+
+class _InertOptimizer:
+    """Stands in for an optimizer while a manual-optimization step is traced: steps and zero_grad do nothing."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer, self.param_groups = optimizer, optimizer.param_groups
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        return closure() if closure is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def _manual_optimization_stand_ins(module: nn.Module, losses: list[Tensor]) -> dict[str, Any]:
+    """``optimizers()``/``lr_schedulers()``/``manual_backward`` for tracing a manual-optimization step outside
+    the loop: the step's losses are collected instead of back-propagated, and nothing is stepped."""
+    optimizers, _ = init_optimizers_and_lr_schedulers(module)
+    inert = [_InertOptimizer(o) for o in optimizers]
+    return {
+        "optimizers": lambda use_pl_optimizer=True: inert[0] if len(inert) == 1 else inert,
+        "lr_schedulers": lambda: None,
+        "manual_backward": lambda loss, *a, **k: losses.append(loss),
+    }
+
+
+@contextlib.contextmanager
+def isolated(module: nn.Module, losses: Optional[list[Tensor]] = None) -> Iterator[None]:
+    """Eval mode (a fitting step runner switches to training mode inside), saved RNG states and buffers, and
+    silenced ``log``/``log_dict`` for a side-effect-free extra step.
+
+    With ``losses`` and a LightningModule in manual optimization, the losses it back-propagates are collected there.
+    """
+    rng = collect_rng_states(include_cuda=torch.cuda.is_available())
+    modes = [(m, m.training) for m in module.modules()]
+    patches: dict[str, Any] = {name: (lambda *a, **k: None) for name in ("log", "log_dict") if hasattr(module, name)}
+    if losses is not None and getattr(module, "automatic_optimization", True) is False:
+        patches.update(_manual_optimization_stand_ins(module, losses))
+    metrics = _metric_states(module)
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]  # a train-mode step moves BatchNorm statistics
+    module.eval()
+    for name, fn in patches.items():
+        setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        for metric, state in metrics:  # an extra step must not count in the user's metrics
+            metric.__dict__.update(state)
+        with torch.no_grad():
+            for b, saved in buffers:
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+        for name in patches:
+            delattr(module, name)
+        for m, mode in modes:
+            m.training = mode
+        set_rng_states(rng)
+
+
+def _metric_states(module: nn.Module) -> list[tuple[Any, dict[str, Any]]]:
+    """Snapshot of every torchmetrics Metric's accumulated state (tensors cloned, lists copied)."""
+    from torchmetrics import Metric
+
+    out = []
+    for m in module.modules():
+        if isinstance(m, Metric):
+            keys = metric_state_keys(m)
+            state = {k: m.__dict__.get(k) for k in keys if k in m.__dict__}
+            out.append((m, {k: (v.clone() if isinstance(v, Tensor) else list(v) if isinstance(v, list) else v)
+                            for k, v in state.items()}))
+    return out
+
 
 _STEPS = {
     TrainerFn.FITTING: ("fit_loop", "training_step", "train_step_context"),

@@ -36,7 +36,6 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.weights import defer_loading, note_deferring_strategy
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autolayout import choose_layout
-from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
@@ -53,6 +52,7 @@ from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.topology import Topology, check_parallel_size
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.materialize import empty_parameters
+from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 log = logging.getLogger(__name__)

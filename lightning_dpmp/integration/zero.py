@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import storage_bytes
+from lightning_dpmp.planner.plan_types import PlanResult
 
 __all__ = ["build_engine", "memory_report", "optimizer_state_bytes", "repoint_schedulers", "then_finish_zero"]
 

@@ -14,10 +14,11 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.sharding import Blocks
 from lightning_dpmp.planner.styles import CommContext, Style, style_of
 
-__all__ = ["LayerPlan", "Plan", "block_of"]
+__all__ = ["LayerPlan", "Plan", "PlanResult", "block_of"]
 
 
 @dataclass(frozen=True)
@@ -239,3 +240,19 @@ def block_of(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return ""
+
+
+@dataclass
+class PlanResult:
+    """The plan applied, its printout, and notes on what was checked or fell back."""
+
+    plan: Plan
+    text: str
+    verified: Optional[bool] = None
+    max_error: float = 0.0
+    # Why the parameters a step uses may change from step to step or rank to rank (empty: the traced step used
+    # every trainable parameter, with no data-dependent op in forward); the same truth value on every rank.
+    conditional: tuple[str, ...] = ()
+    branches: tuple[str, ...] = ()  # modules whose forward ran a data-dependent op in the traced step ("": the root)
+    # the split module's parameters as DTensors (made to verify the plan on them); None when not distributed here
+    params: Optional[DTensorParams] = None

@@ -15,10 +15,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.integration.autoplan import LowestFloat, tolerance
 from lightning_dpmp.integration.launcher import DPMPScriptLauncher
 from lightning_dpmp.integration.stepdata import trainer_state
 from lightning_dpmp.integration.validate import check_not_compiled, check_plan_at_setup
+from lightning_dpmp.integration.verify import LowestFloat, tolerance
 from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
 from tests.support.models import ResMLP, make_dataset
 
