@@ -12,10 +12,11 @@ float64), saved locally with ``save_pretrained`` and fine-tuned with its own ``l
   the whole model).
 
 Per rank, the peak growth of private memory (``RssAnon``, sampled every 2 ms) in each phase, from the phase's
-start: the setup (model built, traced, split, read: up to ``on_fit_start``), the first batch's forward, backward
-and optimizer step; and the bytes of tensors the rank holds after the step: its parameters, their gradients,
-AdamW's state, and the largest single tensor it computes (the logits' shard). Within setup, ``lazy`` and
-``naive`` also record the peak of each of its parts (the plan and its dense step, the materialisation, the read).
+start (and over the whole first batch, from its start): the setup (model built, traced, split, read: up to
+``on_fit_start``), the first batch's forward, backward and optimizer step; and the bytes of tensors the rank holds
+after the step: its parameters, their gradients, AdamW's state, and the largest single tensor it computes (the
+logits' shard). Within setup, ``lazy`` and ``naive`` also record the peak of each of its parts (the plan and its
+dense step, the materialisation, the read).
 
 Usage (from the repo root; ~3 minutes on 2 CPU cores, ~4 GB of RAM):
     python benchmarks/first_batch_memory.py [--out benchmarks/results/first_batch_memory]
@@ -80,7 +81,7 @@ class Phases(L.Callback):
     """The peak growth of each phase of the first batch, and the tensors held after it."""
 
     def __init__(self, results: dict, setup: PeakMemory) -> None:
-        self.results, self.probe = results, setup
+        self.results, self.probe, self.batch = results, setup, None
 
     def _next(self, name: str) -> None:
         self.results[name] = self.probe.stop()
@@ -92,7 +93,7 @@ class Phases(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self.probe.stop()
-        self.probe = PeakMemory().start()
+        self.probe, self.batch = PeakMemory().start(), PeakMemory().start()
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self._next("forward")
@@ -103,6 +104,7 @@ class Phases(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.results["optimizer"] = self.probe.stop()
+        self.results["batch"] = self.batch.stop()
         params = list(pl_module.parameters())
         optimizer = trainer.optimizers[0]
         optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -157,9 +159,11 @@ def worker(mode: str, path: str, out: str) -> None:
 def _row(mode: str, r: int, res: dict) -> str:
     held = res["held"]
     phases = " | ".join(f"{res[p]['anon_mb']:.0f}" for p in PHASES)
-    first = max(res[p]["anon_mb"] for p in PHASES[1:])
+    first = res["batch"]["anon_mb"]
+    state = held["grads_mb"] + held["adam_mb"]
     return (f"| {mode} | {r} | {phases} | {first:.0f} | {held['params_mb']:.1f} | {held['grads_mb']:.1f} |"
-            f" {held['adam_mb']:.1f} | {held['largest_param_mb']:.1f} | {held['logits_mb']:.1f} |")
+            f" {held['adam_mb']:.1f} | {first - state:.0f} | {held['largest_param_mb']:.1f} |"
+            f" {held['logits_mb']:.1f} |")
 
 
 def main() -> None:
@@ -192,8 +196,8 @@ def main() -> None:
             f"global batch {GLOBAL_BATCH} x {SEQ}, AdamW, 4 CPU ranks; peak growth of private memory per phase (MB)"
             " and tensors held after the first step (MB)",
             "| mode | rank | setup | forward | backward | optimizer | first batch | params | grads | AdamW |"
-            " largest param | logits |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            " first batch - grads - AdamW | largest param | logits |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     summary: dict = {"parameters": n_params, "modes": {}}
     for mode in MODES:
         for r in range(4):
