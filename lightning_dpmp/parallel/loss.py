@@ -55,29 +55,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         mine = (local_t >= 0) & (local_t < local_v) & ~ignored
         safe_t = torch.where(mine, local_t, torch.zeros_like(local_t))
         picked = torch.where(mine, shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1), 0.0)  # (-inf * 0: nan)
-        exp = shifted.exp()
+        # The sum of exponentials is accumulated in float64 and rounded back to the logits' dtype: the same bits
+        # at every mp (a float32 sum of per-rank float32 partial sums would round differently for each split), and
+        # the correctly rounded value, which is what torch's own float32 log_softmax gives on most rows.
+        wide = torch.float64 if logits.dtype != torch.float64 else logits.dtype
         real_shifted = shifted[..., :real] if padded else shifted
-        stats = torch.stack([picked, exp.sum(-1), real_shifted.sum(-1)])  # one all-reduce for all three
-        all_reduce_sum(stats, group)
-        picked, sum_exp, sum_shifted = stats
+        stats = torch.stack([picked.to(wide), shifted.exp().sum(-1, dtype=wide), real_shifted.sum(-1, dtype=wide)])
+        all_reduce_sum(stats, group)  # one all-reduce for all three
+        picked, sum_exp, sum_shifted = stats.to(logits.dtype)
         log_z = sum_exp.log()
+        # torch's log_softmax + nll_loss, op for op: log-probabilities (x - max) - log(sum), the loss their negated
+        # target entry, the gradient exp(log-probability) scaled, minus the scale at the target; a float32 loss
+        # inside a float64 model (transformers' labels=) then rounds as one process does wherever the sums agree.
+        log_probs = shifted - log_z.unsqueeze(-1)
         loss = log_z - picked
         if smoothing > 0:
             loss = (1 - smoothing) * loss + smoothing * (log_z - sum_shifted / vocab)
         loss = loss.masked_fill(ignored, 0.0)
-        ctx.save_for_backward(exp, sum_exp, safe_t, mine, ignored)
-        ctx.smoothing, ctx.vocab, ctx.in_dtype, ctx.real = smoothing, vocab, logits.dtype, real
+        ctx.save_for_backward(log_probs, safe_t, mine, ignored)
+        ctx.smoothing, ctx.vocab, ctx.real = smoothing, vocab, real
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None, None]:
-        exp, sum_exp, safe_t, mine, ignored = ctx.saved_tensors
-        g = exp / sum_exp.unsqueeze(-1)
+        log_probs, safe_t, mine, ignored = ctx.saved_tensors
+        scale = (grad * ~ignored).unsqueeze(-1)
+        g = log_probs.exp() * scale
         onehot = torch.zeros_like(g).scatter_(-1, safe_t.unsqueeze(-1), 1.0) * mine.unsqueeze(-1)
-        g = g - (1 - ctx.smoothing) * onehot
+        g = g - (1 - ctx.smoothing) * onehot * scale
         if ctx.smoothing:
-            g[..., :ctx.real] -= ctx.smoothing / ctx.vocab  # the padding classes get no gradient at all
-        g = g * (grad * ~ignored).unsqueeze(-1)
+            g[..., :ctx.real] -= (ctx.smoothing / ctx.vocab) * scale  # the padding classes get no gradient at all
         return g, None, None, None, None, None
 
 

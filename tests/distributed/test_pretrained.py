@@ -5,7 +5,7 @@ its slices, against single-process training from transformers' own ``from_pretra
 - right after the load, every tensor a rank holds equals its slice of the file exactly (Mixtral, whose file holds
   per-expert tensors that transformers stacks when it loads: its slice of transformers' own loaded tensors);
 - 20 float64 AdamW steps (norm clipping) end within 1e-8 of single-process training, with the usual shifted loss
-  and with transformers' ``labels=`` loss (tied Llama, where it computes in float32: 1e-6; T5), Conv1D with fused
+  and with transformers' ``labels=`` loss (tied Llama, where it computes in float32: 1e-7; T5), Conv1D with fused
   q|k|v (GPT-2), T5's one embedding under three names, and at zero=3;
 - an export written with ``strategy.save_pretrained`` while the model is split, and ``python -m
   lightning_dpmp.convert CKPT OUT --hf --config BASE``, load back (transformers) to the trained weights exactly;
@@ -45,8 +45,10 @@ CASES = {
 
 
 # transformers' labels= loss casts the logits to float32 (``logits.float()``) even in a float64 model: that step
-# rounds like float32 on one process too, and summation order then moves 20 AdamW steps by ~1e-7.
-FLOAT32_LOSS_TOL = {"llama_tied+sharded": 1e-6}
+# rounds like float32 on one process too. The vocab-parallel loss rounds as torch's does on most entries; the rest
+# (row sums rounded otherwise) moves 20 AdamW steps by 2.4e-8 at (2,2) and (1,4) (1.5e-7 before it did; how such a
+# loss is judged: tests/distributed/test_float32_loss.py).
+FLOAT32_LOSS_TOL = {"llama_tied+sharded": 1e-7}
 
 
 @pytest.fixture(scope="module")
