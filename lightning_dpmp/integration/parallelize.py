@@ -55,6 +55,7 @@ import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
+from lightning_dpmp.integration.metrics import shapes_only
 from lightning_dpmp.integration.pipeline import (
     Pipeline,
     check_pipeline_at_setup,
@@ -317,20 +318,23 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
 
 def plan_pipeline(strategy: Any, trainer: Any, config: Topology, meta: bool
                   ) -> tuple[StackProfile, frozenset, Any]:
-    """Step 0 (fitting, ``pp > 1``), before the split: probe the first batch's training step on the dense model (on
-    meta tensors for a meta model) and check that it can be cut into stages. Returns the probe's profile and, for a
-    meta model, the names of the parameters this rank's stages never read: the split initialises them and frees
-    their storage at once, so that no rank ever holds more than its stages and one module; and the probed batch."""
+    """Step 0 (``pp > 1``), before the split: probe the first batch's step (the run's own: training, validation, test
+    or predict) on the dense model (on meta tensors for a meta model) and check that it can be cut into stages.
+    Returns the probe's profile and, for a meta model, the names of the parameters this rank's stages never read:
+    the split initialises them and frees their storage at once, so that no rank ever holds more than its stages and
+    one module; and the probed batch."""
     from lightning_dpmp.integration.autoplan import isolated
 
     lm = strategy.lightning_module
-    check_pipeline_at_setup(trainer, lm)
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:  # (evaluation runs no backward: any optimization and precision can be evaluated stage by stage)
+        check_pipeline_at_setup(trainer, lm)
     batch, _ = first_batch(trainer, strategy)  # (rank 0 reads, every rank receives: the same probe everywhere)
     if batch is None:
-        raise RuntimeError("DPMPStrategy(pp > 1) plans its stages from the first training batch; the train "
-                           "dataloader gave none.")
+        raise RuntimeError(f"DPMPStrategy(pp > 1) plans its stages from the first batch of the run; the "
+                           f"{trainer.state.fn} dataloader gave none.")
     run = step_runner(trainer, strategy, batch, meta)
-    with isolated(lm):
+    with isolated(lm), shapes_only(lm) if meta else nullcontext():
         profile = probe_pipeline(lm, run, batch, config)
     if not meta:
         return profile, frozenset(), batch
@@ -402,20 +406,21 @@ def parallelize(strategy: Any, trainer: Any, config: ParallelConfig, meta: bool)
     grid = strategy.grid
     fitting = trainer.state.fn == TrainerFn.FITTING
     topology = grid.topology
-    profile, free, batch = plan_pipeline(strategy, trainer, topology, meta) if fitting and grid.pp > 1 else (
+    # with pp > 1 every run is staged, evaluation too: planned from the first batch of the run's own step
+    profile, free, batch = plan_pipeline(strategy, trainer, topology, meta) if grid.pp > 1 else (
         None, frozenset(), None)
     split = plan_and_split(strategy, trainer, config, meta, free, batch)
     route_metrics(strategy.model, grid.dp_group)
     overlap_grad_allreduce(strategy.model, config.async_grad_allreduce, strategy.root_device.type)
     compiled = compile_model(module, config.compile)
     engine = pipeline = None
+    if profile is not None:  # the stages, over the split model
+        pipeline = Pipeline(module, profile, grid, strategy.root_device, batch,
+                            sequence_parallel=split.applied_plan.plan.sequence is not None)
+        split.applied_plan.text += "\n" + pipeline.text()
+        rank_zero_info(pipeline.text())
     if fitting:
-        if profile is not None:  # the stages, over the split model
-            pipeline = Pipeline(module, profile, grid, strategy.root_device, batch,
-                                sequence_parallel=split.applied_plan.plan.sequence is not None)
-            split.applied_plan.text += "\n" + pipeline.text()
-            rank_zero_info(pipeline.text())
-        elif grid.dp > 1 and topology.zero == 0 and split.params is None:
+        if pipeline is None and grid.dp > 1 and topology.zero == 0 and split.params is None:
             wrap_dp(strategy, bool(split.applied_plan.conditional))
         strategy.setup_optimizers(trainer)
         if split.params is not None:  # they step the local shards: plain tensors, no DTensor dispatch per op

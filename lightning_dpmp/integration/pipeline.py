@@ -91,12 +91,16 @@ def check_pipeline_at_setup(trainer: Any, module: Any) -> None:
 class _LogRecorder:
     """``self.log``/``self.log_dict`` of the module, recorded per micro-batch instead of logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Optional[Mapping[int, str]] = None) -> None:
         self.records: list[tuple[str, Any, dict[str, Any]]] = []
+        self.metrics = metrics  # evaluation: id(Metric) -> its name in the module (a logged Metric is kept by name)
 
     @contextmanager
     def recording(self, module: nn.Module) -> Iterator[None]:
         def log(name: str, value: Any, **kwargs: Any) -> None:
+            if self.metrics is not None and id(value) in self.metrics:
+                self.records.append((name, _MetricRef(self.metrics[id(value)]), kwargs))
+                return
             if not isinstance(value, (Tensor, int, float)):
                 raise TypeError(f"under pipeline parallelism training_step logs values (tensors, numbers), not "
                                 f"{type(value).__name__} ({name!r}): log a torchmetrics Metric from validation_step, "
@@ -126,11 +130,54 @@ class _LogRecorder:
             values.setdefault(name, [[], kwargs])[0].append(value)
         out: list[tuple[str, Any, dict[str, Any]]] = []
         for name, (seen, kwargs) in values.items():
-            if all(isinstance(v, Tensor) for v in seen):
+            if isinstance(seen[0], _MetricRef):  # the metric itself: its state holds every micro-batch
+                out.append((name, seen[0], kwargs))
+            elif all(isinstance(v, Tensor) for v in seen):
                 out.append((name, torch.stack([v.reshape(()) for v in seen]).mean().cpu(), kwargs))
             else:
                 out.append((name, sum(float(v) for v in seen) / len(seen), kwargs))
         return out
+
+
+class _MetricRef(str):
+    """A torchmetrics ``Metric`` logged by an evaluation step: its name in the module (every rank has its own copy)."""
+
+
+def _eval_microbatches(rows: int, microbatches: int) -> int:
+    """Micro-batches of an evaluation batch of ``rows`` rows: ``microbatches`` when it divides them, else the
+    largest divisor of ``rows`` below it (a last, shorter batch is evaluated, not refused as in training)."""
+    return max(n for n in range(1, min(rows, microbatches) + 1) if rows % n == 0)
+
+
+def merge_outputs(outputs: Sequence[Any], micro_size: int) -> Any:
+    """What an evaluation step returns for the whole batch from what it returned per micro-batch: tensors whose dim 0
+    is the micro-batch joined along it (predictions, per-sample values), 0-d tensors and numbers averaged (a mean
+    loss; equal micro-batches make it the batch's mean), ``None`` kept, collections merged item by item, anything
+    else the first micro-batch's.
+
+    Example:
+        >>> merge_outputs([{"loss": torch.tensor(1.0), "y": torch.zeros(2)}, {"loss": torch.tensor(3.0),
+        ...                "y": torch.ones(2)}], 2)
+        {'loss': tensor(2.), 'y': tensor([0., 0., 1., 1.])}
+    """
+    first = outputs[0]
+    if isinstance(first, Tensor):
+        if first.dim() > 0 and first.shape[0] == micro_size:
+            return torch.cat(list(outputs))
+        if first.dim() == 0:
+            return torch.stack(list(outputs)).mean(dtype=first.dtype if first.is_floating_point() else None)
+        return first
+    if isinstance(first, bool) or first is None:
+        return first
+    if isinstance(first, (int, float)):
+        return sum(outputs) / len(outputs)
+    if isinstance(first, dict):
+        merged = {k: merge_outputs([o[k] for o in outputs], micro_size) for k in first}
+        return merged if type(first) is dict else type(first)(merged)
+    if isinstance(first, (list, tuple)):
+        merged = [merge_outputs([o[i] for o in outputs], micro_size) for i in range(len(first))]
+        return type(first)(merged) if not hasattr(first, "_fields") else type(first)(*merged)
+    return first
 
 
 class Pipeline:
@@ -194,6 +241,7 @@ class Pipeline:
         self.local_buckets: list[Bucket] = []
         self.remote_buckets: list[Bucket] = []
         self.shared_shards: list[nn.Parameter] = []
+        self._eval_streams: set[Any] = set()  # (hook, batch shapes) whose stream evaluation checked
 
     def attach_engine(self, engine: ZeroEngine) -> None:
         """ZeRO over the DP group (built after the stages, with :attr:`keys` as its ``stage_of``, so no bucket mixes
@@ -296,6 +344,90 @@ class Pipeline:
         for name, value, kwargs in logged:
             module.log(name, value, **_local(kwargs, self.grid))
         return loss
+
+    def evaluation_step(self, module: Any, hook: str, args: Sequence[Any], step_kwargs: Mapping[str, Any],
+                        step_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+                        finish: Callable[[Any], Any] = lambda out: out, optimizers: Sequence[Any] = ()) -> Any:
+        """Run the user's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``) on the batch stage by stage:
+        forward only, under the schedule's micro-batches, each rank running its stages' blocks with its own
+        parameters (the other stages' stay freed). On the last stage the step runs to its end: what it logs is
+        recorded per micro-batch, the metrics it updates change there, and ``finish`` (the strategy's conversion of
+        DTensors and vocab-sharded logits) is applied to what it returns. Then one object broadcast over PP gives every
+        rank the merged output (:func:`merge_outputs`), the logged values (averaged over micro-batches, as training
+        logs; a logged ``Metric`` by name) and what the step added to each metric (:class:`MetricUpdates`), and every
+        rank logs them: what ``self.log``, metrics, callbacks and prediction writers see is one process's."""
+        from lightning_dpmp.integration.metrics import MetricUpdates
+
+        self.stage(optimizers)
+        in_kwargs = not args
+        batch = step_kwargs["batch"] if in_kwargs else args[0]
+        tensors = _tensors(batch)
+        if not tensors:
+            raise ValueError(f"DPMPStrategy(pp > 1): {hook} runs stage by stage on micro-batches cut along dim 0; "
+                             f"this batch holds no tensor")
+        rows = int(tensors[0].shape[0])
+        micro = split_microbatches(batch, _eval_microbatches(rows, self.config.microbatches))
+        micro_size = rows // len(micro)
+        metrics = MetricUpdates(module)
+        recorder = _LogRecorder({id(m): n for n, m in metrics.metrics.items()})
+        step = getattr(module, hook)
+
+        def recorded(into: _LogRecorder) -> Callable[[Any], Any]:
+            def step_fn(mb: Any) -> Any:
+                with into.recording(module), step_context():
+                    out = step(**{**step_kwargs, "batch": mb}) if in_kwargs else step(mb, *args[1:], **step_kwargs)
+                return finish(out)
+
+            return step_fn
+
+        self._check_eval_stream(batch_shapes(batch), hook, micro[0], micro_size,
+                                recorded(_LogRecorder({id(m): n for n, m in metrics.metrics.items()})))
+        outputs = self.runner.evaluate(micro, micro_size, recorded(recorder))
+        last = (self.config.stages - 1) % self.grid.pp
+        mine = self.grid.pp_rank == last
+        box: list[Any] = [None]
+        if mine:
+            out = merge_outputs(outputs, micro_size)
+            logged = [(n, v, _portable(k, self.grid)) for n, v, k in recorder.averaged()]
+            box = [(apply_to_collection(out, Tensor, lambda t: t.detach().cpu()), logged, metrics.taken())]
+        dist.broadcast_object_list(box, group=self.grid.pp_group, group_src=last)
+        received, logged, taken = box[0]
+        if not mine:
+            metrics.give(taken)
+            out = apply_to_collection(received, Tensor, lambda t: t.to(self.device))
+        for name, value, kwargs in logged:
+            if isinstance(value, _MetricRef):
+                value = module.get_submodule(str(value))
+            elif isinstance(value, Tensor):
+                value = value.to(self.device)
+            module.log(name, value, **_local(kwargs, self.grid))
+        return out
+
+    def _check_eval_stream(self, shapes: list[tuple[int, ...]], hook: str, first: Any, micro_size: int,
+                           step_fn: Callable[[Any], Any]) -> None:
+        """Raise ``ValueError`` on every rank of the pipeline when an evaluation batch would send the stages another
+        stream shape than the one they were planned with (a receiving stage would wait for bytes that never come).
+        An evaluation batch may hold other tensors than a training batch (an index, a mask), so the stream itself is
+        checked: once per new set of batch shapes, the first stage runs the code before the stack on one
+        micro-batch and broadcasts the stream's shape over PP (a few integers)."""
+        key = (hook, tuple(shapes))
+        if key in self._eval_streams:
+            return
+        planned = (micro_size,) + tuple(self.runner.stream_shape[1:])
+        shape = torch.full((len(planned) + 1,), -1, dtype=torch.long, device=self.device)
+        if 0 in self.runner.my_stages:  # (what it logs or updates on the way is thrown away: the step runs later)
+            got = self.runner.stream_shape_of(first, step_fn)
+            shape[0] = len(got)
+            shape[1:1 + min(len(got), len(planned))] = torch.tensor(got[:len(planned)])
+        dist.broadcast(shape, group=self.grid.pp_group, group_src=0)
+        rank = int(shape[0])
+        got_shape = tuple(shape[1:1 + rank].tolist()) + ("...",) * max(0, rank - len(planned))
+        if got_shape != planned:
+            raise ValueError(
+                f"DPMPStrategy(pp > 1): {hook} would pass the stages a stream of shape {got_shape} per micro-batch "
+                f"(batch tensors {shapes}); the stages were planned for {planned}. Evaluate on batches padded to "
+                f"the training sequence length.")
+        self._eval_streams.add(key)
 
     _logged_layout: Optional[list[Any]] = None  # what the last stage logged last step: names, arguments, dtypes
 

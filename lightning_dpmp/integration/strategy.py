@@ -433,37 +433,55 @@ class DPMPStrategy(GridStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    # With a pipeline, evaluation runs stage by stage (Pipeline.evaluation_step): each rank keeps its stages'
+    # parameters only, the others' stay (or are) freed, as while training.
     @override
     def on_validation_start(self) -> None:
-        self.sync_stages(with_state=False)
+        self._stage_for_evaluation()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
-        self.sync_stages(with_state=False)
+        self._stage_for_evaluation()
         super().on_test_start()
 
     @override
     def on_predict_start(self) -> None:
-        self.sync_stages(with_state=False)
+        self._stage_for_evaluation()
         super().on_predict_start()
+
+    def _stage_for_evaluation(self) -> None:
+        if self.pipeline is not None and not self._failed:
+            self.pipeline.stage(self.optimizers)
+
+    def _pipelined(self, hook: str, context: Any, finish: Any, args: Any, kwargs: Any) -> Any:
+        assert self.pipeline is not None
+        with self._in_step():
+            return self.pipeline.evaluation_step(self.lightning_module, hook, args, kwargs, context, finish,
+                                                 self.optimizers)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.pipeline is not None:
+            return self._pipelined("validation_step", self.precision_plugin.val_step_context, _plain_output, args,
+                                   kwargs)
         with self._in_step():
-            return apply_to_collection(super().validation_step(*args, **kwargs), DTensor, plain_value)
+            return _plain_output(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.pipeline is not None:
+            return self._pipelined("test_step", self.precision_plugin.test_step_context, _plain_output, args, kwargs)
         with self._in_step():
-            return apply_to_collection(super().test_step(*args, **kwargs), DTensor, plain_value)
+            return _plain_output(super().test_step(*args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            return self._pipelined("predict_step", self.precision_plugin.predict_step_context, _predictions, args,
+                                   kwargs)
         with self._in_step():
-            out = super().predict_step(*args, **kwargs)
-        out = apply_to_collection(out, DTensor, plain_value)
-        return apply_to_collection(out, VocabShardedLogits, lambda t: t.full())  # predictions are never MP shards
+            return _predictions(super().predict_step(*args, **kwargs))
 
     @contextmanager
     @override
@@ -574,3 +592,13 @@ class DPMPStrategy(GridStrategy):
                 "dpmp_spawn", cls, description="DPMPStrategy with the spawn launcher", start_method="spawn"
             )
 
+
+
+def _plain_output(out: Any) -> Any:
+    """What an evaluation step returns, DTensors as the plain values one process holds."""
+    return apply_to_collection(out, DTensor, plain_value)
+
+
+def _predictions(out: Any) -> Any:
+    """Predictions as one process holds them: never DTensors, never MP shards of the logits."""
+    return apply_to_collection(_plain_output(out), VocabShardedLogits, lambda t: t.full())

@@ -147,6 +147,10 @@ class PipelineRunner:
         self.losses: list[Tensor] = []
         self.pre_modules = list(pre_modules)
         self._scale = 1.0  # of each micro-batch's loss gradient, set per step
+        # forward-only schedules (evaluation): (micro-batches, micro-batch size) -> schedule, and what the step
+        # returned for each micro-batch on the last stage (None while training)
+        self._eval_schedules: dict[tuple[int, int], Any] = {}
+        self._outputs: Optional[dict[int, Any]] = None
 
     # ------------------------------------------------------------------ one stage of one micro-batch
     def _stream_arg(self, args: tuple, kwargs: dict) -> Tensor:
@@ -158,8 +162,9 @@ class PipelineRunner:
         return t if self.arity == 0 else (t,) + (None,) * (self.arity - 1)
 
     @contextmanager
-    def _stand_ins(self, stage: int, received: Optional[Tensor]) -> Iterator[None]:
-        start, end = self.ranges[stage]
+    def _stand_ins(self, stage: int, received: Optional[Tensor],
+                   bounds: Optional[tuple[int, int]] = None) -> Iterator[None]:
+        start, end = bounds or self.ranges[stage]
         saved: list[tuple[nn.Module, Any]] = []
 
         def passing(*args: Any, **kwargs: Any) -> Any:
@@ -217,31 +222,40 @@ class PipelineRunner:
                 return done.activation
         if stage != self.n_stages - 1:
             raise RuntimeError(f"pipeline stage {stage}: the step ended without reaching block {self.ranges[stage][1]}")
+        if self._outputs is not None:  # evaluation: the step's own output stays here; the schedule sends nothing on
+            self._outputs[index] = loss
+            return torch.zeros((), dtype=self.stream_dtype, device=self.device)
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             raise TypeError(f"under pipeline parallelism the step must return a scalar loss tensor, got {loss!r}")
         self.losses.append(loss.detach())
         return loss
 
     # ------------------------------------------------------------------ the schedule
-    def _build(self, micro_size: int) -> Any:
+    def _build(self, micro_size: int, forward_only: bool = False, microbatches: Optional[int] = None) -> Any:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleLoopedBFS,
         )
 
         shape = (micro_size,) + self.stream_shape[1:]
+        n = microbatches or self.microbatches
         stages: list[Any] = []
         for s in self.my_stages:
             def activation() -> Tensor:
-                return torch.empty(shape, dtype=self.stream_dtype, device=self.device, requires_grad=True)
+                return torch.empty(shape, dtype=self.stream_dtype, device=self.device, requires_grad=not forward_only)
 
             first, last = s == 0, s == self.n_stages - 1
             inputs = torch.zeros(1, dtype=torch.long, device=self.device) if first else activation()
             outputs = torch.zeros((), dtype=self.stream_dtype, device=self.device) if last else activation()
             stages.append(PipelineStage(_StageModule(self, s), s, self.n_stages, self.device, input_args=inputs,
                                         output_args=outputs, group=self.group))
+        if forward_only:  # no loss function: torch's schedules then run the forwards only, in their order
+            if len(stages) > 1:  # (several stages per rank: breadth first, each stage's micro-batches in turn)
+                return ScheduleLoopedBFS(list(stages), n, loss_fn=None, scale_grads=False)
+            return ScheduleGPipe(stages[0], n, loss_fn=None, scale_grads=False)
         # the loss arrives scaled by the caller (1 / (micro-batches * accumulation)); torch must not rescale
         loss_fn = self._scaled_loss
         if self.schedule_name == "interleaved":
@@ -272,3 +286,32 @@ class PipelineRunner:
         finally:
             self._micro, self._step_fn = [], None
         return self.losses
+
+    def stream_shape_of(self, micro_batch: Any, step_fn: Callable[[Any], Any]) -> tuple[int, ...]:
+        """The shape of the stream that the first block receives when ``step_fn`` runs on ``micro_batch``: the code
+        before the stack runs (on this rank, which must hold the first stage), the first block stops it. No
+        communication; evaluation checks it against the planned shape before any activation is sent."""
+        with self._stand_ins(0, None, bounds=(0, 0)):
+            try:
+                step_fn(micro_batch)
+            except _StageExit as done:
+                return tuple(done.activation.shape)
+        raise RuntimeError("the step ended without calling the first block of the stack")
+
+    def evaluate(self, micro: list[Any], micro_size: int, step_fn: Callable[[Any], Any]) -> list[Any]:
+        """The forward of every micro-batch (``micro_size`` rows each) through the pipeline, no backward: the
+        activations cross the stages as in :meth:`step`, and the last stage keeps what ``step_fn`` returned (any
+        object). Returns those outputs in micro-batch order on the rank holding the last stage, ``[]`` elsewhere."""
+        key = (len(micro), micro_size)
+        schedule = self._eval_schedules.get(key)
+        if schedule is None:
+            schedule = self._eval_schedules[key] = self._build(micro_size, forward_only=True, microbatches=len(micro))
+        self._micro, self._step_fn, self._outputs = micro, step_fn, {}
+        self._next = {s: 0 for s in self.my_stages}
+        args = (torch.arange(len(micro), device=self.device),) if 0 in self.my_stages else ()
+        try:
+            schedule.step(*args, return_outputs=False)
+            outputs = self._outputs
+        finally:
+            self._micro, self._step_fn, self._outputs = [], None, None
+        return [outputs[i] for i in range(len(micro))] if self.n_stages - 1 in self.my_stages else []
