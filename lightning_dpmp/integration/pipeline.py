@@ -19,10 +19,15 @@ torch's schedule, and what the rest of the strategy needs around it.
 * **ZeRO** (:meth:`Pipeline.attach_engine`): the engine's buckets never mix stages; each rank gathers and
   reduce-scatters its own stages' buckets only (zero=1/2: once per step, after the schedule), the shards of a
   bucket read on several stages are summed over PP, and a stage sync sends DP shards.
-* **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the whole (MP-split) model, but only its stages' parameters
-  train there. Before a validation, test or prediction run, a checkpoint or teardown, each rank broadcasts the
-  parameters (and optimizer state) it owns to its PP group, and then every rank holds the trained model: evaluation
-  runs without the pipeline, and both checkpoint formats are written as without it, so they load into any layout.
+* **Evaluation** (:meth:`Pipeline.evaluation_step`): ``validation_step``, ``test_step`` and ``predict_step`` run
+  like a training step, per micro-batch and stage, forward only, each rank holding its stages' parameters only;
+  what the last stage logs, adds to metrics and returns reaches every rank in one broadcast per batch, so logging,
+  metrics, callbacks and prediction writers see what one process sees. Outside ``fit`` the stages are planned from
+  the first batch of the run's own step.
+* **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the module's structure, but only its stages' parameters
+  train there. Before a checkpoint or teardown, each rank broadcasts the parameters (and optimizer state) it owns to
+  its PP group, and then every rank holds the trained model: both checkpoint formats are written as without a
+  pipeline, so they load into any layout.
 
 Example:
     >>> topology = Topology(dp=1, mp=2, pp=2, microbatches=4)
@@ -66,6 +71,8 @@ from lightning_dpmp.planner.stages import (
 __all__ = [
     "Pipeline",
     "batch_shapes",
+    "evaluation_microbatches",
+    "merge_outputs",
     "check_batch_shapes",
     "check_pipeline_at_setup",
     "kept_everywhere",
@@ -143,7 +150,7 @@ class _MetricRef(str):
     """A torchmetrics ``Metric`` logged by an evaluation step: its name in the module (every rank has its own copy)."""
 
 
-def _eval_microbatches(rows: int, microbatches: int) -> int:
+def evaluation_microbatches(rows: int, microbatches: int) -> int:
     """Micro-batches of an evaluation batch of ``rows`` rows: ``microbatches`` when it divides them, else the
     largest divisor of ``rows`` below it (a last, shorter batch is evaluated, not refused as in training)."""
     return max(n for n in range(1, min(rows, microbatches) + 1) if rows % n == 0)
@@ -175,8 +182,8 @@ def merge_outputs(outputs: Sequence[Any], micro_size: int) -> Any:
         merged = {k: merge_outputs([o[k] for o in outputs], micro_size) for k in first}
         return merged if type(first) is dict else type(first)(merged)
     if isinstance(first, (list, tuple)):
-        merged = [merge_outputs([o[i] for o in outputs], micro_size) for i in range(len(first))]
-        return type(first)(merged) if not hasattr(first, "_fields") else type(first)(*merged)
+        items = [merge_outputs([o[i] for o in outputs], micro_size) for i in range(len(first))]
+        return type(first)(items) if not hasattr(first, "_fields") else type(first)(*items)  # (a namedtuple)
     return first
 
 
@@ -366,7 +373,7 @@ class Pipeline:
             raise ValueError(f"DPMPStrategy(pp > 1): {hook} runs stage by stage on micro-batches cut along dim 0; "
                              f"this batch holds no tensor")
         rows = int(tensors[0].shape[0])
-        micro = split_microbatches(batch, _eval_microbatches(rows, self.config.microbatches))
+        micro = split_microbatches(batch, evaluation_microbatches(rows, self.config.microbatches))
         micro_size = rows // len(micro)
         metrics = MetricUpdates(module)
         recorder = _LogRecorder({id(m): n for n, m in metrics.metrics.items()})

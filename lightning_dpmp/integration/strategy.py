@@ -38,6 +38,7 @@ from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.autoplan import PlanResult
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
+from lightning_dpmp.integration.data_path import trainer_of
 from lightning_dpmp.integration.failfast import (
     check_sync_batchnorm,
     warn_if_data_not_sharded,
@@ -452,13 +453,20 @@ class DPMPStrategy(GridStrategy):
 
     def _stage_for_evaluation(self) -> None:
         if self.pipeline is not None and not self._failed:
-            self.pipeline.stage(self.optimizers)
+            self.pipeline.stage(self._fitting_optimizers())
+
+    def _fitting_optimizers(self) -> list[Any]:
+        """The optimizers whose state of the other stages' parameters a stage drops: while fitting (as its training
+        steps do). A later validate/test/predict leaves the fit's optimizers alone (teardown may have given this rank
+        their whole state)."""
+        trainer = trainer_of(self.lightning_module)
+        return list(self.optimizers) if trainer is not None and trainer.state.fn == TrainerFn.FITTING else []
 
     def _pipelined(self, hook: str, context: Any, finish: Any, args: Any, kwargs: Any) -> Any:
         assert self.pipeline is not None
         with self._in_step():
             return self.pipeline.evaluation_step(self.lightning_module, hook, args, kwargs, context, finish,
-                                                 self.optimizers)
+                                                 self._fitting_optimizers())
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

@@ -1,0 +1,73 @@
+"""Stage-by-stage evaluation's pieces in one process: merging micro-batch outputs, micro-batches of a short batch,
+metric updates taken on one copy of a module and given to another, and metrics silenced for a meta-tensor probe."""
+
+from __future__ import annotations
+
+import copy
+from collections import namedtuple
+
+import torch
+from torch import nn
+from torchmetrics.aggregation import CatMetric, MeanMetric, SumMetric
+
+from lightning_dpmp.integration.metrics import MetricUpdates, shapes_only
+from lightning_dpmp.integration.pipeline import evaluation_microbatches, merge_outputs
+
+
+def test_merge_outputs_joins_rows_averages_scalars_and_keeps_structure():
+    Pair = namedtuple("Pair", "index sums")
+    first = Pair(torch.tensor([0, 1]), torch.ones(2, 3))
+    second = Pair(torch.tensor([2, 3]), torch.zeros(2, 3))
+    outs = [{"loss": torch.tensor(1.0), "rows": torch.arange(2.0), "pair": first, "n": 2, "name": "a", "none": None},
+            {"loss": torch.tensor(3.0), "rows": torch.arange(2.0) + 2, "pair": second, "n": 4, "name": "b",
+             "none": None}]
+    merged = merge_outputs(outs, 2)
+    assert merged["loss"].item() == 2.0 and merged["n"] == 3.0 and merged["name"] == "a" and merged["none"] is None
+    assert torch.equal(merged["rows"], torch.arange(4.0))
+    assert isinstance(merged["pair"], Pair) and torch.equal(merged["pair"].index, torch.arange(4))
+    assert merged["pair"].sums.shape == (4, 3)
+    assert merge_outputs([None, None], 2) is None
+    assert torch.equal(merge_outputs([torch.ones(5), torch.zeros(5)], 2), torch.ones(5))  # not a per-row tensor
+
+
+def test_a_short_batch_is_cut_into_the_most_equal_micro_batches():
+    assert evaluation_microbatches(8, 4) == 4
+    assert evaluation_microbatches(6, 4) == 3
+    assert evaluation_microbatches(5, 4) == 1
+    assert evaluation_microbatches(2, 4) == 2
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean, self.cat, self.total = MeanMetric(), CatMetric(), SumMetric()
+
+
+def test_metric_updates_taken_on_one_copy_give_the_other_the_same_state():
+    here, there = _Holder(), _Holder()
+    for step in range(3):
+        watch, other = MetricUpdates(here), MetricUpdates(there)
+        values = torch.arange(4.0) + step
+        here.mean.update(values)
+        here.cat.update(values)
+        if step != 1:  # a metric the step did not update travels not at all
+            here.total.update(values)
+        taken = watch.taken()
+        assert ("total" in taken) == (step != 1)
+        assert len(taken["cat"]["value"][1]) == 1  # only the new element of the list state
+        other.give(copy.deepcopy(taken))
+    for name in ("mean", "cat", "total"):
+        ours, theirs = getattr(here, name), getattr(there, name)
+        assert torch.equal(ours.compute(), theirs.compute()), name
+        assert ours._update_count == theirs._update_count
+
+
+def test_metrics_update_nothing_during_a_meta_probe_and_work_after():
+    holder = _Holder()
+    wrapped = holder.mean.update
+    with shapes_only(holder):
+        holder.mean.update(torch.ones(3, device="meta"))
+        assert holder.cat(torch.ones(2, device="meta")).is_meta
+    assert holder.mean.update is wrapped
+    holder.mean.update(torch.tensor([2.0, 4.0]))
+    assert holder.mean.compute().item() == 3.0 and holder.mean._update_count == 1
