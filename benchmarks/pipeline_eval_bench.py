@@ -5,9 +5,9 @@ One 2-process launch at (dp, pp, mp) = (1, 2, 1): a 16-layer GPT (width 256, voc
 parameters, 97 MB dense) trains 2 steps, then a validation run of 4 batches of 8 sequences. During validation a
 callback records, per rank, the parameter bytes held with storage (at every batch end) and the peak RSS above the
 RSS when validation started (the kernel's high-water mark, reset at the start; glibc's mmap threshold fixed so that
-RSS follows live memory). Twice: ``staged`` (this tree), and ``synced``, a strategy whose evaluation first brings
-every stage's parameters to every rank (``strategy.sync_stages(with_state=False)``, what ``on_validation_start``
-did before), then runs the same stage-by-stage step.
+RSS follows live memory). Twice: ``staged`` (this tree), and ``synced``, evaluation as it ran before: every stage's
+parameters brought to every rank first (``strategy.sync_stages(with_state=False)``, what ``on_validation_start``
+did), then each rank running the whole model's ``validation_step`` alone.
 
 Usage (from the repo root; about 1 minute on 2 CPU cores):
     python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/pipeline_eval_bench.py \
@@ -56,10 +56,15 @@ class ValLM(LMModule):
 
 
 class Synced(DPMPStrategy):
-    """Evaluation as before: every stage's parameters on every rank for the run."""
+    """Evaluation as before: every stage's parameters synced to every rank for the run, and each rank evaluating
+    the whole (MP-split) model alone."""
 
     def _stage_for_evaluation(self) -> None:
         self.sync_stages(with_state=False)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._in_step(), self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
 
 
 class Watch(L.Callback):
