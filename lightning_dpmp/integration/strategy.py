@@ -553,7 +553,10 @@ class DPMPStrategy(GridStrategy):
     # Each checkpoint hook hands the call to the StrategyCheckpointer, with Lightning's arguments and defaults.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.sync_stages()  # (the first thing a checkpoint asks for: the optimizer state is synced with it)
+        # (the first thing a checkpoint asks for) a pipeline's stages write their own parameters and optimizer
+        # state; under ZeRO they are synced first, with the optimizer state
+        if not self.checkpointer.stages_write():
+            self.sync_stages()
         with self._local():
             return self.checkpointer.module_state_dict()
 

@@ -285,6 +285,9 @@ class EvalRecorder(L.Callback):
         if not trainer.sanity_checking:
             self.returned.append([float(outputs["loss"]), outputs["per_sample"].tolist()])
 
+    def on_train_end(self, trainer, pl_module):  # (after SaveAtTrainEnd's saves: they gather nothing here)
+        self.held_after_save = sum(p.untyped_storage().nbytes() for p in pl_module.parameters())
+
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
             self.epochs.append({k: float(trainer.callback_metrics[k]) for k in ("val_loss", "val_ce")})
@@ -318,18 +321,20 @@ def eval_data():
 def evaluate(dp: int, pp: int, mp: int, out: str) -> dict:
     """GPT (tied) fitted for ``EVAL_EPOCHS`` epochs of ``EVAL_TRAIN_BATCHES`` batches with a validation run after
     each, stage by stage; then ``trainer.validate``, ``test`` and ``predict`` (with a :class:`Writer`) on the
-    same trainer. Returns what was logged and returned, and the parameter bytes held during evaluation."""
+    same trainer. Returns what was logged and returned, and the parameter bytes held during evaluation and after
+    both checkpoint formats were saved at the end of training (``eval_s.ckpt``, ``eval_c.ckpt``), stage by stage."""
     L.seed_everything(SEED, workers=True)
     net, dataset = build("gpt")
     model = MetricLM(net.net)
     recorder = EvalRecorder()
-    trainer = make_trainer(dp, pp, mp, -1, callbacks=[recorder, Writer(out)], max_epochs=EVAL_EPOCHS,
+    save = SaveAtTrainEnd([(True, os.path.join(out, "eval_s.ckpt")), (False, os.path.join(out, "eval_c.ckpt"))])
+    trainer = make_trainer(dp, pp, mp, -1, callbacks=[save, recorder, Writer(out)], max_epochs=EVAL_EPOCHS,
                            limit_train_batches=EVAL_TRAIN_BATCHES)
     evals = DataLoader(eval_data(), batch_size=EVAL_ROWS // dp)
     trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp), evals)
     strategy = trainer.strategy
     report = {"epochs": recorder.epochs, "returned": recorder.returned, "samples": model.epoch_samples,
-              "held_fit": sorted(recorder.held),
+              "held_fit": sorted(recorder.held), "held_after_save": recorder.held_after_save,
               "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     recorder.held = set()
     report["validate"] = trainer.validate(model, evals, verbose=False)[0]

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_dpmp.checkpoint.sharded import load_sharded_full
 from tests.conftest import run_ranks
 from tests.distributed import parity_worker as PW
 from tests.distributed import pipeline_worker as W
@@ -44,7 +45,9 @@ def reference(tmp_path_factory):
                                   callbacks=[recorder, W.Writer(str(out))])
     evals = DataLoader(W.eval_data(), batch_size=W.EVAL_ROWS)
     trainer.fit(model, reference_loader(dataset, PW.GLOBAL_BATCH, PW.SEED), evals)
-    ref = {"epochs": recorder.epochs, "returned": recorder.returned, "samples": model.epoch_samples}
+    trainer.save_checkpoint(out / "ref.ckpt")
+    ref = {"ckpt": torch.load(out / "ref.ckpt", weights_only=True), "epochs": recorder.epochs,
+           "returned": recorder.returned, "samples": model.epoch_samples}
     ref["validate"] = trainer.validate(model, evals, verbose=False)[0]
     ref["test"] = trainer.test(model, evals, verbose=False)[0]
     ref["predict"] = {int(i): row for index, sums in trainer.predict(model, evals) for i, row in zip(index, sums)}
@@ -143,3 +146,32 @@ def test_each_rank_holds_only_its_stage_while_evaluating(runs, layout):
         print(f"(dp, pp, mp)={layout} grid {r['grid']}: holds {r['held_fit'][0]} B while evaluating, the stages "
               f"{stages} of {dense} B")
         assert sum(stages) - table <= dense, (stages, dense)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"dp{a}pp{b}mp{c}" for a, b, c in LAYOUTS])
+def test_checkpoints_are_written_from_the_stages(runs, reference, layout):
+    """Saved at the end of training in both formats with nothing synced: each rank still holds only its stage
+    afterwards; the consolidated file holds one process's weights and AdamW state (1e-8) and the sharded folder
+    converts to exactly that file."""
+    out, ranks = runs(layout)
+    for r in ranks:
+        assert r["held_after_save"] == r["held_fit"][0], (r["grid"], r["held_after_save"], r["held_fit"])
+    ours, ref = torch.load(out / "eval_c.ckpt", weights_only=True), reference["ckpt"]
+    assert ours["state_dict"].keys() == ref["state_dict"].keys()
+    worst = max((ours["state_dict"][k] - v).abs().max().item() for k, v in ref["state_dict"].items())
+    mine, theirs = ours["optimizer_states"][0]["state"], ref["optimizer_states"][0]["state"]
+    assert mine.keys() == theirs.keys()
+    for idx, per in theirs.items():
+        assert mine[idx].keys() == per.keys(), idx
+        for key, value in per.items():
+            worst = max(worst, (torch.as_tensor(mine[idx][key]).double() - torch.as_tensor(value).double())
+                        .abs().max().item())
+    print(f"pipeline checkpoint from the stages (dp, pp, mp)={layout}: max |ours - one process| = {worst:.2e}")
+    assert worst <= TOL, (layout, worst)
+    sharded = load_sharded_full(str(out / "eval_s.ckpt"))
+    for key, value in ours["state_dict"].items():
+        assert torch.equal(sharded["state_dict"][key], value), key
+    for idx, per in mine.items():
+        for key, value in per.items():
+            assert torch.equal(torch.as_tensor(sharded["optimizer_states"][0]["state"][idx][key]),
+                               torch.as_tensor(value)), (idx, key)
