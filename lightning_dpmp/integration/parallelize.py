@@ -454,6 +454,8 @@ def unparallelize(strategy: Any, parallel: Parallelized, consolidate: Union[bool
         parallel.params = parallel.bridge = None  # a save after fit reads the module as teardown leaves it
     if parallel.pipeline is not None and not failed:
         parallel.pipeline.sync(strategy.optimizers)  # every rank the trained model before gathering it
+    if parallel.pipeline is not None:
+        parallel.pipeline.active = False  # (a save after fit writes the module teardown leaves, not the stages)
     if parallel.engine is not None and not failed:
         if consolidate and module is not None:  # each bucket straight into the dense model: nobody holds it whole
             strategy.optimizers = consolidate_engine(strategy, parallel.engine, strategy.optimizers,

@@ -25,9 +25,9 @@ torch's schedule, and what the rest of the strategy needs around it.
   metrics, callbacks and prediction writers see what one process sees. Outside ``fit`` the stages are planned from
   the first batch of the run's own step.
 * **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the module's structure, but only its stages' parameters
-  train there. Before a checkpoint or teardown, each rank broadcasts the parameters (and optimizer state) it owns to
-  its PP group, and then every rank holds the trained model: both checkpoint formats are written as without a
-  pipeline, so they load into any layout.
+  train there. Before teardown, the consistency guard or (under ZeRO) a checkpoint, each rank broadcasts the
+  parameters (and optimizer state) it owns to its PP group, and then every rank holds the trained model. Without
+  ZeRO a checkpoint is written from the stages (each tensor by its :attr:`Pipeline.owner`), nothing synced.
 
 Example:
     >>> topology = Topology(dp=1, mp=2, pp=2, microbatches=4)
@@ -249,6 +249,7 @@ class Pipeline:
         self.remote_buckets: list[Bucket] = []
         self.shared_shards: list[nn.Parameter] = []
         self._eval_streams: set[Any] = set()  # (hook, batch shapes) whose stream evaluation checked
+        self.active = True  # until teardown: the stages hold the model (checkpoints are written from them)
 
     def attach_engine(self, engine: ZeroEngine) -> None:
         """ZeRO over the DP group (built after the stages, with :attr:`keys` as its ``stage_of``, so no bucket mixes

@@ -249,9 +249,9 @@ class DPMPStrategy(GridStrategy):
 
     def sync_stages(self, with_state: bool = True) -> None:
         """With a pipeline: every rank gets the parameters (and with ``with_state`` the optimizer state) trained on
-        the other stages (collective; nothing to do when no step ran since the last sync). Evaluation (parameters
-        only), checkpoints and teardown call it; call it yourself before reading another stage's parameters while
-        training."""
+        the other stages (collective; nothing to do when no step ran since the last sync). Checkpoints under ZeRO,
+        the consistency guard and teardown call it (evaluation and other checkpoints run stage by stage); call it
+        yourself before reading another stage's parameters while training."""
         if self.pipeline is not None and not self._failed:
             self.pipeline.sync(self.optimizers, with_state)
 

@@ -12,7 +12,9 @@ consolidated save gathers one bucket (one unit) over DP at a time and one dense 
 sharded save writes each rank's chunks of its shards as they are; loads copy each tensor's slices straight into
 the shards (a sharded folder is read into them in place). No rank holds more than its shards plus one unit's
 gathered copy and one dense tensor. Under ZeRO, checkpoints hold the state as without ZeRO (per-parameter AdamW
-moments under the dense names), so both formats resume into any (dp, mp, zero).
+moments under the dense names), so both formats resume into any (dp, mp, zero). With a pipeline (without ZeRO)
+each parameter and its optimizer state are written from the pipeline rank that owns it: nothing is synced, and a
+later stage sends each dense tensor of a consolidated file to global rank 0 as it is written.
 
 Example:
     >>> trainer.save_checkpoint("last.ckpt")                  # collective; rank 0 writes  # doctest: +SKIP
@@ -89,7 +91,8 @@ class StrategyCheckpointer:
         """Whether this rank gathers MP shards into dense tensors: consolidated saves, on the MP group of DP rank 0
         (and pipeline rank 0)."""
         grid = self.strategy.grid_or_none
-        # with a pipeline every stage holds the synced model: the first stage's MP group gathers
+        # with a pipeline under ZeRO every stage holds the synced model: the first stage's MP group gathers (without
+        # ZeRO each tensor's owning stage gathers it: _from_stage)
         return grid is not None and not self.distributed and grid.dp_rank == 0 and grid.pp_rank == 0
 
     def _engine(self) -> Any:
@@ -99,7 +102,7 @@ class StrategyCheckpointer:
         """The pipeline when checkpoints are written from the stages (``pp > 1`` without ZeRO; under ZeRO the stages
         are synced first), else ``None``."""
         pipeline = getattr(self.strategy, "pipeline", None)
-        return pipeline if pipeline is not None and self._engine() is None else None
+        return pipeline if pipeline is not None and pipeline.active and self._engine() is None else None
 
     def stages_write(self) -> bool:
         """Whether a save now is written from the stages, nothing synced (the strategy asks before a save)."""
