@@ -172,8 +172,16 @@ class PipelineRunner:
         def passing(*args: Any, **kwargs: Any) -> Any:
             return self._as_output(self._stream_arg(args, kwargs))
 
+        entered = [0]
+
         def entering(*args: Any, **kwargs: Any) -> Any:
             assert received is not None  # (stages after the first)
+            entered[0] += 1
+            if entered[0] > 1:  # the received activation is this micro-batch's one pass through the stack
+                raise RuntimeError(
+                    f"pipeline stage {stage}: the step ran the block stack more than once for one micro-batch (a "
+                    f"loop over the model, such as generation); a pipelined step passes each micro-batch through "
+                    f"the blocks once. Run such a step without pipeline stages (pp=1).")
             return self._as_output(received)
 
         def leaving(*args: Any, **kwargs: Any) -> Any:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import copy
 from collections import namedtuple
 
+import pytest
 import torch
 from torch import nn
 from torchmetrics.aggregation import CatMetric, MeanMetric, SumMetric
 
 from lightning_dpmp.integration.metrics import MetricUpdates, shapes_only
 from lightning_dpmp.integration.pipeline import evaluation_microbatches, merge_outputs
+from lightning_dpmp.parallel.pipeline import PipelineRunner
 
 
 def test_merge_outputs_joins_rows_averages_scalars_and_keeps_structure():
@@ -71,3 +73,15 @@ def test_metrics_update_nothing_during_a_meta_probe_and_work_after():
     assert holder.mean.update is wrapped
     holder.mean.update(torch.tensor([2.0, 4.0]))
     assert holder.mean.compute().item() == 3.0 and holder.mean._update_count == 1
+
+
+def test_a_step_that_runs_the_stack_twice_is_refused_on_the_later_stage():
+    """Generation in a validation step loops over the blocks: the stage receiving the activation refuses the second
+    pass with the reason (the received activation belongs to one pass)."""
+    blocks = [nn.Linear(2, 2) for _ in range(2)]
+    runner = PipelineRunner(blocks, [(0, 1), (1, 2)], 0, 0, (4, 2), torch.float32, None, 1, 2, 1, "gpipe",
+                            torch.device("cpu"))
+    with runner._stand_ins(1, torch.ones(4, 2)):
+        assert torch.equal(blocks[0](torch.zeros(4, 2)), torch.ones(4, 2))
+        with pytest.raises(RuntimeError, match="more than once"):
+            blocks[0](torch.zeros(4, 2))
