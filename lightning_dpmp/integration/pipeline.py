@@ -72,7 +72,6 @@ __all__ = [
     "Pipeline",
     "batch_shapes",
     "evaluation_microbatches",
-    "merge_outputs",
     "check_batch_shapes",
     "check_pipeline_at_setup",
     "kept_everywhere",
@@ -154,37 +153,6 @@ def evaluation_microbatches(rows: int, microbatches: int) -> int:
     """Micro-batches of an evaluation batch of ``rows`` rows: ``microbatches`` when it divides them, else the
     largest divisor of ``rows`` below it (a last, shorter batch is evaluated, not refused as in training)."""
     return max(n for n in range(1, min(rows, microbatches) + 1) if rows % n == 0)
-
-
-def merge_outputs(outputs: Sequence[Any], micro_size: int) -> Any:
-    """What an evaluation step returns for the whole batch from what it returned per micro-batch: tensors whose dim 0
-    is the micro-batch joined along it (predictions, per-sample values), 0-d tensors and numbers averaged (a mean
-    loss; equal micro-batches make it the batch's mean), ``None`` kept, collections merged item by item, anything
-    else the first micro-batch's.
-
-    Example:
-        >>> merge_outputs([{"loss": torch.tensor(1.0), "y": torch.zeros(2)}, {"loss": torch.tensor(3.0),
-        ...                "y": torch.ones(2)}], 2)
-        {'loss': tensor(2.), 'y': tensor([0., 0., 1., 1.])}
-    """
-    first = outputs[0]
-    if isinstance(first, Tensor):
-        if first.dim() > 0 and first.shape[0] == micro_size:
-            return torch.cat(list(outputs))
-        if first.dim() == 0:
-            return torch.stack(list(outputs)).mean(dtype=first.dtype if first.is_floating_point() else None)
-        return first
-    if isinstance(first, bool) or first is None:
-        return first
-    if isinstance(first, (int, float)):
-        return sum(outputs) / len(outputs)
-    if isinstance(first, dict):
-        merged = {k: merge_outputs([o[k] for o in outputs], micro_size) for k in first}
-        return merged if type(first) is dict else type(first)(merged)
-    if isinstance(first, (list, tuple)):
-        items = [merge_outputs([o[i] for o in outputs], micro_size) for i in range(len(first))]
-        return type(first)(items) if not hasattr(first, "_fields") else type(first)(*items)  # (a namedtuple)
-    return first
 
 
 class Pipeline:
@@ -358,12 +326,13 @@ class Pipeline:
                         finish: Callable[[Any], Any] = lambda out: out, optimizers: Sequence[Any] = ()) -> Any:
         """Run the user's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``) on the batch stage by stage:
         forward only, under the schedule's micro-batches, each rank running its stages' blocks with its own
-        parameters (the other stages' stay freed). On the last stage the step runs to its end: what it logs is
-        recorded per micro-batch, the metrics it updates change there, and ``finish`` (the strategy's conversion of
-        DTensors and vocab-sharded logits) is applied to what it returns. Then one object broadcast over PP gives every
-        rank the merged output (:func:`merge_outputs`), the logged values (averaged over micro-batches, as training
-        logs; a logged ``Metric`` by name) and what the step added to each metric (:class:`MetricUpdates`), and every
-        rank logs them: what ``self.log``, metrics, callbacks and prediction writers see is one process's."""
+        parameters (the other stages' stay freed). The last stage keeps its blocks' output of each micro-batch and
+        runs the rest of the step (head, loss, metrics, ``self.log``) once on the whole batch
+        (:meth:`~lightning_dpmp.parallel.pipeline.PipelineRunner.evaluate`): what it logs is recorded, the metrics it
+        updates change there, and ``finish`` (the strategy's conversion of DTensors and vocab-sharded logits) is
+        applied to what it returns. Then one object broadcast over PP gives every rank that output, the logged values
+        (a logged ``Metric`` by name) and what the step added to each metric (:class:`MetricUpdates`), and every rank
+        logs them: what ``self.log``, metrics, callbacks and prediction writers see is one process's."""
         from lightning_dpmp.integration.metrics import MetricUpdates
 
         self.stage(optimizers)
@@ -390,12 +359,10 @@ class Pipeline:
 
         self._check_eval_stream(batch_shapes(batch), hook, micro[0], micro_size,
                                 recorded(_LogRecorder({id(m): n for n, m in metrics.metrics.items()})))
-        outputs = self.runner.evaluate(micro, micro_size, recorded(recorder))
+        mine, out = self.runner.evaluate(micro, micro_size, recorded(recorder), batch)
         last = (self.config.stages - 1) % self.grid.pp
-        mine = self.grid.pp_rank == last
         box: list[Any] = [None]
         if mine:
-            out = merge_outputs(outputs, micro_size)
             logged = [(n, v, _portable(k, self.grid)) for n, v, k in recorder.averaged()]
             box = [(apply_to_collection(out, Tensor, lambda t: t.detach().cpu()), logged, metrics.taken())]
         dist.broadcast_object_list(box, group=self.grid.pp_group, group_src=last)

@@ -165,9 +165,19 @@ class PipelineRunner:
 
     @contextmanager
     def _stand_ins(self, stage: int, received: Optional[Tensor],
-                   bounds: Optional[tuple[int, int]] = None) -> Iterator[None]:
+                   bounds: Optional[tuple[int, int]] = None, keep_last: bool = False) -> Iterator[None]:
         start, end = bounds or self.ranges[stage]
         saved: list[tuple[nn.Module, Any]] = []
+        if keep_last and end == len(self.blocks):  # evaluation: the last block's output ends the stage's work
+            last = self.blocks[end - 1]
+            own_forward = last.forward  # (its own code runs: hooks that gather or count its parameters still do)
+
+            def capturing(*args: Any, **kwargs: Any) -> Any:
+                out = own_forward(*args, **kwargs)
+                raise _StageExit(out if isinstance(out, Tensor) else out[0])
+
+            saved.append((last, last.__dict__.get("forward")))
+            last.forward = capturing
 
         def passing(*args: Any, **kwargs: Any) -> Any:
             return self._as_output(self._stream_arg(args, kwargs))
@@ -225,16 +235,22 @@ class PipelineRunner:
             index = int(inputs[0].reshape(-1)[0])
         received = inputs[0] if stage > 0 else None
         assert self._step_fn is not None
-        with self._stand_ins(stage, received):
+        keep = self._outputs is not None and stage == self.n_stages - 1
+        with self._stand_ins(stage, received, keep_last=keep):
             try:
                 loss = self._step_fn(self._micro[index])
             except _StageExit as done:
-                return done.activation
-        if stage != self.n_stages - 1:
-            raise RuntimeError(f"pipeline stage {stage}: the step ended without reaching block {self.ranges[stage][1]}")
-        if self._outputs is not None:  # evaluation: the step's own output stays here; the schedule sends nothing on
-            self._outputs[index] = loss
-            return torch.zeros((), dtype=self.stream_dtype, device=self.device)
+                if not keep:
+                    return done.activation
+                # evaluation: the last block's output stays here (the rest of the step runs once, on the whole
+                # batch: evaluate); the schedule sends nothing on
+                assert self._outputs is not None
+                self._outputs[index] = done.activation.detach()
+                return torch.zeros((), dtype=self.stream_dtype, device=self.device)
+        if stage != self.n_stages - 1 or keep:
+            end = self.ranges[stage][1]
+            raise RuntimeError(f"pipeline stage {stage}: the step ended without reaching block "
+                               f"{end if end < len(self.blocks) else end - 1}'s end")
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             raise TypeError(f"under pipeline parallelism the step must return a scalar loss tensor, got {loss!r}")
         self.losses.append(loss.detach())
@@ -308,10 +324,14 @@ class PipelineRunner:
                 return tuple(done.activation.shape)
         raise RuntimeError("the step ended without calling the first block of the stack")
 
-    def evaluate(self, micro: list[Any], micro_size: int, step_fn: Callable[[Any], Any]) -> list[Any]:
-        """The forward of every micro-batch (``micro_size`` rows each) through the pipeline, no backward: the
-        activations cross the stages as in :meth:`step`, and the last stage keeps what ``step_fn`` returned (any
-        object). Returns those outputs in micro-batch order on the rank holding the last stage, ``[]`` elsewhere."""
+    def evaluate(self, micro: list[Any], micro_size: int, step_fn: Callable[[Any], Any], batch: Any
+                 ) -> tuple[bool, Any]:
+        """The forward of every micro-batch (``micro_size`` rows each, cut from ``batch``) through the blocks of the
+        pipeline, no backward: the activations cross the stages as in :meth:`step`. The last stage keeps its last
+        block's output per micro-batch; then, on its rank, ``step_fn`` runs once on the whole ``batch`` with every
+        block stood in and the joined outputs entering after the last one, so the code after the stack (head, loss,
+        metrics, logging) runs once per batch, as on one process. Returns ``(True, what step_fn returned)`` on the
+        rank holding the last stage, ``(False, None)`` elsewhere."""
         key = (len(micro), micro_size)
         schedule = self._eval_schedules.get(key)
         if schedule is None:
@@ -324,4 +344,9 @@ class PipelineRunner:
             outputs = self._outputs
         finally:
             self._micro, self._step_fn, self._outputs = [], None, None
-        return [outputs[i] for i in range(len(micro))] if self.n_stages - 1 in self.my_stages else []
+        if self.n_stages - 1 not in self.my_stages:
+            return False, None
+        stream = torch.cat([outputs[i] for i in range(len(micro))])
+        n = len(self.blocks)
+        with self._stand_ins(self.n_stages - 1, stream, bounds=(n, n)):
+            return True, step_fn(batch)

@@ -1,10 +1,9 @@
-"""Stage-by-stage evaluation's pieces in one process: merging micro-batch outputs, micro-batches of a short batch,
+"""Stage-by-stage evaluation's pieces in one process: micro-batches of a short batch,
 metric updates taken on one copy of a module and given to another, and metrics silenced for a meta-tensor probe."""
 
 from __future__ import annotations
 
 import copy
-from collections import namedtuple
 
 import pytest
 import torch
@@ -12,24 +11,8 @@ from torch import nn
 from torchmetrics.aggregation import CatMetric, MeanMetric, SumMetric
 
 from lightning_dpmp.integration.metrics import MetricUpdates, shapes_only
-from lightning_dpmp.integration.pipeline import evaluation_microbatches, merge_outputs
+from lightning_dpmp.integration.pipeline import evaluation_microbatches
 from lightning_dpmp.parallel.pipeline import PipelineRunner
-
-
-def test_merge_outputs_joins_rows_averages_scalars_and_keeps_structure():
-    Pair = namedtuple("Pair", "index sums")
-    first = Pair(torch.tensor([0, 1]), torch.ones(2, 3))
-    second = Pair(torch.tensor([2, 3]), torch.zeros(2, 3))
-    outs = [{"loss": torch.tensor(1.0), "rows": torch.arange(2.0), "pair": first, "n": 2, "name": "a", "none": None},
-            {"loss": torch.tensor(3.0), "rows": torch.arange(2.0) + 2, "pair": second, "n": 4, "name": "b",
-             "none": None}]
-    merged = merge_outputs(outs, 2)
-    assert merged["loss"].item() == 2.0 and merged["n"] == 3.0 and merged["name"] == "a" and merged["none"] is None
-    assert torch.equal(merged["rows"], torch.arange(4.0))
-    assert isinstance(merged["pair"], Pair) and torch.equal(merged["pair"].index, torch.arange(4))
-    assert merged["pair"].sums.shape == (4, 3)
-    assert merge_outputs([None, None], 2) is None
-    assert torch.equal(merge_outputs([torch.ones(5), torch.zeros(5)], 2), torch.ones(5))  # not a per-row tensor
 
 
 def test_a_short_batch_is_cut_into_the_most_equal_micro_batches():
