@@ -19,10 +19,11 @@ torch's schedule, and what the rest of the strategy needs around it.
 * **ZeRO** (:meth:`Pipeline.attach_engine`): the engine's buckets never mix stages; each rank gathers and
   reduce-scatters its own stages' buckets only (zero=1/2: once per step, after the schedule), the shards of a
   bucket read on several stages are summed over PP, and a stage sync sends DP shards.
-* **Evaluation** (:meth:`Pipeline.evaluation_step`): ``validation_step``, ``test_step`` and ``predict_step`` run
-  like a training step, per micro-batch and stage, forward only, each rank holding its stages' parameters only;
-  what the last stage logs, adds to metrics and returns reaches every rank in one broadcast per batch, so logging,
-  metrics, callbacks and prediction writers see what one process sees. Outside ``fit`` the stages are planned from
+* **Evaluation** (:meth:`Pipeline.evaluation_step`): ``validation_step``, ``test_step`` and ``predict_step`` pass
+  the micro-batches through the stages' blocks, forward only, each rank holding its stages' parameters only; the
+  last stage runs the rest of the step once on the whole batch, and what it logs, adds to metrics and returns
+  reaches every rank in one broadcast per batch, so logging, metrics, callbacks and prediction writers see what one
+  process sees. Outside ``fit`` the stages are planned from
   the first batch of the run's own step.
 * **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the module's structure, but only its stages' parameters
   train there. Before teardown, the consistency guard or (under ZeRO) a checkpoint, each rank broadcasts the

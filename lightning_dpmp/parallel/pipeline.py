@@ -21,8 +21,9 @@ parameters of blocks a stage does not own get no gradient there.
 looping: stage ``s`` lives on pipeline rank ``s % pp``) with static shapes (no shape exchange), and the schedule:
 ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``. Activations and their gradients cross stages as
 point-to-point sends on the PP group: ``2 * (stages - 1) * microbatches`` per step. :meth:`PipelineRunner.evaluate`
-runs the forwards only (``ScheduleGPipe`` without a loss; ``ScheduleLoopedBFS`` for several stages per rank), and the
-last stage keeps whatever the step returned: ``stages - 1`` sends per micro-batch.
+runs the forwards only (``ScheduleGPipe`` without a loss; ``ScheduleLoopedBFS`` for several stages per rank): the
+last stage keeps its last block's output per micro-batch, and the rest of the step runs once on the whole batch
+(``stages - 1`` sends per micro-batch).
 
 Example:
     >>> runner = PipelineRunner(blocks, ranges, profile, grid.pp_group, grid.pp_rank, grid.pp,
