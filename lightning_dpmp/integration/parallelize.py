@@ -63,6 +63,7 @@ from torch import nn
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
+from lightning_dpmp.integration.metrics import shapes_only
 from lightning_dpmp.integration.pipeline import (
     Pipeline,
     check_pipeline_at_setup,
@@ -329,18 +330,21 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
 
 def plan_pipeline(trainer: Any, module: Any, grid: Any, device: torch.device, plugin: Any, meta: bool
                   ) -> tuple[StackProfile, frozenset, Any]:
-    """Step 0 (fitting, ``pp > 1``), before the split: probe the first batch's training step on the dense model (on
-    meta tensors for a meta model) and check that it can be cut into stages. Returns the probe's profile and, for a
-    meta model, the names of the parameters this rank's stages never read: the split initialises them and frees
-    their storage at once, so that no rank ever holds more than its stages and one module; and the probed batch."""
+    """Step 0 (``pp > 1``), before the split: probe the first batch's step (the run's own: training, validation, test
+    or predict) on the dense model (on meta tensors for a meta model) and check that it can be cut into stages.
+    Returns the probe's profile and, for a meta model, the names of the parameters this rank's stages never read:
+    the split initialises them and frees their storage at once, so that no rank ever holds more than its stages and
+    one module; and the probed batch."""
     lm, config = module, grid.topology
-    check_pipeline_at_setup(trainer, lm)
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:  # (evaluation runs no backward: any optimization and precision can be evaluated stage by stage)
+        check_pipeline_at_setup(trainer, lm)
     batch, _ = first_batch(trainer, lm, grid.rank)  # (rank 0 reads, every rank receives: the same probe everywhere)
     if batch is None:
-        raise RuntimeError("DPMPStrategy(pp > 1) plans its stages from the first training batch; the train "
-                           "dataloader gave none.")
+        raise RuntimeError(f"DPMPStrategy(pp > 1) plans its stages from the first batch of the run; the "
+                           f"{trainer.state.fn} dataloader gave none.")
     run = step_runner(trainer, lm, plugin, device, batch, meta)
-    with isolated(lm):
+    with isolated(lm), shapes_only(lm) if meta else nullcontext():
         profile = probe_pipeline(lm, run, batch, config)
     if not meta:
         return profile, frozenset(), batch
@@ -412,7 +416,8 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
     """
     fitting = trainer.state.fn == TrainerFn.FITTING
     topology = grid.topology
-    profile, free, batch = plan_pipeline(trainer, module, grid, device, plugin, meta) if fitting and grid.pp > 1 else (
+    # with pp > 1 every run is staged, evaluation too: planned from the first batch of the run's own step
+    profile, free, batch = plan_pipeline(trainer, module, grid, device, plugin, meta) if grid.pp > 1 else (
         None, frozenset(), None)
     split = plan_and_split(trainer, module, grid, device, plugin, config, meta, mesh, free, batch, layout_report)
     route_metrics(model, grid.dp_group)
@@ -420,13 +425,13 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
     compiled = compile_model(module, config.compile)
     engine = pipeline = None
     optimizers: Optional[list[Any]] = None
+    if profile is not None:  # the stages, over the split model
+        pipeline = Pipeline(module, profile, grid, device, batch,
+                            sequence_parallel=split.applied_plan.plan.sequence is not None)
+        split.applied_plan.text += "\n" + pipeline.text()
+        rank_zero_info(pipeline.text())
     if fitting:
-        if profile is not None:  # the stages, over the split model
-            pipeline = Pipeline(module, profile, grid, device, batch,
-                                sequence_parallel=split.applied_plan.plan.sequence is not None)
-            split.applied_plan.text += "\n" + pipeline.text()
-            rank_zero_info(pipeline.text())
-        elif grid.dp > 1 and topology.zero == 0 and split.params is None:
+        if pipeline is None and grid.dp > 1 and topology.zero == 0 and split.params is None:
             wrap_dp(configure_ddp, ddp_kwargs, grid, bool(split.applied_plan.conditional))
         optimizers, scheduler_configs = setup_optimizers()
         if split.params is not None:  # they step the local shards: plain tensors, no DTensor dispatch per op
@@ -462,6 +467,8 @@ def unparallelize(module: Optional[nn.Module], optimizers: list[Any], scheduler_
         parallel.params = parallel.bridge = None  # a save after fit reads the module as teardown leaves it
     if parallel.pipeline is not None and not failed:
         parallel.pipeline.sync(optimizers)  # every rank the trained model before gathering it
+    if parallel.pipeline is not None:
+        parallel.pipeline.active = False  # (a save after fit writes the module teardown leaves, not the stages)
     if parallel.engine is not None and not failed:
         if consolidate and module is not None:  # each bucket straight into the dense model: nobody holds it whole
             optimizers = consolidate_engine(module, grid, parallel.engine, optimizers, scheduler_configs,

@@ -19,10 +19,16 @@ torch's schedule, and what the rest of the strategy needs around it.
 * **ZeRO** (:meth:`Pipeline.attach_engine`): the engine's buckets never mix stages; each rank gathers and
   reduce-scatters its own stages' buckets only (zero=1/2: once per step, after the schedule), the shards of a
   bucket read on several stages are summed over PP, and a stage sync sends DP shards.
-* **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the whole (MP-split) model, but only its stages' parameters
-  train there. Before a validation, test or prediction run, a checkpoint or teardown, each rank broadcasts the
-  parameters (and optimizer state) it owns to its PP group, and then every rank holds the trained model: evaluation
-  runs without the pipeline, and both checkpoint formats are written as without it, so they load into any layout.
+* **Evaluation** (:meth:`Pipeline.evaluation_step`): ``validation_step``, ``test_step`` and ``predict_step`` pass
+  the micro-batches through the stages' blocks, forward only, each rank holding its stages' parameters only; the
+  last stage runs the rest of the step once on the whole batch, and what it logs, adds to metrics and returns
+  reaches every rank in one broadcast per batch, so logging, metrics, callbacks and prediction writers see what one
+  process sees. Outside ``fit`` the stages are planned from
+  the first batch of the run's own step.
+* **Stage sync** (:meth:`Pipeline.sync`): every rank keeps the module's structure, but only its stages' parameters
+  train there. Before teardown, the consistency guard or (under ZeRO) a checkpoint, each rank broadcasts the
+  parameters (and optimizer state) it owns to its PP group, and then every rank holds the trained model. Without
+  ZeRO a checkpoint is written from the stages (each tensor by its :attr:`Pipeline.owner`), nothing synced.
 
 Example:
     >>> topology = Topology(dp=1, mp=2, pp=2, microbatches=4)
@@ -66,6 +72,7 @@ from lightning_dpmp.planner.stages import (
 __all__ = [
     "Pipeline",
     "batch_shapes",
+    "evaluation_microbatches",
     "check_batch_shapes",
     "check_pipeline_at_setup",
     "kept_everywhere",
@@ -91,12 +98,16 @@ def check_pipeline_at_setup(trainer: Any, module: Any) -> None:
 class _LogRecorder:
     """``self.log``/``self.log_dict`` of the module, recorded per micro-batch instead of logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Optional[Mapping[int, str]] = None) -> None:
         self.records: list[tuple[str, Any, dict[str, Any]]] = []
+        self.metrics = metrics  # evaluation: id(Metric) -> its name in the module (a logged Metric is kept by name)
 
     @contextmanager
     def recording(self, module: nn.Module) -> Iterator[None]:
         def log(name: str, value: Any, **kwargs: Any) -> None:
+            if self.metrics is not None and id(value) in self.metrics:
+                self.records.append((name, _MetricRef(self.metrics[id(value)]), kwargs))
+                return
             if not isinstance(value, (Tensor, int, float)):
                 raise TypeError(f"under pipeline parallelism training_step logs values (tensors, numbers), not "
                                 f"{type(value).__name__} ({name!r}): log a torchmetrics Metric from validation_step, "
@@ -126,11 +137,23 @@ class _LogRecorder:
             values.setdefault(name, [[], kwargs])[0].append(value)
         out: list[tuple[str, Any, dict[str, Any]]] = []
         for name, (seen, kwargs) in values.items():
-            if all(isinstance(v, Tensor) for v in seen):
+            if isinstance(seen[0], _MetricRef):  # the metric itself: its state holds every micro-batch
+                out.append((name, seen[0], kwargs))
+            elif all(isinstance(v, Tensor) for v in seen):
                 out.append((name, torch.stack([v.reshape(()) for v in seen]).mean().cpu(), kwargs))
             else:
                 out.append((name, sum(float(v) for v in seen) / len(seen), kwargs))
         return out
+
+
+class _MetricRef(str):
+    """A torchmetrics ``Metric`` logged by an evaluation step: its name in the module (every rank has its own copy)."""
+
+
+def evaluation_microbatches(rows: int, microbatches: int) -> int:
+    """Micro-batches of an evaluation batch of ``rows`` rows: ``microbatches`` when it divides them, else the
+    largest divisor of ``rows`` below it (a last, shorter batch is evaluated, not refused as in training)."""
+    return max(n for n in range(1, min(rows, microbatches) + 1) if rows % n == 0)
 
 
 class Pipeline:
@@ -194,6 +217,8 @@ class Pipeline:
         self.local_buckets: list[Bucket] = []
         self.remote_buckets: list[Bucket] = []
         self.shared_shards: list[nn.Parameter] = []
+        self._eval_streams: set[Any] = set()  # (hook, batch shapes) whose stream evaluation checked
+        self.active = True  # until teardown: the stages hold the model (checkpoints are written from them)
 
     def attach_engine(self, engine: ZeroEngine) -> None:
         """ZeRO over the DP group (built after the stages, with :attr:`keys` as its ``stage_of``, so no bucket mixes
@@ -296,6 +321,89 @@ class Pipeline:
         for name, value, kwargs in logged:
             module.log(name, value, **_local(kwargs, self.grid))
         return loss
+
+    def evaluation_step(self, module: Any, hook: str, args: Sequence[Any], step_kwargs: Mapping[str, Any],
+                        step_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+                        finish: Callable[[Any], Any] = lambda out: out, optimizers: Sequence[Any] = ()) -> Any:
+        """Run the user's ``hook`` (``validation_step``, ``test_step`` or ``predict_step``) on the batch stage by stage:
+        forward only, under the schedule's micro-batches, each rank running its stages' blocks with its own
+        parameters (the other stages' stay freed). The last stage keeps its blocks' output of each micro-batch and
+        runs the rest of the step (head, loss, metrics, ``self.log``) once on the whole batch
+        (:meth:`~lightning_dpmp.parallel.pipeline.PipelineRunner.evaluate`): what it logs is recorded, the metrics it
+        updates change there, and ``finish`` (the strategy's conversion of DTensors and vocab-sharded logits) is
+        applied to what it returns. Then one object broadcast over PP gives every rank that output, the logged values
+        (a logged ``Metric`` by name) and what the step added to each metric (:class:`MetricUpdates`), and every rank
+        logs them: what ``self.log``, metrics, callbacks and prediction writers see is one process's."""
+        from lightning_dpmp.integration.metrics import MetricUpdates
+
+        self.stage(optimizers)
+        in_kwargs = not args
+        batch = step_kwargs["batch"] if in_kwargs else args[0]
+        tensors = _tensors(batch)
+        if not tensors:
+            raise ValueError(f"DPMPStrategy(pp > 1): {hook} runs stage by stage on micro-batches cut along dim 0; "
+                             f"this batch holds no tensor")
+        rows = int(tensors[0].shape[0])
+        micro = split_microbatches(batch, evaluation_microbatches(rows, self.config.microbatches))
+        micro_size = rows // len(micro)
+        metrics = MetricUpdates(module)
+        recorder = _LogRecorder({id(m): n for n, m in metrics.metrics.items()})
+        step = getattr(module, hook)
+
+        def recorded(into: _LogRecorder) -> Callable[[Any], Any]:
+            def step_fn(mb: Any) -> Any:
+                with into.recording(module), step_context():
+                    out = step(**{**step_kwargs, "batch": mb}) if in_kwargs else step(mb, *args[1:], **step_kwargs)
+                return finish(out)
+
+            return step_fn
+
+        self._check_eval_stream(batch_shapes(batch), hook, micro[0], micro_size,
+                                recorded(_LogRecorder({id(m): n for n, m in metrics.metrics.items()})))
+        mine, out = self.runner.evaluate(micro, micro_size, recorded(recorder), batch)
+        last = (self.config.stages - 1) % self.grid.pp
+        box: list[Any] = [None]
+        if mine:
+            logged = [(n, v, _portable(k, self.grid)) for n, v, k in recorder.averaged()]
+            box = [(apply_to_collection(out, Tensor, lambda t: t.detach().cpu()), logged, metrics.taken())]
+        dist.broadcast_object_list(box, group=self.grid.pp_group, group_src=last)
+        received, logged, taken = box[0]
+        if not mine:
+            metrics.give(taken)
+            out = apply_to_collection(received, Tensor, lambda t: t.to(self.device))
+        for name, value, kwargs in logged:
+            if isinstance(value, _MetricRef):
+                value = module.get_submodule(str(value))
+            elif isinstance(value, Tensor):
+                value = value.to(self.device)
+            module.log(name, value, **_local(kwargs, self.grid))
+        return out
+
+    def _check_eval_stream(self, shapes: list[tuple[int, ...]], hook: str, first: Any, micro_size: int,
+                           step_fn: Callable[[Any], Any]) -> None:
+        """Raise ``ValueError`` on every rank of the pipeline when an evaluation batch would send the stages another
+        stream shape than the one they were planned with (a receiving stage would wait for bytes that never come).
+        An evaluation batch may hold other tensors than a training batch (an index, a mask), so the stream itself is
+        checked: once per new set of batch shapes, the first stage runs the code before the stack on one
+        micro-batch and broadcasts the stream's shape over PP (a few integers)."""
+        key = (hook, tuple(shapes))
+        if key in self._eval_streams:
+            return
+        planned = (micro_size,) + tuple(self.runner.stream_shape[1:])
+        shape = torch.full((len(planned) + 1,), -1, dtype=torch.long, device=self.device)
+        if 0 in self.runner.my_stages:  # (what it logs or updates on the way is thrown away: the step runs later)
+            got = self.runner.stream_shape_of(first, step_fn)
+            shape[0] = len(got)
+            shape[1:1 + min(len(got), len(planned))] = torch.tensor(got[:len(planned)])
+        dist.broadcast(shape, group=self.grid.pp_group, group_src=0)
+        rank = int(shape[0])
+        got_shape = tuple(shape[1:1 + rank].tolist()) + ("...",) * max(0, rank - len(planned))
+        if got_shape != planned:
+            raise ValueError(
+                f"DPMPStrategy(pp > 1): {hook} would pass the stages a stream of shape {got_shape} per micro-batch "
+                f"(batch tensors {shapes}); the stages were planned for {planned}. Evaluate on batches padded to "
+                f"the training sequence length.")
+        self._eval_streams.add(key)
 
     _logged_layout: Optional[list[Any]] = None  # what the last stage logged last step: names, arguments, dtypes
 

@@ -37,6 +37,7 @@ from lightning_dpmp.checkpoint.weights import defer_loading, note_deferring_stra
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autolayout import choose_layout
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
+from lightning_dpmp.integration.data_path import trainer_of
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized, parallelize, unparallelize
@@ -244,9 +245,9 @@ class DPMPStrategy(GridStrategy):
 
     def sync_stages(self, with_state: bool = True) -> None:
         """With a pipeline: every rank gets the parameters (and with ``with_state`` the optimizer state) trained on
-        the other stages (collective; nothing to do when no step ran since the last sync). Evaluation (parameters
-        only), checkpoints and teardown call it; call it yourself before reading another stage's parameters while
-        training."""
+        the other stages (collective; nothing to do when no step ran since the last sync). Checkpoints under ZeRO,
+        the consistency guard and teardown call it (evaluation and other checkpoints run stage by stage); call it
+        yourself before reading another stage's parameters while training."""
         if self.pipeline is not None and not self._failed:
             self.pipeline.sync(self.optimizers, with_state)
 
@@ -454,37 +455,62 @@ class DPMPStrategy(GridStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    # With a pipeline, evaluation runs stage by stage (Pipeline.evaluation_step): each rank keeps its stages'
+    # parameters only, the others' stay (or are) freed, as while training.
     @override
     def on_validation_start(self) -> None:
-        self.sync_stages(with_state=False)
+        self._stage_for_evaluation()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
-        self.sync_stages(with_state=False)
+        self._stage_for_evaluation()
         super().on_test_start()
 
     @override
     def on_predict_start(self) -> None:
-        self.sync_stages(with_state=False)
+        self._stage_for_evaluation()
         super().on_predict_start()
+
+    def _stage_for_evaluation(self) -> None:
+        if self.pipeline is not None and not self._failed:
+            self.pipeline.stage(self._fitting_optimizers())
+
+    def _fitting_optimizers(self) -> list[Any]:
+        """The optimizers whose state of the other stages' parameters a stage drops: while fitting (as its training
+        steps do). A later validate/test/predict leaves the fit's optimizers alone (teardown may have given this rank
+        their whole state)."""
+        trainer = trainer_of(self.lightning_module)
+        return list(self.optimizers) if trainer is not None and trainer.state.fn == TrainerFn.FITTING else []
+
+    def _pipelined(self, hook: str, context: Any, finish: Any, args: Any, kwargs: Any) -> Any:
+        assert self.pipeline is not None
+        with self._in_step():
+            return self.pipeline.evaluation_step(self.lightning_module, hook, args, kwargs, context, finish,
+                                                 self._fitting_optimizers())
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.pipeline is not None:
+            return self._pipelined("validation_step", self.precision_plugin.val_step_context, _plain_output, args,
+                                   kwargs)
         with self._in_step():
-            return apply_to_collection(super().validation_step(*args, **kwargs), DTensor, plain_value)
+            return _plain_output(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.pipeline is not None:
+            return self._pipelined("test_step", self.precision_plugin.test_step_context, _plain_output, args, kwargs)
         with self._in_step():
-            return apply_to_collection(super().test_step(*args, **kwargs), DTensor, plain_value)
+            return _plain_output(super().test_step(*args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            return self._pipelined("predict_step", self.precision_plugin.predict_step_context, _predictions, args,
+                                   kwargs)
         with self._in_step():
-            out = super().predict_step(*args, **kwargs)
-        out = apply_to_collection(out, DTensor, plain_value)
-        return apply_to_collection(out, VocabShardedLogits, lambda t: t.full())  # predictions are never MP shards
+            return _predictions(super().predict_step(*args, **kwargs))
 
     @contextmanager
     @override
@@ -554,7 +580,10 @@ class DPMPStrategy(GridStrategy):
     # Each checkpoint hook hands the call to the StrategyCheckpointer, with Lightning's arguments and defaults.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.sync_stages()  # (the first thing a checkpoint asks for: the optimizer state is synced with it)
+        # (the first thing a checkpoint asks for) a pipeline's stages write their own parameters and optimizer
+        # state; under ZeRO they are synced first, with the optimizer state
+        if not self.checkpointer.stages_write():
+            self.sync_stages()
         with self._local():
             return self.checkpointer.module_state_dict()
 
@@ -601,3 +630,13 @@ class DPMPStrategy(GridStrategy):
                 "dpmp_spawn", cls, description="DPMPStrategy with the spawn launcher", start_method="spawn"
             )
 
+
+
+def _plain_output(out: Any) -> Any:
+    """What an evaluation step returns, DTensors as the plain values one process holds."""
+    return apply_to_collection(out, DTensor, plain_value)
+
+
+def _predictions(out: Any) -> Any:
+    """Predictions as one process holds them: never DTensors, never MP shards of the logits."""
+    return apply_to_collection(_plain_output(out), VocabShardedLogits, lambda t: t.full())

@@ -12,7 +12,9 @@ consolidated save gathers one bucket (one unit) over DP at a time and one dense 
 sharded save writes each rank's chunks of its shards as they are; loads copy each tensor's slices straight into
 the shards (a sharded folder is read into them in place). No rank holds more than its shards plus one unit's
 gathered copy and one dense tensor. Under ZeRO, checkpoints hold the state as without ZeRO (per-parameter AdamW
-moments under the dense names), so both formats resume into any (dp, mp, zero).
+moments under the dense names), so both formats resume into any (dp, mp, zero). With a pipeline (without ZeRO)
+each parameter and its optimizer state are written from the pipeline rank that owns it: nothing is synced, and a
+later stage sends each dense tensor of a consolidated file to global rank 0 as it is written.
 
 Example:
     >>> trainer.save_checkpoint("last.ckpt")                  # collective; rank 0 writes  # doctest: +SKIP
@@ -89,11 +91,22 @@ class StrategyCheckpointer:
         """Whether this rank gathers MP shards into dense tensors: consolidated saves, on the MP group of DP rank 0
         (and pipeline rank 0)."""
         grid = self.strategy.grid_or_none
-        # with a pipeline every stage holds the synced model: the first stage's MP group gathers
+        # with a pipeline under ZeRO every stage holds the synced model: the first stage's MP group gathers (without
+        # ZeRO each tensor's owning stage gathers it: _from_stage)
         return grid is not None and not self.distributed and grid.dp_rank == 0 and grid.pp_rank == 0
 
     def _engine(self) -> Any:
         return getattr(self.strategy, "zero_engine", None)
+
+    def _stages(self) -> Any:
+        """The pipeline when checkpoints are written from the stages (``pp > 1`` without ZeRO; under ZeRO the stages
+        are synced first), else ``None``."""
+        pipeline = getattr(self.strategy, "pipeline", None)
+        return pipeline if pipeline is not None and pipeline.active and self._engine() is None else None
+
+    def stages_write(self) -> bool:
+        """Whether a save now is written from the stages, nothing synced (the strategy asks before a save)."""
+        return self._stages() is not None
 
     def _plain(self, optimizer: Any) -> Any:
         """``optimizer`` as without ZeRO (the same class over the module's parameters, without state: for the
@@ -118,11 +131,17 @@ class StrategyCheckpointer:
         state = lm.state_dict(keep_vars=True)  # parameters themselves: the engine knows them by identity
         made: dict[int, Tensor] = {}  # tied or aliased parameters: one held tensor under each of their keys
         out: dict[str, Any] = {}
+        stages = self._stages()
         for key, v in state.items():
             if not isinstance(v, Tensor):
                 out[key] = v
                 continue
-            if id(v) not in made:
+            owner = stages.owner.get(id(v)) if stages is not None else None
+            if id(v) not in made and owner is not None:  # a parameter, written from the stage that owns it
+                dim, b = dims.get(key), blocks.get(key, 1)
+                made[id(v)] = self._from_stage(v.detach(), dim, b, owner,
+                                               dense_param_shape(v, dim, self.strategy.mp, b))
+            elif id(v) not in made:
                 made[id(v)] = self._held_tensor(v, engine, dims.get(key), blocks.get(key, 1), None)
             out[key] = made[id(v)]
         return out
@@ -170,10 +189,79 @@ class StrategyCheckpointer:
 
         return fetch
 
+    def _from_stage(self, value: Tensor, dim: Optional[int], blocks: Any, owner: int,
+                    dense_shape: tuple[int, ...]) -> Tensor:
+        """``value`` (a parameter or its optimizer state, MP-local) written from the pipeline rank ``owner`` that
+        owns it: in the sharded format, ``value`` on the owner's ranks and a meta tensor (no chunk) elsewhere, so
+        each stage writes its own; in the consolidated format a held tensor that the owner's DP-row-0 MP group
+        gathers and, from a later stage, sends to global rank 0 over the PP group (one point-to-point send)."""
+        grid = self.strategy.grid
+        here = grid.pp_rank == owner
+        if self.distributed:
+            return value if here else torch.empty(value.shape, dtype=value.dtype, device="meta")
+
+        def fetch() -> Optional[Tensor]:
+            if grid.dp_rank != 0:
+                return None
+            dense = None
+            if here:
+                dense = (gather_to_first(value, grid.mp_group, dim, blocks) if dim is not None
+                         else value.detach().cpu().clone() if grid.mp_rank == 0 else None)
+            if owner == 0 or grid.mp_rank != 0:
+                return dense
+            if here:
+                assert dense is not None
+                dist.send(dense.contiguous(), group=grid.pp_group, group_dst=0)
+                return None
+            if grid.pp_rank != 0:
+                return None
+            received = torch.empty(dense_shape, dtype=value.dtype)
+            dist.recv(received, group=grid.pp_group, group_src=owner)
+            return received
+
+        return held(dense_shape, value.dtype, Held(fetch=fetch))
+
+    def _stage_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any], stages: Any) -> dict[str, Any]:
+        """Lightning's ``state`` of ``optimizer`` with each parameter's entry from the stage that owns it: this rank's
+        own entries as they are, the others' described by their owners (one ``all_gather_object`` over PP of keys,
+        shapes and non-tensor values, no tensor data) and written from there (:meth:`_from_stage`)."""
+        st = self.strategy
+        grid = st.grid
+        inner = compat.unwrap_optimizer(optimizer)
+        params = [p for g in inner.param_groups for p in g["params"]]
+        dims = optimizer_param_dims(inner, st.lightning_module)
+        blocks = optimizer_param_blocks(inner, st.lightning_module)
+        mine = {idx: per for idx, per in state.get("state", {}).items()
+                if stages.owner.get(id(params[idx])) == grid.pp_rank}
+        described = {idx: {k: (tuple(v.shape), str(v.dtype).split(".")[-1]) if isinstance(v, Tensor) else ("value", v)
+                           for k, v in per.items()} for idx, per in mine.items()}
+        every: list[Any] = [None] * grid.pp
+        dist.all_gather_object(every, described, group=grid.pp_group)
+        out: dict[int, dict[str, Any]] = {}
+        for idx in sorted({i for d in every for i in d}):
+            p = params[idx]
+            owner = stages.owner[id(p)]
+            per: dict[str, Any] = {}
+            for key, (shape, kind) in every[owner][idx].items():
+                if shape == "value":
+                    per[key] = kind
+                    continue
+                value = mine[idx][key] if owner == grid.pp_rank else torch.empty(shape, dtype=getattr(torch, kind),
+                                                                                 device="meta")
+                split = dims[idx] is not None and tuple(shape) == tuple(p.shape)
+                dim = dims[idx] if split else None
+                dense = dense_param_shape(p, dim, st.mp, blocks[idx]) if split else tuple(shape)
+                per[key] = self._from_stage(value, dim, blocks[idx], owner, dense)
+            out[idx] = per
+        return {**state, "state": out}
+
     def optimizer_state(self, optimizer: Optimizer, default: Callable[[Optimizer], dict[str, Any]]) -> dict[str, Any]:
         """The optimizer's state (``default``: Lightning's) as without ZeRO, its tensors held tensors as in
         :meth:`module_state_dict` (nothing gathered here)."""
         st, engine = self.strategy, self._engine()
+        stages = self._stages()
+        if stages is not None:
+            return self._stage_optimizer_state(optimizer, default(optimizer), stages)
         plain = self._plain(optimizer)
         inner = compat.unwrap_optimizer(plain)
         params = [p for g in inner.param_groups for p in g["params"]]

@@ -20,7 +20,10 @@ parameters of blocks a stage does not own get no gradient there.
 :class:`PipelineRunner` builds one ``PipelineStage`` per stage this rank holds (``stages_per_rank`` of them,
 looping: stage ``s`` lives on pipeline rank ``s % pp``) with static shapes (no shape exchange), and the schedule:
 ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``. Activations and their gradients cross stages as
-point-to-point sends on the PP group: ``2 * (stages - 1) * microbatches`` per step.
+point-to-point sends on the PP group: ``2 * (stages - 1) * microbatches`` per step. :meth:`PipelineRunner.evaluate`
+runs the forwards only (``ScheduleGPipe`` without a loss; ``ScheduleLoopedBFS`` for several stages per rank): the
+last stage keeps its last block's output per micro-batch, and the rest of the step runs once on the whole batch
+(``stages - 1`` sends per micro-batch).
 
 Example:
     >>> runner = PipelineRunner(blocks, ranges, profile, grid.pp_group, grid.pp_rank, grid.pp,
@@ -147,6 +150,10 @@ class PipelineRunner:
         self.losses: list[Tensor] = []
         self.pre_modules = list(pre_modules)
         self._scale = 1.0  # of each micro-batch's loss gradient, set per step
+        # forward-only schedules (evaluation): (micro-batches, micro-batch size) -> schedule, and what the step
+        # returned for each micro-batch on the last stage (None while training)
+        self._eval_schedules: dict[tuple[int, int], Any] = {}
+        self._outputs: Optional[dict[int, Any]] = None
 
     # ------------------------------------------------------------------ one stage of one micro-batch
     def _stream_arg(self, args: tuple, kwargs: dict) -> Tensor:
@@ -158,15 +165,34 @@ class PipelineRunner:
         return t if self.arity == 0 else (t,) + (None,) * (self.arity - 1)
 
     @contextmanager
-    def _stand_ins(self, stage: int, received: Optional[Tensor]) -> Iterator[None]:
-        start, end = self.ranges[stage]
+    def _stand_ins(self, stage: int, received: Optional[Tensor],
+                   bounds: Optional[tuple[int, int]] = None, keep_last: bool = False) -> Iterator[None]:
+        start, end = bounds or self.ranges[stage]
         saved: list[tuple[nn.Module, Any]] = []
+        if keep_last and end == len(self.blocks):  # evaluation: the last block's output ends the stage's work
+            last = self.blocks[end - 1]
+            own_forward = last.forward  # (its own code runs: hooks that gather or count its parameters still do)
+
+            def capturing(*args: Any, **kwargs: Any) -> Any:
+                out = own_forward(*args, **kwargs)
+                raise _StageExit(out if isinstance(out, Tensor) else out[0])
+
+            saved.append((last, last.__dict__.get("forward")))
+            last.forward = capturing
 
         def passing(*args: Any, **kwargs: Any) -> Any:
             return self._as_output(self._stream_arg(args, kwargs))
 
+        entered = [0]
+
         def entering(*args: Any, **kwargs: Any) -> Any:
             assert received is not None  # (stages after the first)
+            entered[0] += 1
+            if entered[0] > 1:  # the received activation is this micro-batch's one pass through the stack
+                raise RuntimeError(
+                    f"pipeline stage {stage}: the step ran the block stack more than once for one micro-batch (a "
+                    f"loop over the model, such as generation); a pipelined step passes each micro-batch through "
+                    f"the blocks once. Run such a step without pipeline stages (pp=1).")
             return self._as_output(received)
 
         def leaving(*args: Any, **kwargs: Any) -> Any:
@@ -210,38 +236,53 @@ class PipelineRunner:
             index = int(inputs[0].reshape(-1)[0])
         received = inputs[0] if stage > 0 else None
         assert self._step_fn is not None
-        with self._stand_ins(stage, received):
+        keep = self._outputs is not None and stage == self.n_stages - 1
+        with self._stand_ins(stage, received, keep_last=keep):
             try:
                 loss = self._step_fn(self._micro[index])
             except _StageExit as done:
-                return done.activation
-        if stage != self.n_stages - 1:
-            raise RuntimeError(f"pipeline stage {stage}: the step ended without reaching block {self.ranges[stage][1]}")
+                if not keep:
+                    return done.activation
+                # evaluation: the last block's output stays here (the rest of the step runs once, on the whole
+                # batch: evaluate); the schedule sends nothing on
+                assert self._outputs is not None
+                self._outputs[index] = done.activation.detach()
+                return torch.zeros((), dtype=self.stream_dtype, device=self.device)
+        if stage != self.n_stages - 1 or keep:
+            end = self.ranges[stage][1]
+            raise RuntimeError(f"pipeline stage {stage}: the step ended without reaching block "
+                               f"{end if end < len(self.blocks) else end - 1}'s end")
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             raise TypeError(f"under pipeline parallelism the step must return a scalar loss tensor, got {loss!r}")
         self.losses.append(loss.detach())
         return loss
 
     # ------------------------------------------------------------------ the schedule
-    def _build(self, micro_size: int) -> Any:
+    def _build(self, micro_size: int, forward_only: bool = False, microbatches: Optional[int] = None) -> Any:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleLoopedBFS,
         )
 
         shape = (micro_size,) + self.stream_shape[1:]
+        n = microbatches or self.microbatches
         stages: list[Any] = []
         for s in self.my_stages:
             def activation() -> Tensor:
-                return torch.empty(shape, dtype=self.stream_dtype, device=self.device, requires_grad=True)
+                return torch.empty(shape, dtype=self.stream_dtype, device=self.device, requires_grad=not forward_only)
 
             first, last = s == 0, s == self.n_stages - 1
             inputs = torch.zeros(1, dtype=torch.long, device=self.device) if first else activation()
             outputs = torch.zeros((), dtype=self.stream_dtype, device=self.device) if last else activation()
             stages.append(PipelineStage(_StageModule(self, s), s, self.n_stages, self.device, input_args=inputs,
                                         output_args=outputs, group=self.group))
+        if forward_only:  # no loss function: torch's schedules then run the forwards only, in their order
+            if len(stages) > 1:  # (several stages per rank: breadth first, each stage's micro-batches in turn)
+                return ScheduleLoopedBFS(list(stages), n, loss_fn=None, scale_grads=False)
+            return ScheduleGPipe(stages[0], n, loss_fn=None, scale_grads=False)
         # the loss arrives scaled by the caller (1 / (micro-batches * accumulation)); torch must not rescale
         loss_fn = self._scaled_loss
         if self.schedule_name == "interleaved":
@@ -272,3 +313,41 @@ class PipelineRunner:
         finally:
             self._micro, self._step_fn = [], None
         return self.losses
+
+    def stream_shape_of(self, micro_batch: Any, step_fn: Callable[[Any], Any]) -> tuple[int, ...]:
+        """The shape of the stream that the first block receives when ``step_fn`` runs on ``micro_batch``: the code
+        before the stack runs (on this rank, which must hold the first stage), the first block stops it. No
+        communication; evaluation checks it against the planned shape before any activation is sent."""
+        with self._stand_ins(0, None, bounds=(0, 0)):
+            try:
+                step_fn(micro_batch)
+            except _StageExit as done:
+                return tuple(done.activation.shape)
+        raise RuntimeError("the step ended without calling the first block of the stack")
+
+    def evaluate(self, micro: list[Any], micro_size: int, step_fn: Callable[[Any], Any], batch: Any
+                 ) -> tuple[bool, Any]:
+        """The forward of every micro-batch (``micro_size`` rows each, cut from ``batch``) through the blocks of the
+        pipeline, no backward: the activations cross the stages as in :meth:`step`. The last stage keeps its last
+        block's output per micro-batch; then, on its rank, ``step_fn`` runs once on the whole ``batch`` with every
+        block stood in and the joined outputs entering after the last one, so the code after the stack (head, loss,
+        metrics, logging) runs once per batch, as on one process. Returns ``(True, what step_fn returned)`` on the
+        rank holding the last stage, ``(False, None)`` elsewhere."""
+        key = (len(micro), micro_size)
+        schedule = self._eval_schedules.get(key)
+        if schedule is None:
+            schedule = self._eval_schedules[key] = self._build(micro_size, forward_only=True, microbatches=len(micro))
+        self._micro, self._step_fn, self._outputs = micro, step_fn, {}
+        self._next = {s: 0 for s in self.my_stages}
+        args = (torch.arange(len(micro), device=self.device),) if 0 in self.my_stages else ()
+        try:
+            schedule.step(*args, return_outputs=False)
+            outputs = self._outputs
+        finally:
+            self._micro, self._step_fn, self._outputs = [], None, None
+        if self.n_stages - 1 not in self.my_stages:
+            return False, None
+        stream = torch.cat([outputs[i] for i in range(len(micro))])
+        n = len(self.blocks)
+        with self._stand_ins(self.n_stages - 1, stream, bounds=(n, n)):
+            return True, step_fn(batch)

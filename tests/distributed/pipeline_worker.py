@@ -6,6 +6,7 @@ Usage (from the repo root):
     python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
     python tests/distributed/pipeline_worker.py meta OUT      # 2 processes: meta-device init at (1,2,1), (2,1,1)
     python tests/distributed/pipeline_worker.py zero OUT      # 4 processes: ZeRO under a pipeline, saved and resumed
+    python tests/distributed/pipeline_worker.py evaluate DP PP MP OUT   # evaluation stage by stage
 
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps;
@@ -26,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch.callbacks import BasePredictionWriter  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -33,7 +36,7 @@ from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
 from tests.distributed.checkpoint_worker import SaveAtTrainEnd  # noqa: E402
 from tests.distributed.parity_worker import CLIP, GLOBAL_BATCH, SEED, STEPS  # noqa: E402
-from tests.support.models import build  # noqa: E402
+from tests.support.models import LMModule, build  # noqa: E402
 
 MICROBATCHES = 4  # of each DP rank's batch of GLOBAL_BATCH // dp rows: 4 micro-batches of 2 or 1 rows
 
@@ -222,6 +225,130 @@ class Started(L.Callback):
         open(self.path, "w").close()
 
 
+class MetricLM(LMModule):
+    """GPT with validation, test and predict steps for stage-by-stage evaluation: the mean token loss logged with
+    ``sync_dist``, a ``MeanMetric`` of the per-token losses logged as a metric object, a ``CatMetric`` of each
+    sample's loss (a list state) read in ``on_validation_epoch_end``, and per-sample logit sums as predictions; the
+    validation step returns the batch's loss and per-sample losses (what ``on_validation_batch_end`` receives)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__(net)
+        from torchmetrics.aggregation import CatMetric, MeanMetric
+
+        self.val_ce, self.per_sample = MeanMetric(), CatMetric()
+        self.epoch_samples: list = []
+
+    def on_validation_start(self):
+        # torchmetrics casts each input to the metric's dtype (float32 by default: per-token values would round
+        # to float32, and a module conversion sets it back), so float64 before every validation run, on every rank
+        self.val_ce.set_dtype(torch.float64)
+        self.per_sample.set_dtype(torch.float64)
+
+    def _losses(self, batch):
+        x, y = batch[0], batch[1]
+        logits = self(x)
+        per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        return per_token.view(x.shape), per_token.mean()
+
+    def validation_step(self, batch, batch_idx):
+        per_token, loss = self._losses(batch)
+        self.val_ce.update(per_token)
+        self.per_sample.update(per_token.mean(-1))
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_ce", self.val_ce, on_epoch=True)
+        return {"loss": loss, "per_sample": per_token.mean(-1)}
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.epoch_samples.append(sorted(self.per_sample.compute().tolist()))
+        self.per_sample.reset()
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._losses(batch)[1], sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        x, _, index = batch
+        return index, self(x).sum(-1)
+
+
+class EvalRecorder(L.Callback):
+    """Per validation epoch (after sanity checking): the logged ``val_loss`` and ``val_ce``; per validation batch:
+    what the step returned and the parameter bytes this rank holds with storage (the freed ones count 0)."""
+
+    def __init__(self) -> None:
+        self.epochs: list = []
+        self.returned: list = []
+        self.held: set = set()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.held.add(sum(p.untyped_storage().nbytes() for p in pl_module.parameters()))
+        if not trainer.sanity_checking:
+            self.returned.append([float(outputs["loss"]), outputs["per_sample"].tolist()])
+
+    def on_train_end(self, trainer, pl_module):  # (after SaveAtTrainEnd's saves: they gather nothing here)
+        self.held_after_save = sum(p.untyped_storage().nbytes() for p in pl_module.parameters())
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.epochs.append({k: float(trainer.callback_metrics[k]) for k in ("val_loss", "val_ce")})
+
+
+class Writer(BasePredictionWriter):
+    """Writes each batch's predictions (sample index -> logit sums) to ``pred_rank<global rank>.pt``."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__(write_interval="batch")
+        self.out, self.rows = out, {}
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        index, sums = prediction
+        self.rows.update({int(i): row.clone() for i, row in zip(index, sums)})
+        torch.save(self.rows, os.path.join(self.out, f"pred_rank{trainer.global_rank}.pt"))
+
+
+EVAL_ROWS, EVAL_EPOCHS, EVAL_TRAIN_BATCHES = 16, 2, 3
+
+
+def eval_data():
+    from torch.utils.data import TensorDataset
+
+    from tests.support.models import make_lm_dataset
+
+    x, y = make_lm_dataset(n=EVAL_ROWS, seed=99).tensors
+    return TensorDataset(x, y, torch.arange(EVAL_ROWS))
+
+
+def evaluate(dp: int, pp: int, mp: int, out: str) -> dict:
+    """GPT (tied) fitted for ``EVAL_EPOCHS`` epochs of ``EVAL_TRAIN_BATCHES`` batches with a validation run after
+    each, stage by stage; then ``trainer.validate``, ``test`` and ``predict`` (with a :class:`Writer`) on the
+    same trainer. Returns what was logged and returned, and the parameter bytes held during evaluation and after
+    both checkpoint formats were saved at the end of training (``eval_s.ckpt``, ``eval_c.ckpt``), stage by stage."""
+    L.seed_everything(SEED, workers=True)
+    net, dataset = build("gpt")
+    model = MetricLM(net.net)
+    recorder = EvalRecorder()
+    save = SaveAtTrainEnd([(True, os.path.join(out, "eval_s.ckpt")), (False, os.path.join(out, "eval_c.ckpt"))])
+    trainer = make_trainer(dp, pp, mp, -1, callbacks=[save, recorder, Writer(out)], max_epochs=EVAL_EPOCHS,
+                           limit_train_batches=EVAL_TRAIN_BATCHES)
+    evals = DataLoader(eval_data(), batch_size=EVAL_ROWS // dp)
+    trainer.fit(model, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp), evals)
+    strategy = trainer.strategy
+    report = {"epochs": recorder.epochs, "returned": recorder.returned, "samples": model.epoch_samples,
+              "held_fit": sorted(recorder.held), "held_after_save": recorder.held_after_save,
+              "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    recorder.held = set()
+    report["validate"] = trainer.validate(model, evals, verbose=False)[0]
+    report["held_validate"] = sorted(recorder.held)
+    report["stage_bytes"] = strategy.memory_report()["parameters"] if strategy.pipeline is not None else None
+    report["test"] = trainer.test(model, evals, verbose=False)[0]
+    predictions = trainer.predict(model, evals)
+    report["predict"] = {int(i): row.tolist() for index, sums in predictions for i, row in zip(index, sums)}
+    report["grid"] = [strategy.grid.dp_rank, strategy.grid.pp_rank, strategy.grid.mp_rank]
+    with open(os.path.join(out, f"eval_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(report, f)
+    return report
+
+
 def refuse(out: str) -> None:
     L.seed_everything(SEED, workers=True)
     model, dataset = build("gpt")
@@ -233,6 +360,9 @@ def refuse(out: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    if sys.argv[1] == "evaluate":
+        evaluate(*(int(a) for a in sys.argv[2:5]), sys.argv[5])
+        sys.exit(0)
     if sys.argv[1] in ("resume", "refuse", "meta", "zero"):
         {"resume": resume, "refuse": refuse, "meta": meta, "zero": zero}[sys.argv[1]](sys.argv[2])
         sys.exit(0)
