@@ -593,7 +593,7 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
     for c, r in rows.items():
         pp = re.search(r"_pp(\d+)", c)
         if pp:  # the stages hold different blocks: every rank's bytes, and the schedule's idle share
-            from lightning_dpmp.parallel.pipeline import bubble_fraction
+            from lightning_dpmp.parallel.stage_runner import bubble_fraction
 
             schedule = "interleaved" if "_interleaved" in c else "gpipe" if "_gpipe" in c else "1f1b"
             bubble = bubble_fraction(schedule, int(pp.group(1)), args.pp_microbatches, 2 if "_interleaved" in c else 1)

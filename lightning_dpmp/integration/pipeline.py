@@ -8,7 +8,7 @@ torch's schedule, and what the rest of the strategy needs around it.
   (:func:`~lightning_dpmp.planner.stages.balance`); the embeddings join the first stage, the head and loss the last.
 * **A training step** (:meth:`Pipeline.training_step`): the batch is cut into micro-batches and the user's own
   ``training_step`` runs once per micro-batch and stage under the schedule
-  (:class:`~lightning_dpmp.parallel.pipeline.PipelineRunner`), forward and backward; ``self.log`` calls are
+  (:class:`~lightning_dpmp.parallel.stage_runner.PipelineRunner`), forward and backward; ``self.log`` calls are
   recorded on the last stage, averaged over the micro-batches and replayed on every rank with the step's loss, so
   logging (``sync_dist`` included) behaves as without a pipeline. The step's gradients are set aside and the
   strategy's ``backward`` adds them (:meth:`Pipeline.apply_grads`): Lightning zeroes gradients between the two.
@@ -54,7 +54,7 @@ from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.pipeline import PipelineRunner, bubble_fraction
+from lightning_dpmp.parallel.stage_runner import PipelineRunner, bubble_fraction
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import Bucket, gather_buckets, storage_freed
@@ -329,8 +329,8 @@ class Pipeline:
         forward only, under the schedule's micro-batches, each rank running its stages' blocks with its own
         parameters (the other stages' stay freed). The last stage keeps its blocks' output of each micro-batch and
         runs the rest of the step (head, loss, metrics, ``self.log``) once on the whole batch
-        (:meth:`~lightning_dpmp.parallel.pipeline.PipelineRunner.evaluate`): what it logs is recorded, the metrics it
-        updates change there, and ``finish`` (the strategy's conversion of DTensors and vocab-sharded logits) is
+        (:meth:`~lightning_dpmp.parallel.stage_runner.PipelineRunner.evaluate`): what it logs is recorded, the metrics
+        it updates change there, and ``finish`` (the strategy's conversion of DTensors and vocab-sharded logits) is
         applied to what it returns. Then one object broadcast over PP gives every rank that output, the logged values
         (a logged ``Metric`` by name) and what the step added to each metric (:class:`MetricUpdates`), and every rank
         logs them: what ``self.log``, metrics, callbacks and prediction writers see is one process's."""

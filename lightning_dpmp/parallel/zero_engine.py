@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dpmp.compat import queue_backward_callback
-from lightning_dpmp.parallel.pipeline import stood_in
+from lightning_dpmp.parallel.stage_runner import stood_in
 from lightning_dpmp.parallel.zero_shard import (
     Bucket,
     gather_buckets,

@@ -12,7 +12,7 @@ from torchmetrics.aggregation import CatMetric, MeanMetric, SumMetric
 
 from lightning_dpmp.integration.metrics import MetricUpdates, shapes_only
 from lightning_dpmp.integration.pipeline import evaluation_microbatches
-from lightning_dpmp.parallel.pipeline import PipelineRunner
+from lightning_dpmp.parallel.stage_runner import PipelineRunner
 
 
 def test_a_short_batch_is_cut_into_the_most_equal_micro_batches():

@@ -16,7 +16,7 @@ from lightning_dpmp.integration.pipeline import (
     split_microbatches,
 )
 from lightning_dpmp.parallel.grid import Grid
-from lightning_dpmp.parallel.pipeline import bubble_fraction
+from lightning_dpmp.parallel.stage_runner import bubble_fraction
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.stages import StageCutError, balance, probe_stack, stand_in_shape
 
