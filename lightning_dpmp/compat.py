@@ -49,7 +49,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 if TYPE_CHECKING:
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies import Strategy as FabricStrategy
     from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, Strategy
 
 __all__ = [
     "DropoutNd",
@@ -418,33 +421,33 @@ def apply_batch_transfer_handler(module: "LightningModule", batch: Any, device: 
     return module._apply_batch_transfer_handler(batch, device=device)
 
 
-def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+def ddp_kwargs(strategy: "DDPStrategy | FabricDDPStrategy") -> dict[str, Any]:
     """``DDPStrategy._ddp_kwargs``: the dict ``_setup_model`` passes to ``DistributedDataParallel``
     (lightning 2.6.6)."""
     kwargs: dict[str, Any] = strategy._ddp_kwargs
     return kwargs
 
 
-def set_ddp_kwargs(strategy: Any, kwargs: dict[str, Any]) -> None:
+def set_ddp_kwargs(strategy: "DDPStrategy | FabricDDPStrategy", kwargs: dict[str, Any]) -> None:
     """Set ``DDPStrategy._ddp_kwargs`` (lightning 2.6.6), which ``configure_ddp`` passes to
     ``DistributedDataParallel``."""
     strategy._ddp_kwargs = kwargs
 
 
-def ddp_timeout(strategy: Any) -> Any:
+def ddp_timeout(strategy: "DDPStrategy | FabricDDPStrategy") -> Any:
     """``DDPStrategy._timeout``: the ``timeout=`` timedelta given to ``init_process_group`` (lightning 2.6.6; the
     Trainer's and Fabric's ``DDPStrategy`` both keep it there)."""
     return strategy._timeout
 
 
-def set_backward_sync_control(strategy: Any, control: Any) -> None:
+def set_backward_sync_control(strategy: "FabricStrategy", control: Any) -> None:
     """Set Fabric's ``Strategy._backward_sync_control`` (lightning 2.6.6), the object whose
     ``no_backward_sync(module, enabled)`` context ``Fabric.no_backward_sync`` returns (``None``: Fabric warns that
     the strategy cannot skip synchronisation)."""
     strategy._backward_sync_control = control
 
 
-def enable_model_averaging(strategy: Any) -> None:
+def enable_model_averaging(strategy: "DDPStrategy") -> None:
     """The end of ``DDPStrategy.setup`` (lightning 2.6.6): with a ``PostLocalSGDState`` as ``ddp_comm_state``,
     ``DDPStrategy._enable_model_averaging()`` (reads ``_ddp_comm_state``) wraps the optimizers for periodic model
     averaging. A no-op otherwise."""
@@ -454,17 +457,17 @@ def enable_model_averaging(strategy: Any) -> None:
         strategy._enable_model_averaging()
 
 
-def layer_sync(strategy: Any) -> Any:
+def layer_sync(strategy: "ParallelStrategy") -> Any:
     """``ParallelStrategy._layer_sync``: the ``sync_batchnorm`` plugin the connector sets (lightning 2.6.6)."""
     return strategy._layer_sync
 
 
-def start_method(strategy: Any) -> str:
+def start_method(strategy: "DDPStrategy | FabricDDPStrategy") -> str:
     """``DDPStrategy._start_method``: ``"popen"``/``"spawn"``/``"fork"``/``"forkserver"`` (lightning 2.6.6)."""
     return str(strategy._start_method)
 
 
-def set_launcher(strategy: Any, launcher: Any) -> None:
+def set_launcher(strategy: "Strategy | FabricStrategy", launcher: Any) -> None:
     """``Strategy._launcher``: what ``_configure_launcher`` must set and ``Strategy.launcher`` returns
     (lightning 2.6.6)."""
     strategy._launcher = launcher

@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,9 +66,48 @@ from lightning_dpmp.checkpoint.rng_states import layout_info, restore_rng_from
 from lightning_dpmp.checkpoint.streamed import stream_save
 from lightning_dpmp.parallel.sharding import gather_to_first, shard_blocks, shard_dims, shard_tensor
 
-__all__ = ["StrategyCheckpointer"]
+__all__ = ["CheckpointHost", "StrategyCheckpointer"]
 
 _TRACKER_KEY = "dpmp_rng_tracker"  # per-MP-rank dropout streams of the sharded regions (lightning_dpmp.parallel.rng)
+
+
+class CheckpointHost(Protocol):
+    """What :class:`StrategyCheckpointer` reads of the strategy that owns it (structural: the Trainer's
+    :class:`~lightning_dpmp.integration.strategy.DPMPStrategy` is one; a typing import of it would close a circle,
+    since it imports this module). The grid is ``None`` before ``setup_environment``; the engine and the pipeline
+    exist only while a fit holds them."""
+
+    @property
+    def grid(self) -> Any: ...
+    @property
+    def grid_or_none(self) -> Any: ...
+    @property
+    def dp(self) -> Any: ...
+    @property
+    def mp(self) -> Any: ...
+    @property
+    def mp_rank(self) -> int: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def is_global_zero(self) -> bool: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def timeout(self) -> timedelta: ...
+    @property
+    def lightning_module(self) -> Any: ...
+    @property
+    def optimizers(self) -> list[Optimizer]: ...
+    @property
+    def rng_tracker(self) -> Any: ...
+    @property
+    def zero_engine(self) -> Any: ...
+    @property
+    def pipeline(self) -> Any: ...
+    @property
+    def checkpoint_io(self) -> Any: ...
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
 class StrategyCheckpointer:
@@ -80,8 +119,7 @@ class StrategyCheckpointer:
         distributed: write a folder of shards (``save_distributed_checkpoint=True``) instead of one file.
     """
 
-    def __init__(self, strategy: Any, distributed: bool) -> None:
-        # Any, not DPMPStrategy: the strategy module imports this one, and a typing import back would close a circle.
+    def __init__(self, strategy: CheckpointHost, distributed: bool) -> None:
         self.strategy = strategy
         self.distributed = distributed
         # one Gathered per (bucket, flat source) of the save being built: its members fetch from one gather
@@ -96,12 +134,12 @@ class StrategyCheckpointer:
         return grid is not None and not self.distributed and grid.dp_rank == 0 and grid.pp_rank == 0
 
     def _engine(self) -> Any:
-        return getattr(self.strategy, "zero_engine", None)
+        return self.strategy.zero_engine
 
     def _stages(self) -> Any:
         """The pipeline when checkpoints are written from the stages (``pp > 1`` without ZeRO; under ZeRO the stages
         are synced first), else ``None``."""
-        pipeline = getattr(self.strategy, "pipeline", None)
+        pipeline = self.strategy.pipeline
         return pipeline if pipeline is not None and pipeline.active and self._engine() is None else None
 
     def stages_write(self) -> bool:
