@@ -236,16 +236,55 @@ class Parallelized:
                 self.reader.step_back()
 
     def watch_freed_reads(self, module: nn.Module) -> None:
-        """Under zero=3 (no pipeline) parameters are freed between uses: build :attr:`reader`, the
+        """Under zero=3 or a pipeline parameters are freed between uses: build :attr:`reader`, the
         :class:`~lightning_dpmp.parallel.freed_reads.GatherOnRead` mode user code runs under (the strategy enters
-        it), stepped aside while a module's forward runs. A pipeline's other stages are not covered yet: whether
-        a parameter is another stage's differs by rank, so a read would gather on some ranks only."""
-        engine = self.engine
-        if self.pipeline is not None or engine is None or engine.level < 3:
+        it), stepped aside while a module's forward runs. At zero=3 a freed parameter's buckets are gathered over DP
+        for the read; under a pipeline every parameter that some stage does not read is broadcast from the stage
+        that owns it (whether it is freed here differs by rank, so the rule is the same on every rank), and reads
+        inside the schedule are refused with the reason."""
+        engine, pipeline = self.engine, self.pipeline
+        watched = {id(p) for p in module.parameters()}
+        if pipeline is not None:  # another stage's parameter from its owner (the schedule refuses reads)
+            reader = GatherOnRead(watched, pipeline.fetches, pipeline.values_of, pipeline.refused_read)
+            pipeline.quiet = reader.aside
+        elif engine is not None and engine.level == 3:
+            reader = GatherOnRead(watched, storage_freed, engine.gathered)
+        else:
             return
-        reader = GatherOnRead({id(p) for p in module.parameters()}, storage_freed, engine.gathered)
         self.reader = reader
         self._reader_hooks = outermost_forward_hooks(module, reader.step_aside, reader.step_back)
+
+    @contextmanager
+    def optimizer_update(self, optimizer: Any) -> Iterator[None]:
+        """Around the strategy's optimizer step under a pipeline: the optimizer's update (after the closure, which
+        runs the step and the hooks of user code before it) runs outside :attr:`reader`, since each rank updates its
+        own stages' parameters and must not fetch them from their owners."""
+        reader = self.reader
+        if reader is None or self.pipeline is None:
+            yield
+            return
+        inner = compat.unwrap_optimizer(optimizer)
+        step = inner.step
+        aside: list[bool] = []
+
+        def stepped(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            def run() -> Any:
+                assert closure is not None
+                out = closure()
+                aside.append(reader.step_aside())
+                return out
+
+            if closure is None:  # (a plugin that ran the closure itself: GradScaler's step)
+                aside.append(reader.step_aside())
+            return step(closure=run if closure is not None else None, **kwargs)
+
+        inner.step = stepped  # this call only: the instance attribute shadows the class's step
+        try:
+            yield
+        finally:
+            del inner.step
+            if any(aside):
+                reader.step_back()
 
     def leave_reader(self) -> None:
         """Take :attr:`reader` off the mode stack (teardown) and remove its hooks."""

@@ -219,6 +219,14 @@ class Pipeline:
         self.shared_shards: list[nn.Parameter] = []
         self._eval_streams: set[Any] = set()  # (hook, batch shapes) whose stream evaluation checked
         self.active = True  # until teardown: the stages hold the model (checkpoints are written from them)
+        # User code reading a parameter outside the schedule (a callback's weight norm): the parameters some stage
+        # does not read come from the stage that owns them (:meth:`fetches`, :meth:`values_of`); the same set on
+        # every rank of the PP group, so every rank takes part in the same broadcasts. Inside the schedule the
+        # ranks run user code at different times, so no read can be brought there (:meth:`refused_read`).
+        self.staged_ids = {id(p) for p in self.params if len(self.ranks[id(p)]) < grid.pp}
+        self._scheduling = 0
+        # our own reads of the parameters run outside the reader of user code (set with it: the reader's aside())
+        self.quiet: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
     def attach_engine(self, engine: ZeroEngine) -> None:
         """ZeRO over the DP group (built after the stages, with :attr:`keys` as its ``stage_of``, so no bucket mixes
@@ -310,7 +318,7 @@ class Pipeline:
         for p in holders:
             p.grad = None
         try:
-            with self.engine.no_sync() if self.engine is not None else contextlib.nullcontext():
+            with self.engine.no_sync() if self.engine is not None else contextlib.nullcontext(), self._schedule():
                 losses = self.runner.step(micro, micro_size, step_fn, 1.0 / (self.config.microbatches * accumulate))
             self._pending = [p.grad for p in holders]
         finally:
@@ -358,9 +366,10 @@ class Pipeline:
 
             return step_fn
 
-        self._check_eval_stream(batch_shapes(batch), hook, micro[0], micro_size,
-                                recorded(_LogRecorder({id(m): n for n, m in metrics.metrics.items()})))
-        mine, out = self.runner.evaluate(micro, micro_size, recorded(recorder), batch)
+        with self._schedule():
+            self._check_eval_stream(batch_shapes(batch), hook, micro[0], micro_size,
+                                    recorded(_LogRecorder({id(m): n for n, m in metrics.metrics.items()})))
+            mine, out = self.runner.evaluate(micro, micro_size, recorded(recorder), batch)
         last = (self.config.stages - 1) % self.grid.pp
         box: list[Any] = [None]
         if mine:
@@ -378,6 +387,59 @@ class Pipeline:
                 value = value.to(self.device)
             module.log(name, value, **_local(kwargs, self.grid))
         return out
+
+    # ------------------------------------------------------------------ user code reading parameters
+    @contextmanager
+    def _schedule(self) -> Iterator[None]:
+        self._scheduling += 1
+        try:
+            yield
+        finally:
+            self._scheduling -= 1
+
+    def refused_read(self) -> Optional[str]:
+        """Why a read of another stage's parameter cannot be made now (``None``: it can): inside the schedule."""
+        if not self._scheduling:
+            return None
+        return ("that another pipeline stage owns, inside the pipelined step (training_step, validation_step, ...): "
+                "the stages run each micro-batch's step at different times, so its values cannot be brought there "
+                "(an L2 term: use the optimizer's weight_decay; read parameters in a callback or an epoch-end hook, "
+                "or with pp=1)")
+
+    def fetches(self, param: Tensor) -> bool:
+        """Whether user code reading ``param`` reads it from elsewhere: a parameter some stage does not read (from
+        the stage that owns it, alike on every rank), or at zero=3 one whose storage is freed (gathered over DP)."""
+        engine = self.engine
+        return id(param) in self.staged_ids or (engine is not None and engine.level == 3 and storage_freed(param))
+
+    @contextmanager
+    def values_of(self, params: Sequence[Tensor]) -> Iterator[list[Tensor]]:
+        """The values of ``params`` (each as :meth:`fetches` says), as copies: collective over the PP group, and
+        at zero=3 over the owning stage's DP group. Each parameter some stage does not read is broadcast from the
+        PP rank that owns it (one broadcast each); what a rank reads is its own MP shard, as inside a step."""
+        values = []
+        for p in params:
+            owner = self.owner[id(p)] if id(p) in self.staged_ids else None
+            if owner is None or owner == self.grid.pp_rank:
+                value = self._own_value(p)
+            else:
+                value = torch.empty(p.shape, dtype=self._read_dtype(p), device=p.device)
+            if owner is not None:
+                dist.broadcast(value, group=self.grid.pp_group, group_src=owner)
+            values.append(value)
+        yield values
+
+    def _read_dtype(self, param: Tensor) -> torch.dtype:
+        """The dtype its owner reads ``param`` in: under a ZeRO mixed-precision policy, the master one."""
+        found = self.engine.locate(param) if self.engine is not None else None
+        return found[0].shard.dtype if found is not None and found[0].mixed else param.dtype
+
+    def _own_value(self, param: Tensor) -> Tensor:
+        engine = self.engine
+        if engine is not None and engine.level == 3 and storage_freed(param):  # its buckets for this read only
+            with engine.gathered([param]):
+                return param.detach().clone()
+        return param.detach().clone()
 
     def _check_eval_stream(self, shapes: list[tuple[int, ...]], hook: str, first: Any, micro_size: int,
                            step_fn: Callable[[Any], Any]) -> None:
@@ -449,7 +511,7 @@ class Pipeline:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("DPMPStrategy(pp > 1): backward without a pipelined training_step before it")
-        with torch.no_grad():
+        with torch.no_grad(), self.quiet():
             for p, g in zip(self._grad_holders(), pending):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad.add_(g)
@@ -463,6 +525,10 @@ class Pipeline:
         DP (flat, one all-reduce per dtype). Every rank of a DP group holds the same stages, so the same list.
         Under ZeRO the engine reduce-scatters over DP instead, and the shards of parameters read on several stages
         (sliced alike on every stage) are summed over PP: the same sums, on 1/dp of the bytes."""
+        with self.quiet():
+            self._reduce_grads()
+
+    def _reduce_grads(self) -> None:
         grid = self.grid
         if self.engine is not None:
             self.engine.finish_backward()
@@ -564,7 +630,7 @@ class Pipeline:
         was_staged = self.staged
         if was_staged:
             self._allocate_remote()
-        with torch.no_grad():
+        with torch.no_grad(), self.quiet():
             for r in range(grid.pp):
                 theirs = [p for p in self.synced if self.owner[id(p)] == r]
                 by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}

@@ -379,7 +379,8 @@ class DPMPStrategy(GridStrategy):
         if parallel is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         stepped = self.precision_plugin.main_params(optimizer)
-        out = super().optimizer_step(optimizer, parallel.step_closure(closure, stepped), model, **kwargs)
+        with parallel.optimizer_update(optimizer):
+            out = super().optimizer_step(optimizer, parallel.step_closure(closure, stepped), model, **kwargs)
         parallel.after_step()
         return out
 

@@ -194,8 +194,8 @@ class DTensorParams:
         self._handles: list[Any] = []
         self._depth = 0
         self._localized = 0  # inside local(): the hooks leave the registration alone
-        self._on_enter: Optional[Callable[[], None]] = None
-        self._on_exit: Optional[Callable[[], None]] = None
+        self._on_enter: Optional[Callable[[], object]] = None
+        self._on_exit: Optional[Callable[[], object]] = None
         self._register(self.dtensors)
 
     def _distribute(self, p: nn.Parameter, dim: Optional[int], blocks: Blocks, mp: int) -> nn.Parameter:
@@ -247,8 +247,8 @@ class DTensorParams:
         self._register(self.locals)
 
     # ------------------------------------------------------------------ compute
-    def install_hooks(self, on_enter: Optional[Callable[[], None]] = None,
-                      on_exit: Optional[Callable[[], None]] = None) -> None:
+    def install_hooks(self, on_enter: Optional[Callable[[], object]] = None,
+                      on_exit: Optional[Callable[[], object]] = None) -> None:
         """Forward hooks on every module that holds parameters in its subtree: the outermost module called swaps
         its subtree's parameters for local views (``p.to_local()``: the gradient reaches the DTensor) for the
         duration of its forward; ``on_enter``/``on_exit`` run then too (the bridge steps aside)."""

@@ -6,9 +6,11 @@ parameter (a weight norm in ``on_train_batch_end``, a histogram in ``on_validati
 memory: measured on torch 2.13, ``p.pow(2).sum()`` of such a view dies of SIGSEGV, with no traceback.
 
 :class:`GatherOnRead` is a ``TorchFunctionMode`` that, before an op reads a watched parameter that is freed, makes
-it current for the duration of the op (``make_current``: ZeRO-3 gathers its buckets over DP and frees them again
-after), and copies any output that
-still shares the parameter's storage (a ``detach()``, a view), so nothing kept afterwards points at freed memory.
+its values current for the duration of the op (``make_current``: ZeRO-3 gathers its buckets over DP and frees them
+again after; a pipeline broadcasts another stage's parameter from the stage that owns it), and copies any output
+that still shares the parameter's storage (a ``detach()``, a view), so nothing kept afterwards points at freed
+memory. Where no collective can run (inside a pipeline's schedule, where the ranks run user code at different
+times), ``refusal`` names why and the read raises at once.
 What the op sees is this rank's parameter as it would be inside a step: the one-process tensor at ``mp=1``, the MP
 shard otherwise.
 
@@ -28,7 +30,7 @@ Example:
     >>> _ = stored.resize_(0)  # freed, as ZeRO-3 leaves it between uses
     >>> @contextmanager
     ... def make_current(params):
-    ...     stored.resize_(4 * 4); full.copy_(torch.arange(4.0)); yield; stored.resize_(0)
+    ...     stored.resize_(4 * 4); full.copy_(torch.arange(4.0)); yield None; stored.resize_(0)
     >>> with GatherOnRead({id(p)}, lambda t: t.untyped_storage().nbytes() == 0, make_current):
     ...     total = p.detach().sum().item()
     >>> total
@@ -97,21 +99,29 @@ class GatherOnRead(AsideMode):
         watched: ``id`` of the parameters to watch (the module's).
         is_freed: whether a watched parameter is freed now; it must answer alike on every rank that takes part in
             ``make_current``'s collectives (ZeRO-3: a bucket's state, the same on its DP ranks).
-        make_current: a context in which the given parameters hold their values.
+        make_current: a context in which the given parameters' values can be read: it yields ``None`` when the
+            parameters themselves hold them for its duration (ZeRO-3 gathers their buckets), or one tensor of values
+            per parameter (another pipeline stage's parameter, received from the stage that owns it).
+        refusal: called before a read is made current; a message refuses it (raised as a ``RuntimeError``), e.g.
+            inside a pipeline's schedule, where the ranks run user code at different times and no collective can
+            bring a value.
     """
 
     def __init__(self, watched: set[int], is_freed: Callable[[Tensor], bool],
-                 make_current: Callable[[list[Tensor]], AbstractContextManager[Any]]) -> None:
+                 make_current: Callable[[list[Tensor]], AbstractContextManager[Optional[list[Tensor]]]],
+                 refusal: Optional[Callable[[], Optional[str]]] = None) -> None:
         super().__init__()
         self.watched = watched
         self.is_freed = is_freed
         self.make_current = make_current
+        self.refusal = refusal
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in _METADATA:
             return func(*args, **kwargs)
-        freed = [t for t in _tensors(args, kwargs) if id(t) in self.watched and self.is_freed(t)]
+        # (each once, in argument order: the same on every rank taking part in make_current's collectives)
+        freed = list({id(t): t for t in _tensors(args, kwargs) if id(t) in self.watched and self.is_freed(t)}.values())
         if not freed:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", repr(func))
@@ -120,14 +130,19 @@ class GatherOnRead(AsideMode):
                 f"'{name}' writes into a parameter whose storage is freed between uses (ZeRO-3 or another pipeline"
                 " stage's); the write would be lost. Change parameters inside a step, or use zero <= 2 and pp=1."
             )
-        with self.make_current(freed):
+        refused = self.refusal() if self.refusal is not None else None
+        if refused:
+            raise RuntimeError(f"'{name}' reads a parameter {refused}")
+        with self.make_current(freed) as values:
             # the op reads copies: nothing it returns (a detach(), a view) points at storage freed again after
-            copies = {id(t): _Read.apply(t, t.detach().clone()) if torch.is_grad_enabled() and t.requires_grad
-                      else t.detach().clone() for t in freed}
+            held = [t.detach() for t in freed] if values is None else [v.detach() for v in values]
+            copies = {id(t): _Read.apply(t, v.clone()) if torch.is_grad_enabled() and t.requires_grad else v.clone()
+                      for t, v in zip(freed, held)}
             return func(*_swap(args, copies), **{k: _swap(v, copies) for k, v in kwargs.items()})
 
 
-def outermost_forward_hooks(module: nn.Module, on_enter: Callable[[], None], on_exit: Callable[[], None]) -> list[Any]:
+def outermost_forward_hooks(module: nn.Module, on_enter: Callable[[], object], on_exit: Callable[[], object]
+                            ) -> list[Any]:
     """Forward hooks on every submodule of ``module`` calling ``on_enter`` when the outermost one called starts and
     ``on_exit`` when it ends (also after an error); returns the handles."""
     depth = [0]

@@ -7,12 +7,17 @@ compute on plain tensors; a compiled block must not trace a mode) and while the 
 Example:
     >>> mode = AsideMode()
     >>> with mode:
-    ...     mode.step_aside(); inside = compat.current_function_mode() is mode; mode.step_back()
-    >>> inside
-    False
+    ...     stepped = mode.step_aside(); inside = compat.current_function_mode() is mode; mode.step_back()
+    ...     with mode.aside():
+    ...         inside_aside = compat.current_function_mode() is mode
+    >>> stepped, inside, inside_aside
+    (True, False, False)
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch.overrides import TorchFunctionMode
 
@@ -28,17 +33,30 @@ class AsideMode(TorchFunctionMode):
         super().__init__()
         self._aside = 0  # times step_aside took the mode off the stack, still to be put back
 
-    def step_aside(self) -> None:
-        """Take the mode off the stack; only when it is the innermost mode (``__exit__`` pops whatever is)."""
+    def step_aside(self) -> bool:
+        """Take the mode off the stack; only when it is the innermost mode (``__exit__`` pops whatever is). Returns
+        whether it did (then :meth:`step_back` puts it back)."""
         if compat.current_function_mode() is self:
             self.__exit__(None, None, None)
             self._aside += 1
+            return True
+        return False
 
     def step_back(self) -> None:
         """Undo :meth:`step_aside`."""
         if self._aside:
             self._aside -= 1
             self.__enter__()
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """:meth:`step_aside` for the duration (the strategy's own reads of the parameters)."""
+        stepped = self.step_aside()
+        try:
+            yield
+        finally:
+            if stepped:
+                self.step_back()
 
     def leave(self) -> None:
         """Leave the mode stack for good (teardown), whether it is on it or stepped aside."""

@@ -1,8 +1,8 @@
-"""A parameter read outside the layers at zero=3 gives its values and never crashes (issue 41): a weight-norm
-callback in ``on_train_batch_end`` (gradients enabled) and ``on_validation_epoch_end``, and the model after fit, in
-float64 against one process (``tests/distributed/freed_reads_worker.py``). Before, such a read of a freed ZeRO-3
-view died of SIGSEGV. At mp=1 the values are one process's; at mp=2 each rank reads its MP shards, alike on its DP
-replicas."""
+"""A parameter read outside the layers at zero=3 or under a pipeline gives its values and never crashes (issue 41):
+a weight-norm callback in ``on_train_batch_end`` (gradients enabled) and ``on_validation_epoch_end``, and the model
+after fit, in float64 against one process (``tests/distributed/freed_reads_worker.py``). Before, such a read of a
+freed ZeRO-3 view, or of another stage's parameter, died of SIGSEGV. At mp=1 the values are one process's; at mp=2
+each rank reads its MP shards, alike on its DP replicas and on the stages of its MP rank."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from tests.distributed.freed_reads_worker import STEPS, fit_layout
 
-LAYOUTS = ("4,1,1,3", "2,1,2,3")  # dp, pp, mp, zero
+LAYOUTS = ("4,1,1,3", "2,1,2,3", "2,2,1,0", "2,2,1,3", "1,2,2,1")  # dp, pp, mp, zero
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,15 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_zero3_reads_at_mp1_equal_one_process(ranks, reference):
+@pytest.mark.parametrize("layout", ["4,1,1,3", "2,2,1,0", "2,2,1,3"])
+def test_reads_at_mp1_equal_one_process(ranks, reference, layout):
     assert len(reference["train"]) == STEPS and len(reference["val"]) == 2
-    for rank in ranks:
-        got = rank["4,1,1,3"]
+    for rank in ranks:  # under a pipeline: another stage's parameters too, on every rank
+        got = rank[layout]
         assert got["train"].keys() == reference["train"].keys()
         assert max(abs(got["train"][s] - v) for s, v in reference["train"].items()) < 1e-8
         assert max(abs(a - b) for a, b in zip(got["val"], reference["val"], strict=True)) < 1e-8
-    assert abs(ranks[0]["4,1,1,3"]["after"] - reference["after"]) < 1e-8
+    assert abs(ranks[0][layout]["after"] - reference["after"]) < 1e-8
 
 
 @pytest.mark.slow
@@ -49,3 +50,13 @@ def test_zero3_reads_at_mp2_are_the_shards_alike_on_dp_replicas(ranks, reference
         assert a["train"] == b["train"] and a["val"] == b["val"] and len(a["val"]) == 2
     assert by_rank[0]["train"] != by_rank[1]["train"]  # each MP rank its own shards
     assert abs(by_rank[0]["after"] - reference["after"]) < 1e-8  # consolidated: the dense model again
+
+
+@pytest.mark.slow
+def test_pipeline_reads_at_mp2_are_the_shards_alike_on_both_stages(ranks, reference):
+    by_rank = [rank["1,2,2,1"] for rank in ranks]  # rank = pp_rank * 2 + mp_rank
+    for mp_rank in (0, 1):
+        a, b = by_rank[mp_rank], by_rank[2 + mp_rank]  # stage 0 and stage 1: the same model, each its MP shards
+        assert a["train"] == b["train"] and a["val"] == b["val"] and len(a["val"]) == 2
+    assert by_rank[0]["train"] != by_rank[1]["train"]
+    assert abs(by_rank[0]["after"] - reference["after"]) < 1e-8

@@ -76,3 +76,26 @@ def test_outermost_forward_hooks_fire_once_per_outermost_call_and_after_an_error
         h.remove()
     model(torch.ones(1, 2))
     assert len(calls) == 6
+
+
+def test_values_given_by_make_current_are_read_and_a_refusal_is_raised_before_any_collective() -> None:
+    """A pipeline's reader: the values come from elsewhere (the owning stage's broadcast), the parameter keeps no
+    storage; inside the schedule the read is refused before make_current runs (no collective)."""
+    param = nn.Parameter(torch.empty(2, 2, dtype=torch.float64))
+    param.untyped_storage().resize_(0)  # another stage's: freed here
+    fetched: list[int] = []
+    refusal: list[str] = []
+
+    @contextmanager
+    def values_of(params: list) -> Iterator[list]:
+        fetched.append(len(params))
+        yield [torch.full((2, 2), 3.0, dtype=torch.float64) for _ in params]
+
+    mode = GatherOnRead({id(param)}, lambda t: True, values_of, lambda: refusal[0] if refusal else None)
+    with mode:
+        total = (param * param).sum()  # one parameter read twice by one op: fetched once
+        refusal.append("that another pipeline stage owns, inside the pipelined step")
+        with pytest.raises(RuntimeError, match="'sum' reads a parameter that another pipeline stage owns"):
+            param.sum()
+    assert total.item() == 36.0 and fetched == [1]
+    assert param.untyped_storage().nbytes() == 0
