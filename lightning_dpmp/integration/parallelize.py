@@ -382,11 +382,12 @@ def shard_dp(module: nn.Module, optimizers: list[Any], scheduler_configs: list[A
              reshard_after_forward: bool = True) -> tuple[list[Any], Optional[ZeroEngine]]:
     """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild ``optimizers`` over the shards (the LR schedulers of
     ``scheduler_configs`` re-pointed), with ``mixed_precision`` (zero >= 2) and ``reshard_after_forward`` (zero=3);
-    with a ``pipeline``, buckets by stage and the engine attached to it. Returns the optimizers to step and the engine (``None`` when there is nothing to
-    shard)."""
+    with a ``pipeline``, buckets by stage and the engine attached to it. Returns the optimizers to step and the
+    engine (``None`` when there is nothing to shard)."""
     optimizers, engine = shard_optimizers(module, optimizers, scheduler_configs, zero, grid, split.split_params,
                                           split.partial_grads, split.applied_plan, mixed_precision,
-                                          pipeline.keys if pipeline is not None else None, reshard_after_forward)
+                                          pipeline.keys if pipeline is not None else None,
+                                          reshard_after_forward)
     if engine is not None and pipeline is not None:
         pipeline.attach_engine(engine)
     return optimizers, engine

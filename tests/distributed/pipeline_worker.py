@@ -1,7 +1,7 @@
 """Pipeline launches for tests/distributed/test_pipeline.py.
 
 Usage (from the repo root):
-    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard|:compile|:zN|:keep],...
+    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard|:compile|:zN|:keep]...
     python tests/distributed/pipeline_worker.py resume OUT    # 4 processes: save at (1,2,2), resume at (2,1,2)
     python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
     python tests/distributed/pipeline_worker.py meta OUT      # 2 processes: meta-device init at (1,2,1), (2,1,1)
@@ -11,8 +11,9 @@ Usage (from the repo root):
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps;
 ``compile``: ``compile=True``; ``zN``: ``zero=N``; ``sp``: ``sequence_parallel=True``; ``fp32``:
-``MixedPrecisionPolicy(float32, float64)``; ``keep``: ``reshard_after_forward=False``), as parity_worker does without a pipeline, and records the collectives
-and sends of one step, the analytic MP collectives, the stages and the logged loss.
+``MixedPrecisionPolicy(float32, float64)``; ``keep``: ``reshard_after_forward=False``), as parity_worker does
+without a pipeline, and records the collectives and sends of one step, the analytic MP collectives, the stages and
+the logged loss.
 """
 
 from __future__ import annotations
