@@ -274,7 +274,8 @@ class Bucket:
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
                 self.used_here = True
-                flat[off : off + p.numel()].add_(p.grad.detach().reshape(-1))
+                part = flat[off : off + p.numel()]
+                (part.add_ if stash is not None else part.copy_)(p.grad.detach().reshape(-1))
                 p.grad = None
         return torch.empty(self.layout.shard, dtype=flat.dtype, device=flat.device), flat
 
