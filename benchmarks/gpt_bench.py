@@ -27,7 +27,8 @@ Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy, eager, ``async_grad_allreduce=False``
 parallel), ``..._async`` (``async_grad_allreduce=True``: the input-gradient all-reduce overlapped with the
 weight-gradient matmul), ``..._compiled`` (``compile=True``: each transformer block ``torch.compile``d after the
 split), ``..._zero<k>`` (``zero=k``: 1 and 2 optimizer state and gradients, 3 + parameters sharded over
-DP), ``..._zero<k>_fsdp2`` (the same sharding over DP done by torch's FSDP2 ``fully_shard`` per repeated block and
+DP; ``..._zero3_noreshard``: ``reshard_after_forward=False``, FSDP2's trade),
+``..._zero<k>_fsdp2`` (the same sharding over DP done by torch's FSDP2 ``fully_shard`` per repeated block and
 root instead of our ZeRO engine: issue 22's side-by-side), ``mps_<dp>x<mp>`` (ModelParallelStrategy:
 ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2 ``fully_shard`` over the data-parallel axis),
 ``ddp_<n>`` (DDPStrategy), ``dpmp_<dp>x<mp>_pp<k>[_gpipe|_interleaved]`` (DPMPStrategy(pp=k): pipeline stages,
@@ -47,6 +48,12 @@ and ZeRO under the pipeline, (dp, pp, mp) = (2, 2, 1) at zero 0, 1, 3 beside (4,
 
     python benchmarks/gpt_bench.py --model hf_llama --layers 8 --rounds 3 --out benchmarks/results/pipeline_zero \
         --configs dpmp_2x1_pp2,dpmp_2x1_pp2_zero1,dpmp_2x1_pp2_zero3,dpmp_4x1_zero3,dpmp_4x1
+
+and zero=3's ``reshard_after_forward`` both ways, under the pipeline and without it (issue 42 item 5)::
+
+    python benchmarks/gpt_bench.py --model hf_llama --layers 8 --rounds 3 \
+        --out benchmarks/results/pipeline_zero_reshard --configs dpmp_2x1_pp2_zero1,dpmp_2x1_pp2_zero3,\
+dpmp_2x1_pp2_zero3_noreshard,dpmp_4x1_zero3,dpmp_4x1_zero3_noreshard
 """
 
 from __future__ import annotations
@@ -423,7 +430,7 @@ def worker(args: argparse.Namespace) -> None:
 
     name = args.config
     m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3]|_fsdp2|_pp\d+|_gpipe"
-                     r"|_interleaved|_plainparams)*)", name)
+                     r"|_interleaved|_plainparams|_noreshard)*)", name)
     if not m:
         raise SystemExit(f"unknown config {name!r}")
     kind, a, b, flags = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4)
@@ -444,12 +451,15 @@ def worker(args: argparse.Namespace) -> None:
             _shard_dp_with_fsdp2()
         if "_plainparams" in flags:
             _plain_parameters()
+        if "_noreshard" in flags and (not zero or zero.group(1) != "3" or "_fsdp2" in flags):
+            raise SystemExit(f"{name}: _noreshard is our engine's zero=3 reshard_after_forward=False: give _zero3")
         schedule = "interleaved" if "_interleaved" in flags else "gpipe" if "_gpipe" in flags else "1f1b"
         pipeline = dict(pp=pp, pp_microbatches=args.pp_microbatches, pp_schedule=schedule,
                         pp_stages_per_rank=2 if schedule == "interleaved" else 1) if pp > 1 else {}
         strategy: Any = DPMPStrategy(dp=dp, mp=mp, **pipeline, sequence_parallel="_sp" in flags, verify_plan=False,
                                      compile="_compiled" in flags, async_grad_allreduce="_async" in flags,
                                      zero=int(zero.group(1)) if zero else 0,
+                                     reshard_after_forward="_noreshard" not in flags,
                                      # FSDP2's DTensors are not gathered back by our teardown: leave them
                                      consolidate_on_teardown="_fsdp2" not in flags and "rank0")
     elif kind == "mps":
@@ -583,6 +593,16 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
             per_round = ", ".join(f"{x:.3f}" for x in r[1])
             lines.append(f"- throughput {a} / {b}: {r[0]:.3f} (per round: {per_round}){verdict}; "
                          f"CPU time per step, {b} / {a}: {c[0]:.3f}")
+    for a in [c for c in rows if c.endswith("_zero3_noreshard")]:  # FSDP2's trade: its cost and gain as ratios
+        b = a[: -len("_noreshard")]
+        r = _ratio(rows, a, b)
+        if r is not None:
+            per_round = ", ".join(f"{x:.3f}" for x in r[1])
+            ratios = "; ".join(f"{what} {rows[a][key] / rows[b][key]:.3f}x ({rows[a][key]:.2f} / {rows[b][key]:.2f})"
+                               for key, what in (("held_mb", "held MB"), ("peak_mb", "peak MB"),
+                                                 ("dp_mb_per_step", "DP MB/step")) if rows[b][key])
+            lines.append(f"- reshard_after_forward=False, {a} / {b}: throughput {r[0]:.3f} (per round: {per_round});"
+                         f" {ratios}")
     for a, b in (("dpmp_2x2_zero3", "mps_2x2"), ("dpmp_2x2_zero2", "mps_2x2")):
         if a in rows and b in rows:  # issue 14: zero=3 holds no more bytes per rank than ModelParallelStrategy+FSDP2
             for key, what in (("held_mb", "held between steps"), ("peak_mb", "peak during a step")):

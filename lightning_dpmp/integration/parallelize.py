@@ -118,6 +118,7 @@ class ParallelConfig:
     compile: bool = False
     async_grad_allreduce: Optional[bool] = None  # None: on for CUDA, off on CPU/gloo
     mixed_precision: Optional[Any] = None  # zero >= 2: torch's MixedPrecisionPolicy (param_dtype, reduce_dtype)
+    reshard_after_forward: bool = True  # zero=3: False keeps a unit gathered to its backward (a pipeline: the step)
 
 
 @dataclass
@@ -416,15 +417,16 @@ def step_local_shards(optimizers: list[Any], params: DTensorParams) -> None:
 
 
 def shard_dp(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], grid: Any, split: Split,
-             zero: int, mixed_precision: Optional[Any] = None, pipeline: Optional[Pipeline] = None
-             ) -> tuple[list[Any], Optional[ZeroEngine]]:
+             zero: int, mixed_precision: Optional[Any] = None, pipeline: Optional[Pipeline] = None,
+             reshard_after_forward: bool = True) -> tuple[list[Any], Optional[ZeroEngine]]:
     """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild ``optimizers`` over the shards (the LR schedulers of
-    ``scheduler_configs`` re-pointed), with ``mixed_precision`` (zero >= 2); with a ``pipeline``, buckets by stage
-    and the engine attached to it. Returns the optimizers to step and the engine (``None`` when there is nothing to
-    shard)."""
+    ``scheduler_configs`` re-pointed), with ``mixed_precision`` (zero >= 2) and ``reshard_after_forward`` (zero=3);
+    with a ``pipeline``, buckets by stage and the engine attached to it. Returns the optimizers to step and the
+    engine (``None`` when there is nothing to shard)."""
     optimizers, engine = shard_optimizers(module, optimizers, scheduler_configs, zero, grid, split.split_params,
                                           split.partial_grads, split.applied_plan, mixed_precision,
-                                          pipeline.keys if pipeline is not None else None)
+                                          pipeline.keys if pipeline is not None else None,
+                                          reshard_after_forward)
     if engine is not None and pipeline is not None:
         pipeline.attach_engine(engine)
     return optimizers, engine
@@ -477,7 +479,7 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
             step_local_shards(optimizers, split.params)
         if topology.zero_enabled:
             optimizers, engine = shard_dp(module, optimizers, scheduler_configs, grid, split, topology.zero,
-                                          config.mixed_precision, pipeline)
+                                          config.mixed_precision, pipeline, config.reshard_after_forward)
     # the engine's flat shards of MP-split parameters are MP shards too
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())

@@ -97,6 +97,14 @@ class DPMPStrategy(GridStrategy):
             optimizer (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB); every level writes both checkpoint
             formats. At zero=3 user code reading a parameter between its uses reads its values (the op gathers
             it; :mod:`lightning_dpmp.parallel.freed_reads`).
+        reshard_after_forward: zero=3's trade, named after FSDP2's option: ``True`` (default) frees each block after
+            its forward and gathers it again for its backward; ``False`` keeps it gathered from its forward to its
+            backward (one all-gather per block and micro-batch instead of two, the block's parameters whole
+            meanwhile). Under a pipeline (and with gradient accumulation) ``False`` keeps this rank's stage gathered
+            from its first use to the optimizer step's backward, accumulates its gradients whole and
+            reduce-scatters them once per step, as zero=1/2 do: ``U + 1`` all-gathers and one reduce-scatter per
+            step instead of ``2·M·U + 1`` and ``M·(U + 1)``, for the stage's parameters and gradients held whole.
+            ``False`` with zero < 3 is refused (those levels never free the parameters).
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -153,6 +161,7 @@ class DPMPStrategy(GridStrategy):
         check_consistency_every_n_steps: int = 0,
         mp_batch: Literal["broadcast", "check"] = "broadcast",
         zero: int = 0,
+        reshard_after_forward: bool = True,
         compile: bool = False,
         async_grad_allreduce: Optional[bool] = None,
         mixed_precision: Optional[Any] = None,
@@ -187,6 +196,7 @@ class DPMPStrategy(GridStrategy):
         if zero == 0 and pp == 1:
             validate.check_ddp_kwargs_with_dtensors(ddp_kwargs, mp)
         validate.check_mixed_precision(mixed_precision, zero, dp)
+        validate.check_reshard_after_forward(reshard_after_forward, zero)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -200,7 +210,7 @@ class DPMPStrategy(GridStrategy):
         )
         # parsed and checked once, here; what setup's parallelize pipeline follows
         self._config = ParallelConfig(overrides, bool(verify_plan), bool(sequence_parallel), compile,
-                                      async_grad_allreduce, mixed_precision)
+                                      async_grad_allreduce, mixed_precision, reshard_after_forward)
         self._consolidate_on_teardown = consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
         self._parallel: Optional[Parallelized] = None  # set by setup's parallelize

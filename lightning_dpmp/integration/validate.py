@@ -70,6 +70,7 @@ __all__ = [
     "check_init_args",
     "check_not_compiled",
     "check_plan_at_setup",
+    "check_reshard_after_forward",
     "check_sync_batchnorm",
     "check_ddp_kwargs_with_dtensors",
     "check_zero_without_ddp",
@@ -231,6 +232,28 @@ def check_mixed_precision(policy: Any, zero: int, dp: Any) -> None:
     if getattr(policy, "output_dtype", None) is not None:
         raise ValueError("mixed_precision.output_dtype is not supported (outputs keep the compute dtype); leave it"
                          " None.")
+
+
+def check_reshard_after_forward(reshard_after_forward: Any, zero: int) -> None:
+    """``reshard_after_forward`` is zero=3's (FSDP2's option of that name): refuse a non-boolean, and ``False`` at a
+    level that never frees the parameters (zero 0-2 hold them whole, so it would change nothing).
+
+    Example:
+        >>> check_reshard_after_forward(False, 3)
+        >>> check_reshard_after_forward(False, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: reshard_after_forward=False applies to zero=3 (parameters freed between uses); got zero=1,
+            which keeps the parameters whole already. Set zero=3, or leave reshard_after_forward=True.
+    """
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"`reshard_after_forward` must be True or False, got {reshard_after_forward!r} "
+                        f"({type(reshard_after_forward).__name__}).")
+    if not reshard_after_forward and zero != 3:
+        raise ValueError(
+            f"reshard_after_forward=False applies to zero=3 (parameters freed between uses); got zero={zero}, which"
+            f" keeps the parameters whole already. Set zero=3, or leave reshard_after_forward=True."
+        )
 
 
 def check_speed_flags(compile: Any = False, async_grad_allreduce: Any = None) -> None:

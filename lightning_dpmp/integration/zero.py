@@ -47,15 +47,16 @@ def repoint_schedulers(old: Sequence[Any], new: Sequence[Any], scheduler_configs
 def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, dp_group: Any,
                  split_params: set[int], partial_grads: Sequence[nn.Parameter], conditional: bool = False,
                  branches: tuple[str, ...] = (), mixed_precision: Optional[Any] = None,
-                 stage_of: Optional[dict[int, Any]] = None) -> ZeroEngine:
+                 stage_of: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True) -> ZeroEngine:
     """Shard ``module`` and its optimizers over ``dp_group`` (zero=``level``), schedulers re-pointed. ``split_params``
     (ids of the MP shards) is read, not changed: the engine's own shards of them are ``engine.shard_params("split")``.
     ``conditional``, ``branches``: a step may leave parameters out (see :class:`ZeroEngine`); ``stage_of``: the
-    pipeline stages reading each parameter (no bucket mixes them)."""
+    pipeline stages reading each parameter (no bucket mixes them); ``reshard_after_forward``: zero=3's trade (see
+    :class:`ZeroEngine`)."""
     plain = [compat.unwrap_optimizer(o) for o in optimizers]
     engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in partial_grads},
                         conditional=conditional, branches=branches, mixed_precision=mixed_precision,
-                        stage_of=stage_of)
+                        stage_of=stage_of, reshard_after_forward=reshard_after_forward)
     repoint_schedulers(plain, engine.optimizers, scheduler_configs)
     return engine
 
@@ -63,7 +64,8 @@ def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: li
 def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, grid: Any,
                      split_params: set[int], partial_grads: Sequence[nn.Parameter],
                      applied: Optional[PlanResult] = None, mixed_precision: Optional[Any] = None,
-                     stage_of: Optional[dict[int, Any]] = None) -> tuple[list[Any], Optional[ZeroEngine]]:
+                     stage_of: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True
+                     ) -> tuple[list[Any], Optional[ZeroEngine]]:
     """The optimizers for ZeRO level ``level`` over ``grid``'s DP group, and the engine: rebuilt over the DP shards
     (:func:`build_engine`, in its conditional mode where the ``applied`` plan's trace saw a step leave parameters out);
     unchanged at zero=0 or dp=1."""
@@ -71,7 +73,7 @@ def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs
         return optimizers, None
     conditional, branches = (bool(applied.conditional), applied.branches) if applied is not None else (False, ())
     engine = build_engine(module, optimizers, scheduler_configs, level, grid.dp_group, split_params, partial_grads,
-                          conditional, branches, mixed_precision, stage_of)
+                          conditional, branches, mixed_precision, stage_of, reshard_after_forward)
     return engine.optimizers, engine
 
 

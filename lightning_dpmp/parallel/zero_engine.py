@@ -17,6 +17,17 @@
   once all its parameters' gradients are reduce-scattered, every micro-batch (reduce-scatter is linear: the
   shards' gradients accumulate). The root is gathered at the start of each step (:meth:`ZeroEngine.gather_root`)
   and freed after the optimizer step. A module called several times per step is gathered again for each call.
+* **zero=3 with** ``reshard_after_forward=False`` (FSDP2's option of that name, and its trade: fewer gathers for
+  more bytes held). A unit stays gathered from its forward to its backward: one all-gather per unit and
+  micro-batch instead of two. While gradients accumulate locally (:meth:`ZeroEngine.no_sync`: accumulation, and
+  a pipeline's schedule, which runs every micro-batch of a step so) the units stay gathered from their first use
+  until the synchronised end of the backward, the gradients accumulate whole (in a flat buffer of the bucket's
+  reduce dtype, as FSDP2 keeps its unsharded accumulated gradient), and that end reduce-scatters them in one
+  collective (a pipeline's :meth:`ZeroEngine.finish_backward`, once per step) and frees the units: under a
+  pipeline each stage is gathered once per step and reduce-scattered once, as torch's pipelining schedules drive
+  FSDP2 (``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` but on the last
+  micro-batch), holding its parameters and gradients whole meanwhile. A forward without gradients (evaluation)
+  frees each unit after it, as with ``True``.
 * **Steps that leave parameters out** (``conditional=True``: the traced step had data-dependent ops in forward, or
   left trainable parameters without a gradient; experts, LayerDrop, a branch on the data). Every DP rank must issue
   the same collectives whatever its batch touched, and a parameter no rank used must keep a ``None`` gradient (so
@@ -162,13 +173,18 @@ class ZeroEngine:
         stage_of: ``id(parameter) -> a key`` (a pipeline: which stages read it); parameters of different keys never
             share a bucket. A parameter whose storage is freed (another stage's, on a meta-device model) enters its
             bucket as zeros.
+        reshard_after_forward: zero=3 only: ``False`` keeps each unit gathered from its forward to its backward,
+            and while accumulating until the synchronised end of the backward (see the module's docstring).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[Optimizer], level: int, dp_group: Any,
                  split: set[int], partial: set[int], conditional: bool = False,
                  branches: tuple[str, ...] = (), mixed_precision: Optional[Any] = None,
-                 stage_of: Optional[dict[int, Any]] = None) -> None:
+                 stage_of: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True) -> None:
+        if not reshard_after_forward and level != 3:
+            raise ValueError(f"reshard_after_forward=False applies to zero=3 (zero={level} never frees the parameters)")
         self.level, self.group, self.conditional = level, dp_group, conditional
+        self.reshard_after_forward = reshard_after_forward
         param_dtype = getattr(mixed_precision, "param_dtype", None)
         reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
         self.dp, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
@@ -286,6 +302,9 @@ class ZeroEngine:
     def _grad_hook(self, b: Bucket) -> Any:
         def hook(p: Tensor) -> None:
             self._queue_end_of_backward()
+            if self._holding():
+                b.stash_grad(p)  # accumulated whole, in the reduce dtype, until the synchronised end
+                return
             if self.conditional or not (self.sync or self.level == 3):
                 # conditional: the unit goes when the backward reaches its inputs, whatever this rank produced;
                 # accumulating locally (zero=2): one reduce-scatter on the last micro-batch
@@ -332,7 +351,7 @@ class ZeroEngine:
             # (absent: an earlier backward ended since this call's forward, as a pipeline's schedule interleaves
             # micro-batches; then no other call of the unit is pending)
             self._calls[u] = self._calls.get(u, 0) - 1
-            if self._calls[u] > 0 or u in self._fired or not (self.sync or self.level == 3):
+            if self._calls[u] > 0 or u in self._fired or not (self.sync or self.level == 3) or self._holding():
                 return  # an earlier call's backward is still to come, or accumulating locally (zero=2)
             self._fired.add(u)
             reduce_scatter_buckets(self._trainable_by_unit.get(u, []), self.group)
@@ -340,9 +359,15 @@ class ZeroEngine:
                 self._free(u)  # every backward use of these parameters has run
         return reached
 
+    def _holding(self) -> bool:
+        """zero=3 with ``reshard_after_forward=False`` while accumulating: units stay gathered, gradients whole."""
+        return self.level == 3 and not self.reshard_after_forward and not self.sync
+
     def _end_of_backward(self) -> None:
         self._queued, self._in_backward = False, False
         self._calls.clear()
+        if self._holding():
+            return  # the units stay gathered, the gradients accumulate: the synchronised end reduce-scatters
         if self.sync or self.level == 3:
             if self.conditional:
                 self._flush_conditional()
@@ -368,6 +393,9 @@ class ZeroEngine:
                 " block (a block called on an input that needs no gradient, or its parameters used outside its"
                 " forward); their reduction would depend on each rank's data. Use zero=0 for this model."
             )
+        if self.level == 3 and not self.reshard_after_forward:  # (the gradients were kept whole: all at once)
+            reduce_scatter_buckets([b for u in self._trainable_by_unit if u not in self._fired
+                                    for b in self._trainable_by_unit[u]], self.group)
         for u in self._trainable_by_unit:
             if u not in self._fired:
                 reduce_scatter_buckets(self._trainable_by_unit[u], self.group)
@@ -401,7 +429,8 @@ class ZeroEngine:
             if stood_in(module):
                 return
             _on_output_grads(out, self._pre_backward(u))
-            self._free(u)
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self._free(u)  # (else kept for its backward, which frees it)
         return hook
 
     def _pre_backward(self, u: int) -> Any:
@@ -425,8 +454,9 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """End a backward that ran with gradients kept local (a pipeline's schedule runs its micro-batches under
         :meth:`no_sync`): reduce-scatter what the active buckets hold, as the end of a synchronised backward
-        would. zero=3 has nothing left: it reduce-scatters at the end of every backward."""
-        if self.level == 3:
+        would (in one collective), and at zero=3 with ``reshard_after_forward=False`` free the units kept
+        gathered. zero=3 otherwise has nothing left: it reduce-scatters at the end of every backward."""
+        if self.level == 3 and self.reshard_after_forward:
             return
         old, self.sync = self.sync, True
         try:

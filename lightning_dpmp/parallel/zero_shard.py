@@ -171,6 +171,9 @@ class Bucket:
         self._gather_src: Optional[Tensor] = None  # the cast shard an asynchronous gather reads (kept alive)
         self._master: Optional[Tensor] = None  # mixed precision: the master-dtype buffer of use_master
         self._rs: Optional[tuple[Any, Tensor, Tensor]] = None  # (work, out, flat input kept alive)
+        # zero=3 with reshard_after_forward=False while accumulating: the whole gradients, flat, in the reduce dtype
+        self._stash: Optional[Tensor] = None
+        self._offset_of = {id(p): off for p, off in zip(params, self.layout.offsets)}
         self.fired: set[int] = set()
         self.used_here = False  # whether this rank had any of the parameters' gradients at the last reduce-scatter
         if unallocated and not self.mixed:  # another pipeline stage's, on a meta-device model: its buffer is not kept
@@ -245,17 +248,34 @@ class Bucket:
         if ready is not None:
             self._rs = (reduce_scatter_flat(ready[0], ready[1], self.group, async_op=True), *ready)
 
+    def stash_grad(self, p: Tensor) -> None:
+        """Move ``p``'s gradient (one of :attr:`params`) into the bucket's flat accumulator, in the reduce dtype
+        (so micro-batches accumulate there, not in the compute dtype), and free it; the next reduce-scatter sends
+        the accumulator."""
+        if p.grad is None:
+            return
+        if self._stash is None:
+            self._stash = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.full.device)
+        off = self._offset_of[id(p)]
+        self._stash[off : off + p.numel()].add_(p.grad.detach().reshape(-1))
+        self.used_here = True
+        p.grad = None
+
     def prepare_reduce_scatter(self) -> Optional[tuple[Tensor, Tensor]]:
         """``(out, flat)`` for a reduce-scatter the caller issues (:func:`reduce_scatter_buckets`): the gradients
-        flattened into ``flat`` (absent ones are zero) and freed; ``None`` if one is already under way."""
+        (and what :meth:`stash_grad` accumulated) flattened into ``flat`` (absent ones are zero) and freed; ``None``
+        if one is already under way."""
         if self._rs is not None:
             return None
-        flat = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.full.device)
-        self.used_here = False
+        stash, self._stash = self._stash, None
+        self.used_here = stash is not None
+        flat = stash if stash is not None else torch.zeros(self.layout.total, dtype=self.reduce_dtype,
+                                                           device=self.full.device)
         for p, off in zip(self.params, self.layout.offsets):
             if p.grad is not None:
                 self.used_here = True
-                flat[off : off + p.numel()].copy_(p.grad.detach().reshape(-1))
+                part = flat[off : off + p.numel()]
+                (part.add_ if stash is not None else part.copy_)(p.grad.detach().reshape(-1))
                 p.grad = None
         return torch.empty(self.layout.shard, dtype=flat.dtype, device=flat.device), flat
 
@@ -277,7 +297,7 @@ class Bucket:
             self.shard.grad.add_(out)
 
     def has_grads(self) -> bool:
-        return any(p.grad is not None for p in self.params)
+        return self._stash is not None or any(p.grad is not None for p in self.params)
 
     # ---------------------------------------------------------------- optimizer state
     def export_state(self, shard_state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """Pipeline launches for tests/distributed/test_pipeline.py.
 
 Usage (from the repo root):
-    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard|:compile|:zN],...
+    python tests/distributed/pipeline_worker.py DP PP MP OUT MODEL:SCHEDULE[:V|:acc2|:guard|:compile|:zN|:keep]...
     python tests/distributed/pipeline_worker.py resume OUT    # 4 processes: save at (1,2,2), resume at (2,1,2)
     python tests/distributed/pipeline_worker.py refuse OUT    # 2 processes: a step that cannot be cut
     python tests/distributed/pipeline_worker.py meta OUT      # 2 processes: meta-device init at (1,2,1), (2,1,1)
@@ -11,8 +11,9 @@ Usage (from the repo root):
 The first form trains each model under DPMPStrategy(dp, mp, pp) with the schedule (``V`` stages per rank for
 ``interleaved``; ``acc2``: ``accumulate_grad_batches=2``; ``guard``: the consistency guard every 5 steps;
 ``compile``: ``compile=True``; ``zN``: ``zero=N``; ``sp``: ``sequence_parallel=True``; ``fp32``:
-``MixedPrecisionPolicy(float32, float64)``), as parity_worker does without a pipeline, and records the collectives
-and sends of one step, the analytic MP collectives, the stages and the logged loss.
+``MixedPrecisionPolicy(float32, float64)``; ``keep``: ``reshard_after_forward=False``), as parity_worker does
+without a pipeline, and records the collectives and sends of one step, the analytic MP collectives, the stages and
+the logged loss.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ class Counter(L.Callback):
 
 def make_trainer(dp: int, pp: int, mp: int, steps: int, precision: str = "64-true", callbacks=(), schedule="1f1b",
                  stages_per_rank: int = 1, guard: int = 0, compile: bool = False, zero: int = 0,
-                 sequence_parallel: bool = False, mixed_precision=None, **kwargs) -> L.Trainer:
+                 sequence_parallel: bool = False, mixed_precision=None, reshard_after_forward: bool = True,
+                 **kwargs) -> L.Trainer:
     strategy = DPMPStrategy(dp=dp, mp=mp, pp=pp, pp_microbatches=MICROBATCHES, pp_schedule=schedule,
                             pp_stages_per_rank=stages_per_rank, timeout=timedelta(minutes=2),
                             check_consistency_every_n_steps=guard, compile=compile, zero=zero,
-                            sequence_parallel=sequence_parallel, mixed_precision=mixed_precision)
+                            sequence_parallel=sequence_parallel, mixed_precision=mixed_precision,
+                            reshard_after_forward=reshard_after_forward)
     return L.Trainer(
         accelerator="cpu", devices=dp * pp * mp, strategy=strategy, precision=precision, max_steps=steps,
         gradient_clip_val=CLIP, gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
@@ -89,7 +92,7 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     zero = next((int(e[1:]) for e in extra if e.startswith("z")), 0)
     trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, guard=5 if "guard" in extra else 0,
                            compile="compile" in extra, zero=zero, sequence_parallel="sp" in extra,
-                           accumulate_grad_batches=accumulate,
+                           accumulate_grad_batches=accumulate, reshard_after_forward="keep" not in extra,
                            # fp32: computed in float32 with float64 masters and float64 reductions
                            mixed_precision=MixedPrecisionPolicy(torch.float32, torch.float64) if "fp32" in extra
                            else None)
