@@ -35,7 +35,7 @@ from typing_extensions import override
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.weights import defer_loading, note_deferring_strategy
 from lightning_dpmp.integration import validate
-from lightning_dpmp.integration.autolayout import choose_layout
+from lightning_dpmp.integration.autolayout import Request, check_memory, choose_layout
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
 from lightning_dpmp.integration.data_path import trainer_of
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
@@ -50,7 +50,7 @@ from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
-from lightning_dpmp.parallel.topology import Topology, check_parallel_size
+from lightning_dpmp.parallel.topology import Topology, check_parallel_size, check_zero
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.materialize import empty_parameters
 from lightning_dpmp.planner.plan_types import PlanResult
@@ -152,11 +152,11 @@ class DPMPStrategy(GridStrategy):
         timeout: Optional[timedelta] = None,
         check_consistency_every_n_steps: int = 0,
         mp_batch: Literal["broadcast", "check"] = "broadcast",
-        zero: int = 0,
+        zero: Union[int, Literal["auto"]] = 0,
         compile: bool = False,
         async_grad_allreduce: Optional[bool] = None,
         mixed_precision: Optional[Any] = None,
-        pp: int = 1,
+        pp: Union[int, Literal["auto"]] = 1,
         pp_microbatches: Optional[int] = None,
         pp_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b",
         pp_stages_per_rank: int = 1,
@@ -171,10 +171,19 @@ class DPMPStrategy(GridStrategy):
     ) -> None:
         check_parallel_size("dp", dp, allow_auto=True)  # dp/mp refused first, before any other argument
         check_parallel_size("mp", mp, allow_auto=True)
-        # pp, zero and the pipeline's settings; dp and mp are resolved with them once the world size is known
+        if pp != "auto":  # (the message of a bad pp stays the integer one: "auto" is the rarer wish)
+            check_parallel_size("pp", pp)
+        check_zero(zero, allow_auto=True)
+        # pp, zero and the pipeline's settings; dp and mp are resolved with them once the world size is known.
+        # "auto" ones are chosen at setup: their placeholders (pp=1, zero=0) validate the other settings' types
         micro = -1 if pp_microbatches is None else pp_microbatches  # -1: one per stage
-        self.init_grid(dp, mp, Topology(pp=pp, zero=zero, microbatches=micro, schedule=pp_schedule,
-                                        stages_per_rank=pp_stages_per_rank))
+        pp_auto, zero_auto = pp == "auto", zero == "auto"
+        pipeline = dict(microbatches=micro, schedule=pp_schedule, stages_per_rank=pp_stages_per_rank)
+        self.init_grid(dp, mp, Topology(pp=1 if pp_auto else int(pp), zero=0 if zero_auto else int(zero),
+                                        **pipeline), pp_auto=pp_auto, zero_auto=zero_auto, pipeline=pipeline)
+        if zero_auto and mixed_precision is not None:
+            raise ValueError("mixed_precision= is applied by the ZeRO-2/3 engine, which zero='auto' may not choose:"
+                             " give zero=2 or zero=3 with it.")
         overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                              save_distributed_checkpoint, process_group_backend, start_method,
                                              timeout)
@@ -183,10 +192,14 @@ class DPMPStrategy(GridStrategy):
         check_mp_batch(mp_batch)
         self._mp_batch = mp_batch
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
-        validate.check_zero_without_ddp(zero, ddp_kwargs)
-        if zero == 0 and pp == 1:
+        if zero_auto and ddp_kwargs:
+            raise ValueError(f"zero='auto' may choose ZeRO, which shards gradients without DistributedDataParallel,"
+                             f" so the DDP options {sorted(ddp_kwargs)} would not apply: give zero=0 with them.")
+        validate.check_zero_without_ddp(self._settings.zero, ddp_kwargs)
+        if self._settings.zero == 0 and self._settings.pp == 1 and not pp_auto:
             validate.check_ddp_kwargs_with_dtensors(ddp_kwargs, mp)
-        validate.check_mixed_precision(mixed_precision, zero, dp)
+        if not zero_auto:
+            validate.check_mixed_precision(mixed_precision, self._settings.zero, dp)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -310,8 +323,11 @@ class DPMPStrategy(GridStrategy):
         meta = agree_on_meta(self.lightning_module, self.global_rank, self.root_device)
         if not meta:
             self.model_to_device()
-        if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
+        if self.layout_pending:  # "auto" sizes: trace, measure, predict, then build the groups
             self._choose_layout(trainer, meta)
+        elif fitting and not self.layout_report and self.world_size > 1:  # a given layout: refused if it won't fit
+            check_memory(trainer, self.lightning_module, self.precision_plugin, self.root_device, self.global_rank,
+                         self.topology, self.num_processes, meta, self._config.sequence_parallel)
         validate.check_mixed_precision(self._config.mixed_precision, self.zero, self.dp)  # (dp chosen by now)
         # No module-state sync from rank 0 outside fitting (DDPStrategy's): the split broadcast rank 0's dense
         # weights before splitting, and a sync now would overwrite each rank's MP shards with rank 0's.
@@ -363,10 +379,16 @@ class DPMPStrategy(GridStrategy):
 
     def _choose_layout(self, trainer: "pl.Trainer", meta: bool) -> None:
         validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
+        s, pipeline = self._settings, self._pipeline_args
+        request = Request(dp=self._dp_arg, mp=self._mp_arg, pp="auto" if self._pp_auto else s.pp,
+                          zero="auto" if self._zero_auto else s.zero, microbatches=pipeline.get("microbatches", -1),
+                          schedule=pipeline.get("schedule", "1f1b"), stages_per_rank=pipeline.get("stages_per_rank", 1),
+                          sequence_parallel=self._config.sequence_parallel)
         choice = choose_layout(trainer, self.lightning_module, self.precision_plugin, self.root_device,
                                self.global_rank, self.num_processes, self.num_nodes, meta, self._config.plan_overrides,
-                               compat.layer_sync(self) is not None)
-        self.set_layout(choice.layout.dp, choice.layout.mp, choice.text, keep=choice.measured)
+                               compat.layer_sync(self) is not None, request=request)
+        lay = choice.layout
+        self.set_layout(lay.dp, lay.mp, choice.text, keep=choice.measured, pp=lay.pp, zero=lay.zero)
         self._check_ddp_kwargs()
         validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero, trainer.state.fn,
                                            self.checkpointer.distributed)
