@@ -47,7 +47,8 @@ class Record(L.Callback):
     def on_train_start(self, trainer, pl_module):  # noqa: ANN001
         s = trainer.strategy
         self.seen = {"pending": s.layout_pending, "layout": [s.dp, s.pp, s.mp, s.zero],
-                     "grid": [s.grid.dp, s.grid.pp, s.grid.mp], "sampler": trainer.train_dataloader.sampler.num_replicas}
+                     "grid": [s.grid.dp, s.grid.pp, s.grid.mp],
+                     "sampler": trainer.train_dataloader.sampler.num_replicas}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
         (self.out / f"started{trainer.global_rank}").touch()

@@ -70,7 +70,8 @@ def test_a_given_layout_that_will_not_fit_is_refused_before_any_step(tmp_path):
     proc = run_ranks(2, [WORKER, "refuse", str(tmp_path)], timeout=300, env={"DPMP_DEVICE_MEMORY_GIB": "0.0001"})
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "DPMPStrategy(dp=2, pp=1, mp=1, zero=0) will not fit: the estimator predicts a peak of" in output, output[-3000:]
+    words = "DPMPStrategy(dp=2, pp=1, mp=1, zero=0) will not fit: the estimator predicts a peak of"
+    assert words in output, output[-3000:]
     assert "over the 0.1 MiB of device memory per rank (DPMP_DEVICE_MEMORY_GIB=0.0001)" in output
     assert "Largest: " in output and "DPMP_MEMORY_CHECK=0 skips this check" in output
     assert not list(tmp_path.glob("started*")), "a training step ran before the refusal"
