@@ -85,9 +85,10 @@ class Request:
 
     def layout(self, dp: int, pp: int, mp: int, zero: int) -> Topology:
         """The full topology of one candidate (a ``ValueError`` where the pipeline's settings do not suit it)."""
-        pipeline = dict(microbatches=self.microbatches, schedule=self.schedule,
-                        stages_per_rank=self.stages_per_rank) if pp > 1 else {}
-        return Topology(dp=dp, mp=mp, pp=pp, zero=zero, **pipeline)
+        if pp == 1:
+            return Topology(dp=dp, mp=mp, zero=zero)
+        return Topology(dp=dp, mp=mp, pp=pp, zero=zero, microbatches=self.microbatches, schedule=self.schedule,
+                        stages_per_rank=self.stages_per_rank)
 
 
 @dataclass

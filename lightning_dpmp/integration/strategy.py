@@ -66,10 +66,13 @@ class DPMPStrategy(GridStrategy):
 
     Args:
         dp: data-parallel size, or ``"auto"`` (world // mp when ``mp`` is given).
-        mp: tensor-parallel size, or ``"auto"`` (world // dp when ``dp`` is given). Both ``"auto"`` (the default):
-            the world size is fixed and its split is chosen at setup, after tracing the model, by measuring the
-            links and ranking every ``(dp, mp)`` with the cost model (:mod:`lightning_dpmp.integration.autolayout`;
-            the table is in the plan printout). ``dp * pp * mp`` must equal ``devices * num_nodes``.
+        mp: tensor-parallel size, or ``"auto"`` (world // dp when ``dp`` is given). Both ``"auto"`` (the default),
+            or ``pp``/``zero`` ``"auto"``: the world size is fixed and the layout is chosen at setup, after tracing
+            and profiling the model, by measuring the links and ranking every ``(dp, pp, mp, zero)`` the given sizes
+            allow with the layout estimator (:mod:`lightning_dpmp.integration.autolayout`; the table is in the plan
+            printout). ``dp * pp * mp`` must equal ``devices * num_nodes``. A layout given in full is refused at
+            setup, before any step, when the estimator predicts it will not fit the device memory
+            (``DPMP_MEMORY_CHECK=0`` turns that off, ``DPMP_DEVICE_MEMORY_GIB`` sets the memory per rank).
         plan_overrides: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
             ``"column_gather"``, ``"vocab"``, ``"replicate"``, ``"heads"``, ``"experts"`` (see
             :mod:`lightning_dpmp.planner.styles`); the first matching glob wins. The plan applied is
@@ -96,7 +99,8 @@ class DPMPStrategy(GridStrategy):
             for its backward, freed after; :mod:`lightning_dpmp.parallel.zero_engine`). ZeRO needs an element-wise
             optimizer (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB); every level writes both checkpoint
             formats. At zero=3 user code reading a parameter between its uses reads its values (the op gathers
-            it; :mod:`lightning_dpmp.parallel.freed_reads`).
+            it; :mod:`lightning_dpmp.parallel.freed_reads`). ``"auto"``: chosen at setup, the lowest level predicted
+            to fit unless a higher one is predicted at least 5% faster.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -119,7 +123,8 @@ class DPMPStrategy(GridStrategy):
             the last), and run by torch's schedules; world = ``dp * pp * mp``, MP innermost, then PP, then DP. Your
             ``training_step`` stays as written: it runs once per micro-batch and stage. Combines with MP, DP,
             clipping, accumulation, compile, ``zero`` (over each stage's DP group) and ``mixed_precision``,
-            ``sequence_parallel``, both checkpoint formats, meta-device init and evaluation.
+            ``sequence_parallel``, both checkpoint formats, meta-device init and evaluation. ``"auto"``: chosen at
+            setup with the other sizes (at most the repeated blocks; the settings below apply to the pp chosen).
         pp_microbatches: micro-batches per step (default: the number of stages); must divide the per-rank batch.
         pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, or ``"interleaved"`` (``pp_stages_per_rank`` stages per
             rank, looping).
@@ -178,7 +183,7 @@ class DPMPStrategy(GridStrategy):
         # "auto" ones are chosen at setup: their placeholders (pp=1, zero=0) validate the other settings' types
         micro = -1 if pp_microbatches is None else pp_microbatches  # -1: one per stage
         pp_auto, zero_auto = pp == "auto", zero == "auto"
-        pipeline = dict(microbatches=micro, schedule=pp_schedule, stages_per_rank=pp_stages_per_rank)
+        pipeline: dict[str, Any] = dict(microbatches=micro, schedule=pp_schedule, stages_per_rank=pp_stages_per_rank)
         self.init_grid(dp, mp, Topology(pp=1 if pp_auto else int(pp), zero=0 if zero_auto else int(zero),
                                         **pipeline), pp_auto=pp_auto, zero_auto=zero_auto, pipeline=pipeline)
         if zero_auto and mixed_precision is not None:
