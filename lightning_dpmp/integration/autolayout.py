@@ -22,10 +22,12 @@ With no batch to trace (or a step that cannot run outside the loop), or a world 
 the old rule, dp = nodes and mp = devices per node (pp = 1 and zero = 0 where those were ``"auto"``), and the
 printout says so.
 
-:func:`check_memory` runs for a given layout while fitting: rank 0 profiles the first batch's step and predicts the
-peak at that layout; over :func:`device_memory` every rank raises the same ``ValueError`` (naming the predicted peak,
-the memory, the largest contributors and what would fit) before any step. ``DPMP_MEMORY_CHECK=0`` turns the check
-(and the fit filter of the choice) off; ``DPMP_DEVICE_MEMORY_GIB`` sets the memory per rank.
+:func:`check_memory` runs for a given layout while fitting: where the parameters, gradients and optimizer state
+alone take more than half of :func:`device_memory` (a lower bound, no user code run), rank 0 profiles the first
+batch's step and predicts the peak at that layout; over the memory every rank raises the same ``ValueError`` (naming
+the predicted peak, the memory, the largest contributors and what would fit) before any step.
+``DPMP_MEMORY_CHECK=0`` turns the check (and the fit filter of the choice) off; ``DPMP_DEVICE_MEMORY_GIB`` sets
+the memory per rank.
 
 Example:
     >>> choice = choose_layout(trainer, module, plugin, torch.device("cpu"), global_rank=0,  # doctest: +SKIP
@@ -49,7 +51,7 @@ from lightning_dpmp.compat import tree_leaves
 from lightning_dpmp.integration.stepdata import first_batch, isolated, step_runner
 from lightning_dpmp.parallel.topology import Size, Topology
 from lightning_dpmp.planner.cost import Links
-from lightning_dpmp.planner.estimate import LayoutSpec
+from lightning_dpmp.planner.estimate import PRECISIONS, LayoutSpec
 from lightning_dpmp.planner.layout_search import (
     candidates,
     estimator_precision,
@@ -63,10 +65,12 @@ from lightning_dpmp.planner.profile import ModelProfile, config_sizes, profile_s
 from lightning_dpmp.planner.trace import Trace, trace_step
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
-__all__ = ["Choice", "Request", "candidate_layouts", "check_memory", "choose_layout", "device_memory",
-           "measure_links", "profile_module"]
+__all__ = ["PROFILE_ABOVE", "Choice", "Request", "candidate_layouts", "check_memory", "choose_layout", "device_memory",
+           "measure_links", "profile_module", "states_bytes"]
 
 SMALL, LARGE = 4 * 1024, 4 * 2**20  # bytes of the latency and the bandwidth probes
+#: A given layout's step is profiled for the memory check only where its states alone exceed this share of memory.
+PROFILE_ABOVE = 0.5
 REPEATS = 5
 
 
@@ -360,12 +364,37 @@ def _rank_on_rank_zero(module: nn.Module, trace: Trace, prof: ModelProfile, link
     return (c.dp, c.pp, c.mp, c.zero), ranking.rows, text, ""
 
 
+def states_bytes(module: nn.Module, topology: Topology, precision: str) -> float:
+    """A lower bound of what one rank holds at ``topology``: parameters, gradients and optimizer state, as if every
+    parameter were split ``mp * pp`` ways and sharded over DP as the ZeRO level shards it (no activations).
+
+    Example:
+        >>> states_bytes(nn.Linear(100, 10), Topology(dp=2, mp=2), "64-true")   # 1,010 / 2 x (8 + 8 + 16)
+        16160.0
+    """
+    _, pb, gb, ob = PRECISIONS[precision]
+    t, n = topology, sum(p.numel() for p in module.parameters())
+    z = t.zero if t.dp > 1 else 0
+    per = pb / (t.dp if z == 3 else 1) + gb / (t.dp if z >= 1 else 1) + ob / (t.dp if z >= 1 else 1)
+    return n / (t.mp * t.pp) * per
+
+
 def check_memory(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int,
                  topology: Topology, num_processes: int, meta: bool, sequence_parallel: bool) -> None:
-    """Refuse a given layout the estimator predicts will not fit (collective over the world: the first batch's
-    broadcast and the verdict's): the same ``ValueError`` on every rank, before any step. Off with
+    """Refuse a given layout the estimator predicts will not fit: the same ``ValueError`` on every rank, before any
+    step (collective over the world). The step is profiled (one extra forward on rank 0, which user code in it sees)
+    only where the parameters, gradients and optimizer state alone take more than half the memory
+    (:data:`PROFILE_ABOVE`); below that the layout is taken to fit, with one small broadcast. Off with
     ``DPMP_MEMORY_CHECK=0``; a step that cannot be profiled is not checked."""
     if not _memory_check_on() or not dist.is_initialized():
+        return
+    precision = estimator_precision(str(trainer.precision))
+    gate: list[Any] = [False]
+    if global_rank == 0:
+        memory, _ = device_memory(device, num_processes)
+        gate = [states_bytes(module, topology, precision) > PROFILE_ABOVE * memory]
+    dist.broadcast_object_list(gate, src=0)
+    if not gate[0]:
         return
     batch, _ = first_batch(trainer, module, global_rank)
     box: list[Optional[str]] = [None]
@@ -380,8 +409,7 @@ def check_memory(trainer: Any, module: Any, plugin: Any, device: torch.device, g
             spec = LayoutSpec(t.dp, t.pp, t.mp, t.zero, sequence_parallel and t.mp > 1,
                               t.microbatches if t.pp > 1 else 1,
                               ("interleaved" if t.schedule == "interleaved" else t.schedule) if t.pp > 1 else "none")
-            box = [refusal(prof, dev, spec, t.world_size, per_rank, estimator_precision(str(trainer.precision)),
-                           where)]
+            box = [refusal(prof, dev, spec, t.world_size, per_rank, precision, where)]
         except Exception:  # a step the profiler cannot read is not checked (the planner reports real errors)
             box = [None]
     dist.broadcast_object_list(box, src=0)

@@ -152,3 +152,13 @@ def test_device_memory_on_cpu_is_the_hosts_available_share(monkeypatch):
     assert one > 0 and four == pytest.approx(one / 4, rel=0.2) and "available" in where
     monkeypatch.setenv("DPMP_DEVICE_MEMORY_GIB", "0.5")
     assert device_memory(torch.device("cpu"), 4) == (0.5 * 2**30, "DPMP_DEVICE_MEMORY_GIB=0.5")
+
+
+def test_the_memory_checks_lower_bound_counts_states_only():
+    from lightning_dpmp.integration.autolayout import PROFILE_ABOVE, states_bytes
+
+    net = torch.nn.Linear(100, 10)  # 1,010 parameters
+    assert states_bytes(net, Topology(dp=2, mp=2), "64-true") == 1010 / 2 * (8 + 8 + 16)
+    assert states_bytes(net, Topology(dp=2, mp=1, pp=2, zero=1), "32-true") == 1010 / 2 * (4 + 4 / 2 + 8 / 2)
+    assert states_bytes(net, Topology(dp=4, zero=3), "bf16-mixed") == 1010 * (4 + 4 + 8) / 4
+    assert 0 < PROFILE_ABOVE < 1
