@@ -320,7 +320,7 @@ def choose_layout(trainer: Any, module: Any, plugin: Any, device: torch.device, 
             f" first by predicted tokens/s (links measured in {seconds:.2f} s: intra"
             f" {links.intra_bw / 1e9:.3g} GB/s, {links.intra_latency * 1e6:.3g} us"
             + (f"; inter {links.inter_bw / 1e9:.3g} GB/s" if links.inter_bw is not None else "")
-            + f"; {links.flops / 1e9:.3g} GFLOP/s)\n" + text)
+            + f"; {links.flops / 1e9:.3g} GFLOP/s, memory {links.mem_bw / 1e9:.3g} GB/s)\n" + text)
     return Choice(request.layout(dp, pp, mp, zero), table, links, text, measured=True)
 
 
