@@ -33,9 +33,9 @@ or from the command line (``python -m lightning_dpmp.costmodel --help``, :mod:`l
     python -m lightning_dpmp.costmodel --model gpt-1.3b --hardware dgx-a100 --devices 64
 
 This model plans *before* launch, from a shape and preset link figures, at a fixed global batch.
-``DPMPStrategy(dp="auto", mp="auto")`` chooses at setup instead, from the traced model's own plan at every ``mp``
-and links it measures itself, at the loader's fixed per-rank batch (so by tokens/s):
-:mod:`lightning_dpmp.planner.cost` holds that model, and both share one ring formula (:func:`ring_s`).
+``DPMPStrategy(dp="auto", mp="auto", pp="auto", zero="auto")`` chooses at setup instead, with the layout
+estimator on the traced model's own profile and links it measures itself, at the loader's fixed per-rank batch (so
+by tokens/s): :mod:`lightning_dpmp.planner.layout_search`; all share one ring formula (:func:`ring_s`).
 """
 
 from __future__ import annotations
