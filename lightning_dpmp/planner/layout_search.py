@@ -9,7 +9,8 @@ Pure arithmetic over a :class:`~lightning_dpmp.planner.profile.ModelProfile` and
 * :func:`candidates`: every ``(dp, pp, mp, zero)`` with ``dp * pp * mp == world`` that agrees with the sizes given
   (an int fixes a size, ``"auto"`` leaves it free), where ``mp`` is one the planner could plan (``allowed_mp``) and
   divides the heads, key/value heads and feed-forward width the profile knows, ``pp * stages_per_rank`` is at most
-  the repeated blocks, the micro-batches divide the per-rank batch, and ``zero > 0`` only with ``dp > 1``; the
+  the repeated blocks, the micro-batches divide the per-rank batch, and (``zero="auto"``) ``zero > 0`` only with
+  ``dp > 1``; the
   layouts left out are returned with the reason.
 * :func:`rank`: each candidate predicted at the global batch its ``dp`` implies (the loader's batch is fixed per
   rank, so the global batch is ``dp`` times it): ranked by predicted **tokens per second**, fitting layouts first.
@@ -134,7 +135,8 @@ def candidates(prof: ModelProfile, world: int, per_rank_batch: int, dp: SizeArg 
                     out.append(f"{where}: {micro} micro-batches do not divide the per-rank batch of"
                                f" {per_rank_batch}")
                     continue
-            zeros = [z for z in ((0, 1, 2, 3) if zero == "auto" else (int(zero),)) if d > 1 or z == 0]
+            # zero="auto" tries a level > 0 only where there is a DP group to shard over; a given level stays as given
+            zeros = [z for z in (0, 1, 2, 3) if d > 1 or z == 0] if zero == "auto" else [int(zero)]
             sched = "none" if p == 1 else ("interleaved" if schedule == "interleaved" else schedule)
             for z in zeros:
                 specs.append(LayoutSpec(d, p, m, z, sequence_parallel and m > 1, micro, sched, False))

@@ -42,6 +42,8 @@ def test_candidates_follow_the_given_sizes_and_the_model():
     # a given size fixes its axis; the others stay free
     fixed, _ = candidates(PROF, 4, 4, dp=2, zero=1)
     assert {(s.dp, s.pp, s.mp, s.zero) for s in fixed} == {(2, 2, 1, 1), (2, 1, 2, 1)}
+    given, _ = candidates(PROF, 4, 4, mp=1, zero=1)  # a given level stays, also where dp=1 has nothing to shard
+    assert {(s.dp, s.pp, s.zero) for s in given} == {(4, 1, 1), (2, 2, 1), (1, 4, 1)}
     # what the model and the batch allow: blocks, heads (and the planner's own verdict), micro-batches
     two_blocks = replace(PROF, layers=2, heads=2)
     specs, out = candidates(two_blocks, 4, per_rank_batch=2, allowed_mp=[1, 2], microbatches=-1)
