@@ -10,8 +10,7 @@ Pure arithmetic over a :class:`~lightning_dpmp.planner.profile.ModelProfile` and
   (an int fixes a size, ``"auto"`` leaves it free), where ``mp`` is one the planner could plan (``allowed_mp``) and
   divides the heads, key/value heads and feed-forward width the profile knows, ``pp * stages_per_rank`` is at most
   the repeated blocks, the micro-batches divide the per-rank batch, and (``zero="auto"``) ``zero > 0`` only with
-  ``dp > 1``; the
-  layouts left out are returned with the reason.
+  ``dp > 1``; the layouts left out are returned with the reason.
 * :func:`rank`: each candidate predicted at the global batch its ``dp`` implies (the loader's batch is fixed per
   rank, so the global batch is ``dp`` times it): ranked by predicted **tokens per second**, fitting layouts first.
   Per ``(dp, pp, mp)`` the zero level is the lowest that fits (fewer collectives) unless a higher one is predicted
