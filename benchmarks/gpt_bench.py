@@ -269,8 +269,11 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
 
         def _write(self, trainer: Any) -> None:
             steps = [b - a for a, b in zip(self.starts, self.starts[1:])]
+            s = trainer.strategy
             rec = {
                 "rank": trainer.global_rank,
+                "layout": [s.dp, s.pp, s.mp, s.zero] if kind == "dpmp" else [self._dp_size(trainer), 1, 1, 0],
+                "layout_report": getattr(s, "layout_report", ""),
                 "step_times": steps,
                 "step_cpu": [b - a for a, b in zip(self.cpu, self.cpu[1:])],
                 "comm_calls": self.counter.calls,
@@ -429,6 +432,8 @@ def worker(args: argparse.Namespace) -> None:
     from tests.support.models import make_lm_dataset
 
     name = args.config
+    if name == "dpmp_auto":  # every size chosen at setup by the estimator (issue 44 item 3), on --world processes
+        name = f"dpmp_{args.world}x1"
     m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3]|_fsdp2|_pp\d+|_gpipe"
                      r"|_interleaved|_plainparams|_noreshard)*)", name)
     if not m:
@@ -456,9 +461,12 @@ def worker(args: argparse.Namespace) -> None:
         schedule = "interleaved" if "_interleaved" in flags else "gpipe" if "_gpipe" in flags else "1f1b"
         pipeline = dict(pp=pp, pp_microbatches=args.pp_microbatches, pp_schedule=schedule,
                         pp_stages_per_rank=2 if schedule == "interleaved" else 1) if pp > 1 else {}
+        if args.config == "dpmp_auto":
+            pipeline = dict(pp="auto", pp_microbatches=args.pp_microbatches)
+            dp, mp, zero = "auto", "auto", None  # type: ignore[assignment]
         strategy: Any = DPMPStrategy(dp=dp, mp=mp, **pipeline, sequence_parallel="_sp" in flags, verify_plan=False,
                                      compile="_compiled" in flags, async_grad_allreduce="_async" in flags,
-                                     zero=int(zero.group(1)) if zero else 0,
+                                     zero="auto" if args.config == "dpmp_auto" else int(zero.group(1)) if zero else 0,
                                      reshard_after_forward="_noreshard" not in flags,
                                      # FSDP2's DTensors are not gathered back by our teardown: leave them
                                      consolidate_on_teardown="_fsdp2" not in flags and "rank0")
@@ -472,9 +480,9 @@ def worker(args: argparse.Namespace) -> None:
         strategy = DDPStrategy()
     if "_compiled" in flags and kind != "dpmp":
         raise SystemExit(f"{name}: _compiled is DPMPStrategy(compile=True); not offered for {kind}")
-    per_dp = args.global_batch // dp
+    per_dp = args.per_rank_batch or args.global_batch // dp  # --per-rank-batch: the global batch is dp times it
     n_steps = args.steps + 1  # + the untimed counting step
-    ds = make_lm_dataset(n=args.global_batch * n_steps, vocab=args.vocab, seq=args.seq, seed=1)
+    ds = make_lm_dataset(n=per_dp * world * n_steps, vocab=args.vocab, seq=args.seq, seed=1)
     loader = DataLoader(ds, batch_size=per_dp, shuffle=False, drop_last=True)
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
@@ -492,7 +500,7 @@ def _run_one(config: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
     for f in out.glob("rank*.json"):
         f.unlink()
     forwarded = ("model", "kv_heads", "layers", "hidden", "heads", "vocab", "seq", "global_batch", "steps",
-                 "pp_microbatches")
+                 "pp_microbatches", "per_rank_batch", "world")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", config, "--out", str(out),
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in forwarded]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -519,7 +527,8 @@ def summarise(config: str, runs: list[dict[str, Any]], args: argparse.Namespace)
     return {
         "config": config,
         "step_s": med,
-        "tokens_per_s": args.global_batch * args.seq / med,
+        "tokens_per_s": _global_batch(args, r0) * args.seq / med,
+        "layout": r0.get("layout"),
         "cpu_s": statistics.median(cpu),
         "param_mb": max(x["param_bytes"] for x in runs[0]["ranks"]) / 2**20,
         "grad_mb": max(x["grad_bytes"] for x in runs[0]["ranks"]) / 2**20,
@@ -543,6 +552,11 @@ def summarise(config: str, runs: list[dict[str, Any]], args: argparse.Namespace)
     }
 
 
+def _global_batch(args: argparse.Namespace, rank0: dict[str, Any]) -> int:
+    """Sequences per step: ``--global-batch``, or dp x ``--per-rank-batch`` (dp as the run's layout had it)."""
+    return rank0["layout"][0] * args.per_rank_batch if args.per_rank_batch else args.global_batch
+
+
 def _ratio(
     rows: dict[str, dict[str, Any]], a: str, b: str, key: str = "per_round_step_s"
 ) -> Optional[tuple[float, list[float]]]:
@@ -561,8 +575,10 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
     lines = [
         f"{title}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, "
         f"sequence {args.seq}, "
-        f"global batch {args.global_batch} sequences ({args.global_batch * args.seq} tokens), "
-        f"{sum(p.numel() for p in net.parameters()):,} parameters; float32, AdamW, {args.world} CPU processes (gloo); "
+        + (f"{args.per_rank_batch} sequences per DP rank (global batch dp x that), " if args.per_rank_batch else
+           f"global batch {args.global_batch} sequences ({args.global_batch * args.seq} tokens), ")
+        + f"{sum(p.numel() for p in net.parameters()):,} parameters; float32, AdamW, {args.world} CPU processes"
+        " (gloo); "
         f"median of steps {args.warmup + 1}..{args.steps} over {args.rounds} interleaved round(s)",
         "",
         "| layout | step s | CPU s/step/rank | tokens/s | param MB/rank | grad MB | optim MB | DDP bucket MB"
@@ -689,7 +705,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all DP ranks")
-    p.add_argument("--world", type=int, default=4, help="processes (informational; configs name their layout)")
+    p.add_argument("--world", type=int, default=4, help="processes (dpmp_auto's; other configs name their layout)")
+    p.add_argument("--per-rank-batch", type=int, default=0,
+                   help="sequences per DP rank (the global batch is dp times it; 0: --global-batch / dp)")
     p.add_argument("--pp-microbatches", type=int, default=4, help="pipeline configs: micro-batches per step")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--out", default="benchmarks/results/gpt", help="output folder")

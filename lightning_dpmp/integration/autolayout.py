@@ -1,66 +1,106 @@
-"""``DPMPStrategy(dp="auto", mp="auto")``: the split of a fixed world into (dp, mp), chosen at setup by
-measurement and the cost model.
+"""``DPMPStrategy(dp="auto", mp="auto", pp="auto", zero="auto")``: the layout of a fixed world, chosen at setup by
+measurement and the layout estimator; and the memory check that refuses a given layout that will not fit.
 
 :func:`choose_layout` runs in ``DPMPStrategy.setup``, after Lightning has moved the dense model and before the
-parallelize pipeline plans it for real, on every rank:
+parallelize pipeline plans it for real, on every rank, when any of dp/mp (both), pp or zero is ``"auto"``:
 
 1. rank 0's first batch is broadcast and the step is traced once on the dense model (side-effect free, as the
-   planner's own trace: :func:`~lightning_dpmp.integration.stepdata.isolated`);
+   planner's own trace: :func:`~lightning_dpmp.integration.stepdata.isolated`), and its forward profiled
+   (:func:`~lightning_dpmp.planner.profile.profile_step`: saved activations, parameters, FLOPs, MP collectives per
+   block, on the real tensors);
 2. the links are measured briefly (:func:`measure_links`: a few all-reduces of 4 KiB and 4 MiB on the world group,
    per node and across nodes when ``num_nodes > 1``, one matmul and one copy; well under a second on 4 CPU
    processes) and rank 0's figures are broadcast, so that every rank predicts from the same numbers;
 3. rank 0 plans the traced model at every ``mp`` dividing the world (:func:`~lightning_dpmp.planner.plan.make_plan`,
-   no layer touched), predicts each ``(dp, mp)`` (:mod:`lightning_dpmp.planner.cost`) and broadcasts the table and
-   the first-ranked layout;
-4. the strategy builds the DP/MP groups for it (``GridStrategy.set_layout``: every rank, in the same order).
+   no layer touched: an ``mp`` it cannot plan is no candidate), enumerates every ``(dp, pp, mp, zero)`` the given
+   sizes allow (:func:`~lightning_dpmp.planner.layout_search.candidates`), predicts each with the estimator on a
+   device made of the measured figures and :func:`device_memory` (:func:`~lightning_dpmp.planner.layout_search.rank`),
+   and broadcasts the ranked table and the first layout that fits; none fitting raises on every rank;
+4. the strategy builds the groups for it (``GridStrategy.set_layout``: every rank, in the same order).
 
 With no batch to trace (or a step that cannot run outside the loop), or a world of one process, it falls back to
-today's rule, dp = nodes and mp = devices per node, and the printout says so.
+the old rule, dp = nodes and mp = devices per node (pp = 1 and zero = 0 where those were ``"auto"``), and the
+printout says so.
+
+:func:`check_memory` runs for a given layout while fitting: where the parameters, gradients and optimizer state
+alone take more than half of :func:`device_memory` (a lower bound, no user code run), rank 0 profiles the first
+batch's step and predicts the peak at that layout; over the memory every rank raises the same ``ValueError`` (naming
+the predicted peak, the memory, the largest contributors and what would fit) before any step.
+``DPMP_MEMORY_CHECK=0`` turns the check (and the fit filter of the choice) off; ``DPMP_DEVICE_MEMORY_GIB`` sets
+the memory per rank.
 
 Example:
     >>> choice = choose_layout(trainer, module, plugin, torch.device("cpu"), global_rank=0,  # doctest: +SKIP
-    ...                        num_processes=4, num_nodes=1, meta=False, plan_overrides=None)
+    ...                        num_processes=4, num_nodes=1, meta=False, plan_overrides=None, request=request)
     >>> print(choice.text)                                                           # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 
+from lightning_dpmp.compat import tree_leaves
 from lightning_dpmp.integration.stepdata import first_batch, isolated, step_runner
-from lightning_dpmp.parallel.topology import Topology
-from lightning_dpmp.planner.cost import (
-    LayoutCost,
-    Links,
-    ModelCost,
-    format_table,
-    model_cost,
-    predict_layout,
-    rank_layouts,
+from lightning_dpmp.parallel.topology import Size, Topology
+from lightning_dpmp.planner.cost import Links
+from lightning_dpmp.planner.estimate import PRECISIONS, LayoutSpec
+from lightning_dpmp.planner.layout_search import (
+    candidates,
+    estimator_precision,
+    format_ranking,
+    measured_device,
+    rank,
+    refusal,
 )
 from lightning_dpmp.planner.plan import make_plan
+from lightning_dpmp.planner.profile import ModelProfile, config_sizes, profile_step, token_tensor
 from lightning_dpmp.planner.trace import Trace, trace_step
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
-__all__ = ["Choice", "candidate_layouts", "choose_layout", "measure_links", "rank_candidates"]
+__all__ = ["PROFILE_ABOVE", "Choice", "Request", "candidate_layouts", "check_memory", "choose_layout", "device_memory",
+           "measure_links", "profile_module", "states_bytes"]
 
 SMALL, LARGE = 4 * 1024, 4 * 2**20  # bytes of the latency and the bandwidth probes
+#: A given layout's step is profiled for the memory check only where its states alone exceed this share of memory.
+PROFILE_ABOVE = 0.5
 REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Request:
+    """The sizes as given to ``DPMPStrategy`` (``"auto"``: chosen here) and the settings a candidate keeps."""
+
+    dp: Size = "auto"
+    mp: Size = "auto"
+    pp: Size = 1
+    zero: Union[int, str] = 0
+    microbatches: int = -1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    sequence_parallel: bool = False
+
+    def layout(self, dp: int, pp: int, mp: int, zero: int) -> Topology:
+        """The full topology of one candidate (a ``ValueError`` where the pipeline's settings do not suit it)."""
+        if pp == 1:
+            return Topology(dp=dp, mp=mp, zero=zero)
+        return Topology(dp=dp, mp=mp, pp=pp, zero=zero, microbatches=self.microbatches, schedule=self.schedule,
+                        stages_per_rank=self.stages_per_rank)
 
 
 @dataclass
 class Choice:
     """The layout chosen at setup, the ranked table behind it and the printout (``text``)."""
 
-    layout: Topology  # its dp and mp; the strategy keeps its own pp, zero and pipeline settings
-    table: list[LayoutCost]
+    layout: Topology  # dp, pp, mp and zero; the pipeline's settings as given
+    table: list[Any]  # the estimator's rows (planner.estimate.Estimate), best first
     links: Optional[Links]
     text: str
     measured: bool  # False: the fallback rule (no trace)
@@ -106,14 +146,15 @@ def measure_links(device: torch.device, devices_per_node: int, num_nodes: int, d
     """Measure this machine (collective over the world): returns rank 0's figures on every rank.
 
     The intra-node link is measured on each node's ranks (the whole world on one node), the inter-node one on the
-    world; FLOP/s from a 512 x 512 matmul in ``dtype``, memory bandwidth from a 16 MiB copy.
+    world; FLOP/s from a 512 x 512 matmul in ``dtype`` (every rank at once, as they will train), memory bandwidth
+    from a 16 MiB copy; the memory per rank from :func:`device_memory`.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank_ = dist.get_world_size(), dist.get_rank()
     if num_nodes > 1:
         node_group = None
         for node in range(num_nodes):  # every rank creates every node group, in the same order
             g = dist.new_group(list(range(node * devices_per_node, (node + 1) * devices_per_node)))
-            if rank // devices_per_node == node:
+            if rank_ // devices_per_node == node:
                 node_group = g
         intra = _link(node_group, devices_per_node, device) if devices_per_node > 1 else (float("inf"), 0.0)
         inter: Optional[tuple[float, float]] = _link(None, world, device)
@@ -124,54 +165,90 @@ def measure_links(device: torch.device, devices_per_node: int, num_nodes: int, d
     src = torch.zeros(4 * 2**20, device=device)
     dst = torch.empty_like(src)
     mem_bw = 2 * src.numel() * 4 / max(_timed(lambda: dst.copy_(src), device), 1e-9)
-    memory = float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+    memory, _ = device_memory(device, devices_per_node)
     box = [Links(intra_bw=intra[0], intra_latency=intra[1], flops=flops, mem_bw=mem_bw,
                  inter_bw=inter[0] if inter else None, inter_latency=inter[1] if inter else None, memory_bytes=memory)]
     dist.broadcast_object_list(box, src=0)  # one set of figures: every rank must choose the same layout
     return box[0]
 
 
-def _elem_bytes(precision: str) -> tuple[int, int]:
-    """Bytes per ``(activation, parameter/gradient)`` element at a Lightning precision: mixed precision computes
-    (and all-reduces activations) in 16 bits but keeps float32 parameters and gradients."""
-    if precision.startswith(("64", "32")):
-        n = 8 if precision.startswith("64") else 4
-        return n, n
-    return 2, 4 if "mixed" in precision else 2
+def device_memory(device: torch.device, processes_per_node: int) -> tuple[float, str]:
+    """Bytes one rank may hold, and where the figure comes from: ``DPMP_DEVICE_MEMORY_GIB`` when set; a CUDA
+    device's total memory; on CPU the host's available memory (``MemAvailable`` of ``/proc/meminfo``, else the
+    physical memory) shared by the ``processes_per_node`` ranks of this node.
+
+    Example:
+        >>> b, where = device_memory(torch.device("cpu"), 4)
+        >>> b > 0 and "per rank" in where or "DPMP_DEVICE_MEMORY_GIB" in where
+        True
+    """
+    env = os.environ.get("DPMP_DEVICE_MEMORY_GIB")
+    if env:
+        return float(env) * 2**30, f"DPMP_DEVICE_MEMORY_GIB={env}"
+    if device.type == "cuda":
+        total = float(torch.cuda.get_device_properties(device).total_memory)
+        return total, f"{torch.cuda.get_device_name(device)}: {total / 2**30:.3g} GiB"
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    n = max(processes_per_node, 1)
+    return avail / n, f"the host's available {avail / 2**30:.3g} GiB / {n} processes per node, per rank"
 
 
-def _model_costs(module: torch.nn.Module, trace: Trace, layouts: list[Topology], overrides: PlanOverrides,
-                 elem_bytes: int) -> dict[int, ModelCost]:
-    """A :class:`ModelCost` per candidate ``mp``: the plan the planner would make there, or the reason it cannot."""
-    out: dict[int, ModelCost] = {}
-    for lay in layouts:
-        try:
-            out[lay.mp] = model_cost(module, make_plan(module, lay.mp, trace, overrides), trace, elem_bytes)
-        except Exception as exc:  # e.g. an override forcing a split that mp does not divide
-            out[lay.mp] = ModelCost(0, 0, 0, 0, 0, note=f"cannot plan: {exc}")
-    return out
+def _memory_check_on() -> bool:
+    return os.environ.get("DPMP_MEMORY_CHECK", "1") != "0"
 
 
-def rank_candidates(costs: dict[int, ModelCost], links: Links, layouts: list[Topology], devices_per_node: int,
-                    elem_bytes: int, micro_batches: int, training: bool) -> list[LayoutCost]:
-    """Predict every candidate and rank them (best first); layouts that cannot be planned are left out."""
-    rows = [predict_layout(costs[lay.mp], links, lay.dp, lay.mp, devices_per_node, elem_bytes, micro_batches,
-                           training) for lay in layouts if not costs[lay.mp].note]
-    return rank_layouts(rows)
+def profile_module(module: nn.Module, run: Callable[[], Any], batch: Any) -> tuple[ModelProfile, int]:
+    """The estimator's profile of ``module``'s step ``run`` on ``batch`` (one forward, on the tensors it holds),
+    and the sequences (rows) ``batch`` holds: the per-rank batch.
+
+    Sizes: a batch with a ``(sequences, tokens)`` integer tensor is read as sequences of that length, any other as
+    rows of one token; vocabulary, width, heads and feed-forward width come from a transformers config when the
+    model holds one, else from its largest ``nn.Embedding`` (width: the blocks' input when there is none).
+    """
+    try:
+        sequences, seq = token_tensor(batch).shape
+    except ValueError:
+        first = next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        sequences, seq = (int(first.shape[0]) if first is not None else 1), 1
+    cfg = next((m.config for m in module.modules() if hasattr(getattr(m, "config", None), "to_dict")), None)
+    if cfg is not None:
+        vocab, hidden, heads, kv, ffn = config_sizes(cfg)
+    else:
+        tables = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+        big = max(tables, key=lambda m: m.num_embeddings, default=None)
+        vocab, hidden = (big.num_embeddings, big.embedding_dim) if big is not None else (0, 0)
+        heads = kv = ffn = 0
+    prof = profile_step(module, run, vocab, hidden, int(seq), int(sequences), heads=heads, kv_heads=kv, ffn=ffn)
+    if not prof.hidden and prof.block_input_bytes:
+        prof = replace(prof, hidden=max(1, round(prof.block_input_bytes / (prof.seq * prof.act_bytes))))
+    return prof, int(sequences)
 
 
-def _fallback(num_processes: int, num_nodes: int, why: str) -> Choice:
-    lay = Topology.resolve("auto", "auto", num_processes * num_nodes, num_nodes=num_nodes)
-    return Choice(lay, [], None, f"  layout: mp='auto' fell back to dp = nodes, mp = devices per node"
-                                 f" (dp={lay.dp} x mp={lay.mp}): {why}", measured=False)
+def _fallback(num_processes: int, num_nodes: int, request: Request, why: str) -> Choice:
+    pp = request.pp if isinstance(request.pp, int) else 1
+    lay = Topology.resolve(request.dp, request.mp, num_processes * num_nodes, num_nodes=num_nodes, pp=pp)
+    zero = request.zero if isinstance(request.zero, int) else 0
+    lay = request.layout(lay.dp, lay.pp, lay.mp, zero)
+    return Choice(lay, [], None, f"  layout: 'auto' fell back to dp = nodes, mp = devices per node ({lay}): {why}",
+                  measured=False)
 
 
 def _trace(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int, meta: bool
-           ) -> Optional[Trace]:
-    """Rank 0's first batch, traced on every rank's dense model (collective: the batch broadcast); ``None`` on
-    every rank when any rank could not trace it."""
+           ) -> tuple[Optional[Trace], Optional[tuple[ModelProfile, int]]]:
+    """Rank 0's first batch, traced and profiled on every rank's dense model (collective: the batch broadcast);
+    ``(None, None)`` on every rank when any rank could not trace or profile it."""
     batch, _ = first_batch(trainer, module, global_rank)
     trace: Optional[Trace] = None
+    prof: Optional[tuple[ModelProfile, int]] = None
     if batch is not None:
         run = step_runner(trainer, module, plugin, device, batch, meta)
         try:
@@ -180,52 +257,161 @@ def _trace(trainer: Any, module: Any, plugin: Any, device: torch.device, global_
                 trace.result = None  # drop the graph
         except Exception:  # the planner reports it at its own trace; here it only means "no measurement"
             trace = None
-    failed = torch.tensor([float(trace is None)], device=device)
+        if trace is not None:
+            try:
+                with isolated(module, []), torch.enable_grad():
+                    prof = profile_module(module, run, batch)
+            except Exception:  # no profile: no prediction (the fallback rule)
+                prof = None
+    failed = torch.tensor([float(trace is None or prof is None)], device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    return trace if failed.item() == 0 else None
+    return (trace, prof) if failed.item() == 0 else (None, None)
+
+
+def _plannable_mp(module: nn.Module, trace: Trace, world: int, overrides: PlanOverrides, mp_one_only: bool
+                  ) -> tuple[list[int], list[str]]:
+    """The ``mp`` dividing the world the planner can plan for this model, and why the others cannot."""
+    ok, notes = [], []
+    for mp in (m for m in range(1, world + 1) if world % m == 0):
+        if mp > 1 and mp_one_only:
+            notes.append(f"mp={mp}: sync_batchnorm keeps mp=1")
+            continue
+        try:
+            make_plan(module, mp, trace, overrides)
+            ok.append(mp)
+        except Exception as exc:  # e.g. an override forcing a split that mp does not divide
+            notes.append(f"mp={mp}: cannot plan: {exc}")
+    return ok, notes
 
 
 def choose_layout(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int,
                   num_processes: int, num_nodes: int, meta: bool, plan_overrides: PlanOverrides,
-                  mp_one_only: bool = False) -> Choice:
-    """Trace ``module``'s step (on ``device``, under the precision ``plugin``), measure, predict and choose a
-    (dp, mp) for ``num_processes`` per node on ``num_nodes`` (collective over the world); the caller builds the
-    groups."""
+                  mp_one_only: bool = False, request: Optional[Request] = None) -> Choice:
+    """Trace and profile ``module``'s step (on ``device``, under the precision ``plugin``), measure, predict and
+    choose a layout for ``num_processes`` per node on ``num_nodes`` within ``request`` (default: dp and mp
+    ``"auto"``, pp 1, zero 0); collective over the world; the caller builds the groups. Raises a ``ValueError`` on
+    every rank when no candidate is predicted to fit."""
+    request = request if request is not None else Request()
     world = num_processes * num_nodes
-    layouts = candidate_layouts(world, mp_one_only)
-    if len(layouts) == 1:
-        return Choice(layouts[0], [], None, f"  layout: dp={layouts[0].dp} x mp={layouts[0].mp} (the only one)",
-                      measured=True)
-    trace = _trace(trainer, module, plugin, device, global_rank, meta)
-    if trace is None:
-        return _fallback(num_processes, num_nodes,
+    if world == 1:
+        lay = request.layout(1, 1, 1, 0)
+        return Choice(lay, [], None, f"  layout: {lay} (the only one)", measured=True)
+    trace, prof = _trace(trainer, module, plugin, device, global_rank, meta)
+    if trace is None or prof is None:
+        return _fallback(num_processes, num_nodes, request,
                          "no batch to trace at this stage (or the step did not run outside the loop)")
     t0 = time.perf_counter()
-    act, elem = _elem_bytes(str(trainer.precision))
-    dtype = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}[act]
+    precision = estimator_precision(str(trainer.precision))
+    dtype = {"64-true": torch.float64, "32-true": torch.float32}.get(precision, torch.bfloat16)
     links = measure_links(device, num_processes, num_nodes, dtype)
     seconds = time.perf_counter() - t0
     box: list[Any] = [None]
     if global_rank == 0:
-        costs = _model_costs(module, trace, layouts, plan_overrides, act)
-        training = trainer.state.fn == TrainerFn.FITTING
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if training else 1
-        table = rank_candidates(costs, links, layouts, num_processes, elem, accumulate, training)
-        refused = [f"mp={mp}: {c.note}" for mp, c in costs.items() if c.note]
-        box = [(table, refused)]
+        box = [_rank_on_rank_zero(module, trace, prof[0], links, world, prof[1], num_processes, request,
+                                  plan_overrides, mp_one_only, precision, device)]
     dist.broadcast_object_list(box, src=0)
-    table, refused = box[0]
-    if not table:
-        return _fallback(num_processes, num_nodes, "no layout could be planned (" + "; ".join(refused) + ")")
-    best = table[0]
-    text = (
-        f"  layout: mp='auto' chose dp={best.dp} x mp={best.mp} of {world} processes, ranked first by predicted"
-        f" tokens/s (links measured in {seconds:.2f} s: intra {links.intra_bw / 1e9:.3g} GB/s,"
-        f" {links.intra_latency * 1e6:.3g} us"
-        + (f"; inter {links.inter_bw / 1e9:.3g} GB/s" if links.inter_bw is not None else "")
-        + f"; {links.flops / 1e9:.3g} GFLOP/s)\n"
-        + "\n".join("    " + line for line in format_table(table, best).splitlines())
-        + "".join(f"\n    not a candidate: {r}" for r in refused)
-    )
-    return Choice(Topology(dp=best.dp, mp=best.mp), table, links, text, measured=True)
+    chosen, table, text, error = box[0]
+    if error:
+        raise ValueError(error)
+    if chosen is None:
+        return _fallback(num_processes, num_nodes, request, text)
+    dp, pp, mp, zero = chosen
+    text = (f"  layout: {_given(request)} chose {request.layout(dp, pp, mp, zero)} of {world} processes, ranked"
+            f" first by predicted tokens/s (links measured in {seconds:.2f} s: intra"
+            f" {links.intra_bw / 1e9:.3g} GB/s, {links.intra_latency * 1e6:.3g} us"
+            + (f"; inter {links.inter_bw / 1e9:.3g} GB/s" if links.inter_bw is not None else "")
+            + f"; {links.flops / 1e9:.3g} GFLOP/s, memory {links.mem_bw / 1e9:.3g} GB/s)\n" + text)
+    return Choice(request.layout(dp, pp, mp, zero), table, links, text, measured=True)
 
+
+def _given(request: Request) -> str:
+    return (f"DPMPStrategy(dp={request.dp!r}, pp={request.pp!r}, mp={request.mp!r}, zero={request.zero!r})")
+
+
+def _rank_on_rank_zero(module: nn.Module, trace: Trace, prof: ModelProfile, links: Links, world: int,
+                       per_rank: int, per_node: int, request: Request, overrides: PlanOverrides, mp_one_only: bool,
+                       precision: str, device: torch.device) -> tuple[Any, list[Any], str, str]:
+    """``(chosen (dp, pp, mp, zero) or None, ranked rows, the table's text, an error for every rank or "")``."""
+    allowed, notes = _plannable_mp(module, trace, world, overrides, mp_one_only)
+    specs, out = candidates(prof, world, per_rank, dp=request.dp, pp=request.pp, mp=request.mp, zero=request.zero,
+                            allowed_mp=allowed, microbatches=request.microbatches, schedule=request.schedule,
+                            stages_per_rank=request.stages_per_rank, sequence_parallel=request.sequence_parallel)
+    kept: list[LayoutSpec] = []
+    for spec in specs:
+        try:
+            request.layout(spec.dp, spec.pp, spec.mp, spec.zero)
+            kept.append(spec)
+        except ValueError as exc:
+            out.append(f"(dp, pp, mp) = ({spec.dp}, {spec.pp}, {spec.mp}): {exc}")
+    out = list(dict.fromkeys(notes + out))
+    if not kept:
+        return None, [], "no layout can be planned (" + "; ".join(out) + ")", ""
+    memory = links.memory_bytes if links.memory_bytes is not None else device_memory(device, per_node)[0]
+    if not _memory_check_on():
+        memory = float("inf")
+    dev = measured_device(links.intra_bw, links.intra_latency, links.flops, links.mem_bw, per_node, memory,
+                          cpu=device.type == "cpu", inter_bw=links.inter_bw, inter_latency=links.inter_latency)
+    ranking = rank(prof, dev, kept, world, per_rank, precision)
+    text = "\n".join("    " + line for line in format_ranking(ranking).splitlines())
+    text += "".join(f"\n    not a candidate: {r}" for r in out)
+    if ranking.chosen is None:
+        low = min(ranking.rows, key=lambda e: e.peak_mem_gib)
+        _, where = device_memory(device, per_node)
+        msg = refusal(prof, dev, low.spec, world, per_rank, precision, where) or ""
+        return None, ranking.rows, text, ("no layout of the candidates is predicted to fit; the smallest peak: "
+                                          + msg + "\n" + text)
+    c = ranking.chosen
+    return (c.dp, c.pp, c.mp, c.zero), ranking.rows, text, ""
+
+
+def states_bytes(module: nn.Module, topology: Topology, precision: str) -> float:
+    """A lower bound of what one rank holds at ``topology``: parameters, gradients and optimizer state, as if every
+    parameter were split ``mp * pp`` ways and sharded over DP as the ZeRO level shards it (no activations).
+
+    Example:
+        >>> states_bytes(nn.Linear(100, 10), Topology(dp=2, mp=2), "64-true")   # 1,010 / 2 x (8 + 8 + 16)
+        16160.0
+    """
+    _, pb, gb, ob = PRECISIONS[precision]
+    t, n = topology, sum(p.numel() for p in module.parameters())
+    z = t.zero if t.dp > 1 else 0
+    per = pb / (t.dp if z == 3 else 1) + gb / (t.dp if z >= 1 else 1) + ob / (t.dp if z >= 1 else 1)
+    return n / (t.mp * t.pp) * per
+
+
+def check_memory(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int,
+                 topology: Topology, num_processes: int, meta: bool, sequence_parallel: bool) -> None:
+    """Refuse a given layout the estimator predicts will not fit: the same ``ValueError`` on every rank, before any
+    step (collective over the world). The step is profiled (one extra forward on rank 0, which user code in it sees)
+    only where the parameters, gradients and optimizer state alone take more than half the memory
+    (:data:`PROFILE_ABOVE`); below that the layout is taken to fit, with one small broadcast. Off with
+    ``DPMP_MEMORY_CHECK=0``; a step that cannot be profiled is not checked."""
+    if not _memory_check_on() or not dist.is_initialized():
+        return
+    precision = estimator_precision(str(trainer.precision))
+    gate: list[Any] = [False]
+    if global_rank == 0:
+        memory, _ = device_memory(device, num_processes)
+        gate = [states_bytes(module, topology, precision) > PROFILE_ABOVE * memory]
+    dist.broadcast_object_list(gate, src=0)
+    if not gate[0]:
+        return
+    batch, _ = first_batch(trainer, module, global_rank)
+    box: list[Optional[str]] = [None]
+    if global_rank == 0 and batch is not None:
+        try:
+            run = step_runner(trainer, module, plugin, device, batch, meta)
+            with isolated(module, []), torch.enable_grad():
+                prof, per_rank = profile_module(module, run, batch)
+            memory, where = device_memory(device, num_processes)
+            dev = measured_device(1e9, 1e-5, 1e12, 1e10, num_processes, memory, cpu=device.type == "cpu")
+            t = topology
+            spec = LayoutSpec(t.dp, t.pp, t.mp, t.zero, sequence_parallel and t.mp > 1,
+                              t.microbatches if t.pp > 1 else 1,
+                              ("interleaved" if t.schedule == "interleaved" else t.schedule) if t.pp > 1 else "none")
+            box = [refusal(prof, dev, spec, t.world_size, per_rank, precision, where)]
+        except Exception:  # a step the profiler cannot read is not checked (the planner reports real errors)
+            box = [None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ValueError(box[0])

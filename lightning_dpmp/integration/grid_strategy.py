@@ -76,36 +76,53 @@ class GridStrategy(DDPStrategy):
     _topology: Optional[Topology] = None  # resolved in set_world_ranks, once devices and nodes are known
     _grid: Optional[Grid] = None  # built in setup_environment (or in set_layout when the layout was pending)
     _device_mesh: Any = None  # made from _grid on first use
-    _pending: bool = False  # dp="auto", mp="auto": the split of the world is chosen at setup (set_layout)
+    _pending: bool = False  # dp="auto", mp="auto" (or pp/zero "auto"): the layout is chosen at setup (set_layout)
+    _pp_auto: bool = False  # pp="auto": chosen at setup with the rest
+    _zero_auto: bool = False  # zero="auto": chosen at setup with the rest
+    _pipeline_args: dict[str, Any] = {}  # the pipeline's settings as given, for whatever pp > 1 is chosen
     _chosen: Optional[Topology] = None  # a measured choice, kept for later runs of the same strategy
     _layout_report: str = ""  # how the layout was chosen, for the plan printout
     _mp_batch: str = "broadcast"  # how the ranks of an MP group come to train on one batch (MP_BATCH_MODES)
     _warned_batch_layout: bool = False
     _undo_writers: Any = None
 
-    def init_grid(self, dp: Size, mp: Size, settings: Optional[Topology] = None) -> None:
+    def init_grid(self, dp: Size, mp: Size, settings: Optional[Topology] = None, pp_auto: bool = False,
+                  zero_auto: bool = False, pipeline: Optional[dict[str, Any]] = None) -> None:
         """Record the requested sizes (``"auto"`` allowed for dp and mp) and the rest of the topology (``settings``:
-        pp, zero and the pipeline's, already validated); refuse a bad value before anything starts."""
+        pp, zero and the pipeline's, already validated); refuse a bad value before anything starts.
+
+        ``pp_auto``/``zero_auto``: ``pp``/``zero`` are chosen at setup (``settings`` then holds
+        placeholders pp=1, zero=0); ``pipeline``: the pipeline's settings as given (``microbatches``, ``schedule``,
+        ``stages_per_rank``), applied to whatever ``pp > 1`` is chosen."""
         check_parallel_size("dp", dp, allow_auto=True)
         check_parallel_size("mp", mp, allow_auto=True)
         settings = settings if settings is not None else Topology()
-        if settings.pp > 1 and dp == "auto" and mp == "auto":
-            raise ValueError(
-                f"DPMPStrategy(pp={settings.pp}) needs dp or mp given (the other may be 'auto'): the layout search of"
-                f" dp='auto', mp='auto' does not plan pipelines. For example DPMPStrategy(dp=1, pp={settings.pp},"
-                " mp='auto')."
-            )
         self._dp_arg, self._mp_arg, self._settings = dp, mp, settings
+        self._pp_auto, self._zero_auto = pp_auto, zero_auto
+        self._pipeline_args = dict(pipeline) if pipeline is not None else {
+            "microbatches": settings.microbatches if settings.pp > 1 else -1, "schedule": settings.schedule,
+            "stages_per_rank": settings.stages_per_rank}
         self._topology, self._grid, self._pending, self._chosen, self._layout_report = None, None, False, None, ""
 
     @property
     def chooses_layout(self) -> bool:
-        """Whether (dp, mp) is chosen at setup by measurement (both ``"auto"``) rather than given."""
-        return self._dp_arg == "auto" and self._mp_arg == "auto"
+        """Whether the layout is chosen at setup by measurement and the estimator rather than given: dp and mp both
+        ``"auto"``, or pp or zero ``"auto"``."""
+        return (self._dp_arg == "auto" and self._mp_arg == "auto") or self._pp_auto or self._zero_auto
+
+    def _arguments(self) -> str:
+        """The sizes as given, ``DPMPStrategy(dp='auto', mp=2, ...)`` style (pp/zero only when not the default)."""
+        parts = [f"dp={self._dp_arg!r}", f"mp={self._mp_arg!r}"]
+        if self._pp_auto or self._settings.pp > 1:
+            parts.append("pp='auto'" if self._pp_auto else f"pp={self._settings.pp}")
+        if self._zero_auto or self._settings.zero:
+            parts.append("zero='auto'" if self._zero_auto else f"zero={self._settings.zero}")
+        return "DPMPStrategy(" + ", ".join(parts) + ")"
 
     @property
     def layout_pending(self) -> bool:
-        """True between launch and setup while ``dp="auto", mp="auto"`` waits for its choice (:meth:`set_layout`)."""
+        """True between launch and setup while a layout chosen at setup (:attr:`chooses_layout`) waits for its
+        choice (:meth:`set_layout`)."""
         return self._pending
 
     @property
@@ -119,10 +136,11 @@ class GridStrategy(DDPStrategy):
         """The resolved :class:`~lightning_dpmp.parallel.topology.Topology` (dp, pp, mp, zero, the pipeline's
         settings), known once the Trainer has set devices and nodes (``set_world_ranks``)."""
         if self._pending:
+            what = "dp and mp" if not (self._pp_auto or self._zero_auto) else "the layout (dp, pp, mp, zero)"
             raise RuntimeError(
-                "DPMPStrategy(dp='auto', mp='auto') chooses dp and mp at setup, after tracing the model and measuring"
-                " the links; they are not known before Trainer.fit/validate/test/predict reaches the strategy's setup"
-                " (give dp= or mp= as integers to know them earlier)."
+                f"{self._arguments()} chooses {what} at setup, after tracing the model and measuring the links; they"
+                " are not known before Trainer.fit/validate/test/predict reaches the strategy's setup (give the"
+                " sizes as integers to know them earlier)."
             )
         if self._topology is None:
             raise RuntimeError("DPMPStrategy's dp and mp are resolved when the Trainer sets devices and num_nodes.")
@@ -140,13 +158,14 @@ class GridStrategy(DDPStrategy):
 
     @property
     def pp(self) -> int:
-        """Pipeline stages (1: no pipeline); known from construction."""
-        return self._settings.pp
+        """Pipeline stages (1: no pipeline); known from construction unless ``pp="auto"`` (then from setup)."""
+        return self.topology.pp if self._pp_auto or self._topology is not None else self._settings.pp
 
     @property
     def zero(self) -> int:
-        """The ZeRO level given to the constructor (0: off; 1/2: optimizer state and gradients; 3: + parameters)."""
-        return self._settings.zero
+        """The ZeRO level (0: off; 1/2: optimizer state and gradients; 3: + parameters): given to the constructor,
+        or chosen at setup with ``zero="auto"``."""
+        return self.topology.zero if self._zero_auto or self._topology is not None else self._settings.zero
 
     @property
     def grid(self) -> Grid:
@@ -217,8 +236,8 @@ class GridStrategy(DDPStrategy):
                     **self._settings.settings())
                 self._pending = False
                 if self._chosen is not None:
-                    self._layout_report = (f"  layout: dp={self.dp} x mp={self.mp}, kept from this strategy's"
-                                           " earlier mp='auto' choice")
+                    self._layout_report = (f"  layout: {self._chosen}, kept from this strategy's earlier"
+                                           " mp='auto' choice")
                 # The connector sets the layer sync just before this call.
                 check_sync_batchnorm(compat.layer_sync(self), self.mp)
         super().set_world_ranks()
@@ -246,16 +265,32 @@ class GridStrategy(DDPStrategy):
         if not self._pending:  # else the groups are built in set_layout, once the subclass has chosen (dp, mp)
             self._build_grid()
 
-    def set_layout(self, dp: int, mp: int, report: str = "", keep: bool = False) -> None:
-        """Fix a pending layout at ``dp`` x ``mp`` and build its groups (collective over the world: every rank, same
-        layout).
+    def set_layout(self, dp: int, mp: int, report: str = "", keep: bool = False, pp: Optional[int] = None,
+                   zero: Optional[int] = None) -> None:
+        """Fix a pending layout at ``dp`` x ``pp`` x ``mp`` (``pp``/``zero``: the chosen ones where they were
+        ``"auto"``, else the given ones) and build its groups (collective over the world: every rank, same layout).
 
         ``keep``: later runs of this strategy (``fit`` then ``validate``) reuse it instead of choosing again.
         """
-        self._topology, self._pending, self._layout_report = self._settings.with_sizes(dp, mp), False, report
+        self._topology = self.layout_of(dp, mp, pp, zero)
+        self._pending, self._layout_report = False, report
         if keep:
             self._chosen = self._topology
         self._build_grid()
+
+    def layout_of(self, dp: int, mp: int, pp: Optional[int] = None, zero: Optional[int] = None) -> Topology:
+        """The full topology of a candidate: these sizes with the constructor's other settings (a ``ValueError``
+        where the pipeline's settings do not suit this ``pp``, e.g. interleaved micro-batches).
+
+        Example:
+            >>> s = GridStrategy()
+            >>> s.init_grid("auto", "auto", pp_auto=True, pipeline={"schedule": "gpipe"})
+            >>> s.layout_of(1, 2, pp=2)
+            Topology(dp=1, mp=2, pp=2, zero=0, microbatches=2, schedule='gpipe', stages_per_rank=1)
+        """
+        pp = self._settings.pp if pp is None else pp
+        zero = self._settings.zero if zero is None else zero
+        return Topology(dp=dp, mp=mp, pp=pp, zero=zero, **(self._pipeline_args if pp > 1 else {}))
 
     def _build_grid(self) -> None:
         topology = self.topology

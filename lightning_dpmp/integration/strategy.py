@@ -35,7 +35,7 @@ from typing_extensions import override
 import lightning_dpmp.compat as compat
 from lightning_dpmp.checkpoint.weights import defer_loading, note_deferring_strategy
 from lightning_dpmp.integration import validate
-from lightning_dpmp.integration.autolayout import choose_layout
+from lightning_dpmp.integration.autolayout import Request, check_memory, choose_layout
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
 from lightning_dpmp.integration.data_path import trainer_of
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
@@ -50,7 +50,7 @@ from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT
 from lightning_dpmp.parallel.loss import VocabShardedLogits
 from lightning_dpmp.parallel.rng import RNGTracker
-from lightning_dpmp.parallel.topology import Topology, check_parallel_size
+from lightning_dpmp.parallel.topology import Topology, check_parallel_size, check_zero
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.planner.materialize import empty_parameters
 from lightning_dpmp.planner.plan_types import PlanResult
@@ -66,10 +66,13 @@ class DPMPStrategy(GridStrategy):
 
     Args:
         dp: data-parallel size, or ``"auto"`` (world // mp when ``mp`` is given).
-        mp: tensor-parallel size, or ``"auto"`` (world // dp when ``dp`` is given). Both ``"auto"`` (the default):
-            the world size is fixed and its split is chosen at setup, after tracing the model, by measuring the
-            links and ranking every ``(dp, mp)`` with the cost model (:mod:`lightning_dpmp.integration.autolayout`;
-            the table is in the plan printout). ``dp * pp * mp`` must equal ``devices * num_nodes``.
+        mp: tensor-parallel size, or ``"auto"`` (world // dp when ``dp`` is given). Both ``"auto"`` (the default),
+            or ``pp``/``zero`` ``"auto"``: the world size is fixed and the layout is chosen at setup, after tracing
+            and profiling the model, by measuring the links and ranking every ``(dp, pp, mp, zero)`` the given sizes
+            allow with the layout estimator (:mod:`lightning_dpmp.integration.autolayout`; the table is in the plan
+            printout). ``dp * pp * mp`` must equal ``devices * num_nodes``. A layout given in full is refused at
+            setup, before any step, when the estimator predicts it will not fit the device memory
+            (``DPMP_MEMORY_CHECK=0`` turns that off, ``DPMP_DEVICE_MEMORY_GIB`` sets the memory per rank).
         plan_overrides: optional ``{glob: style}`` overrides on module names, styles ``"column"``, ``"row"``,
             ``"column_gather"``, ``"vocab"``, ``"replicate"``, ``"heads"``, ``"experts"`` (see
             :mod:`lightning_dpmp.planner.styles`); the first matching glob wins. The plan applied is
@@ -96,7 +99,8 @@ class DPMPStrategy(GridStrategy):
             for its backward, freed after; :mod:`lightning_dpmp.parallel.zero_engine`). ZeRO needs an element-wise
             optimizer (SGD, Adam, AdamW, ...; not Adafactor, Shampoo, LAMB); every level writes both checkpoint
             formats. At zero=3 user code reading a parameter between its uses reads its values (the op gathers
-            it; :mod:`lightning_dpmp.parallel.freed_reads`).
+            it; :mod:`lightning_dpmp.parallel.freed_reads`). ``"auto"``: chosen at setup, the lowest level predicted
+            to fit unless a higher one is predicted at least 5% faster.
         reshard_after_forward: zero=3's trade, named after FSDP2's option: ``True`` (default) frees each block after
             its forward and gathers it again for its backward; ``False`` keeps it gathered from its forward to its
             backward (one all-gather per block and micro-batch instead of two, the block's parameters whole
@@ -104,7 +108,8 @@ class DPMPStrategy(GridStrategy):
             from its first use to the optimizer step's backward, accumulates its gradients whole and
             reduce-scatters them once per step, as zero=1/2 do: ``U + 1`` all-gathers and one reduce-scatter per
             step instead of ``2·M·U + 1`` and ``M·(U + 1)``, for the stage's parameters and gradients held whole.
-            ``False`` with zero < 3 is refused (those levels never free the parameters).
+            ``False`` with zero < 3 is refused (those levels never free the parameters), and with
+            ``zero="auto"``.
         check_consistency_every_n_steps: every N optimizer steps, verify with checksums and one small all-gather
             that DP replicas and MP-replicated parameters are identical and that each MP group got one batch
             (:mod:`lightning_dpmp.integration.guard`); raises naming the first difference. 0 (default) turns it off.
@@ -127,7 +132,8 @@ class DPMPStrategy(GridStrategy):
             the last), and run by torch's schedules; world = ``dp * pp * mp``, MP innermost, then PP, then DP. Your
             ``training_step`` stays as written: it runs once per micro-batch and stage. Combines with MP, DP,
             clipping, accumulation, compile, ``zero`` (over each stage's DP group) and ``mixed_precision``,
-            ``sequence_parallel``, both checkpoint formats, meta-device init and evaluation.
+            ``sequence_parallel``, both checkpoint formats, meta-device init and evaluation. ``"auto"``: chosen at
+            setup with the other sizes (at most the repeated blocks; the settings below apply to the pp chosen).
         pp_microbatches: micro-batches per step (default: the number of stages); must divide the per-rank batch.
         pp_schedule: ``"1f1b"`` (default), ``"gpipe"``, or ``"interleaved"`` (``pp_stages_per_rank`` stages per
             rank, looping).
@@ -160,12 +166,12 @@ class DPMPStrategy(GridStrategy):
         timeout: Optional[timedelta] = None,
         check_consistency_every_n_steps: int = 0,
         mp_batch: Literal["broadcast", "check"] = "broadcast",
-        zero: int = 0,
+        zero: Union[int, Literal["auto"]] = 0,
         reshard_after_forward: bool = True,
         compile: bool = False,
         async_grad_allreduce: Optional[bool] = None,
         mixed_precision: Optional[Any] = None,
-        pp: int = 1,
+        pp: Union[int, Literal["auto"]] = 1,
         pp_microbatches: Optional[int] = None,
         pp_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b",
         pp_stages_per_rank: int = 1,
@@ -180,10 +186,19 @@ class DPMPStrategy(GridStrategy):
     ) -> None:
         check_parallel_size("dp", dp, allow_auto=True)  # dp/mp refused first, before any other argument
         check_parallel_size("mp", mp, allow_auto=True)
-        # pp, zero and the pipeline's settings; dp and mp are resolved with them once the world size is known
+        if pp != "auto":  # (the message of a bad pp stays the integer one: "auto" is the rarer wish)
+            check_parallel_size("pp", pp)
+        check_zero(zero, allow_auto=True)
+        # pp, zero and the pipeline's settings; dp and mp are resolved with them once the world size is known.
+        # "auto" ones are chosen at setup: their placeholders (pp=1, zero=0) validate the other settings' types
         micro = -1 if pp_microbatches is None else pp_microbatches  # -1: one per stage
-        self.init_grid(dp, mp, Topology(pp=pp, zero=zero, microbatches=micro, schedule=pp_schedule,
-                                        stages_per_rank=pp_stages_per_rank))
+        pp_auto, zero_auto = pp == "auto", zero == "auto"
+        pipeline: dict[str, Any] = dict(microbatches=micro, schedule=pp_schedule, stages_per_rank=pp_stages_per_rank)
+        self.init_grid(dp, mp, Topology(pp=1 if pp_auto else int(pp), zero=0 if zero_auto else int(zero),
+                                        **pipeline), pp_auto=pp_auto, zero_auto=zero_auto, pipeline=pipeline)
+        if zero_auto and mixed_precision is not None:
+            raise ValueError("mixed_precision= is applied by the ZeRO-2/3 engine, which zero='auto' may not choose:"
+                             " give zero=2 or zero=3 with it.")
         overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, consolidate_on_teardown,
                                              save_distributed_checkpoint, process_group_backend, start_method,
                                              timeout)
@@ -192,11 +207,18 @@ class DPMPStrategy(GridStrategy):
         check_mp_batch(mp_batch)
         self._mp_batch = mp_batch
         ddp_kwargs = validate.ddp_kwargs_from_user(ddp_kwargs)  # LightningCLI passes DDP's defaults, process_group=None
-        validate.check_zero_without_ddp(zero, ddp_kwargs)
-        if zero == 0 and pp == 1:
+        if zero_auto and ddp_kwargs:
+            raise ValueError(f"zero='auto' may choose ZeRO, which shards gradients without DistributedDataParallel,"
+                             f" so the DDP options {sorted(ddp_kwargs)} would not apply: give zero=0 with them.")
+        validate.check_zero_without_ddp(self._settings.zero, ddp_kwargs)
+        if self._settings.zero == 0 and self._settings.pp == 1 and not pp_auto:
             validate.check_ddp_kwargs_with_dtensors(ddp_kwargs, mp)
-        validate.check_mixed_precision(mixed_precision, zero, dp)
-        validate.check_reshard_after_forward(reshard_after_forward, zero)
+        if zero_auto and reshard_after_forward is not True:
+            raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is zero=3's option; zero='auto' may "
+                             f"choose another level: give zero=3 with it.")
+        if not zero_auto:
+            validate.check_mixed_precision(mixed_precision, self._settings.zero, dp)
+            validate.check_reshard_after_forward(reshard_after_forward, self._settings.zero)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -320,8 +342,11 @@ class DPMPStrategy(GridStrategy):
         meta = agree_on_meta(self.lightning_module, self.global_rank, self.root_device)
         if not meta:
             self.model_to_device()
-        if self.layout_pending:  # dp="auto", mp="auto": trace, measure, predict, then build the groups
+        if self.layout_pending:  # "auto" sizes: trace, measure, predict, then build the groups
             self._choose_layout(trainer, meta)
+        elif fitting and not self.layout_report and self.world_size > 1:  # a given layout: refused if it won't fit
+            check_memory(trainer, self.lightning_module, self.precision_plugin, self.root_device, self.global_rank,
+                         self.topology, self.num_processes, meta, self._config.sequence_parallel)
         validate.check_mixed_precision(self._config.mixed_precision, self.zero, self.dp)  # (dp chosen by now)
         # No module-state sync from rank 0 outside fitting (DDPStrategy's): the split broadcast rank 0's dense
         # weights before splitting, and a sync now would overwrite each rank's MP shards with rank 0's.
@@ -373,10 +398,16 @@ class DPMPStrategy(GridStrategy):
 
     def _choose_layout(self, trainer: "pl.Trainer", meta: bool) -> None:
         validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
+        s, pipeline = self._settings, self._pipeline_args
+        request = Request(dp=self._dp_arg, mp=self._mp_arg, pp="auto" if self._pp_auto else s.pp,
+                          zero="auto" if self._zero_auto else s.zero, microbatches=pipeline.get("microbatches", -1),
+                          schedule=pipeline.get("schedule", "1f1b"), stages_per_rank=pipeline.get("stages_per_rank", 1),
+                          sequence_parallel=self._config.sequence_parallel)
         choice = choose_layout(trainer, self.lightning_module, self.precision_plugin, self.root_device,
                                self.global_rank, self.num_processes, self.num_nodes, meta, self._config.plan_overrides,
-                               compat.layer_sync(self) is not None)
-        self.set_layout(choice.layout.dp, choice.layout.mp, choice.text, keep=choice.measured)
+                               compat.layer_sync(self) is not None, request=request)
+        lay = choice.layout
+        self.set_layout(lay.dp, lay.mp, choice.text, keep=choice.measured, pp=lay.pp, zero=lay.zero)
         self._check_ddp_kwargs()
         validate.check_averaging_callbacks(getattr(trainer, "callbacks", []), self.mp, self.zero, trainer.state.fn,
                                            self.checkpointer.distributed)

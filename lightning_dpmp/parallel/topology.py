@@ -314,12 +314,24 @@ class Topology:
         return f"dp={self.dp}{pp}, mp={self.mp}{zero}"
 
 
-def check_zero(zero: Any) -> None:
-    """Refuse a ZeRO level other than 0, 1, 2, 3."""
-    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+def check_zero(zero: Any, allow_auto: bool = False) -> None:
+    """Refuse a ZeRO level other than 0, 1, 2, 3 (and ``"auto"`` when allowed: chosen at setup).
+
+    Example:
+        >>> check_zero("auto", allow_auto=True)
+        >>> check_zero("auto")
+        Traceback (most recent call last):
+        ...
+        ValueError: `zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and
+            parameters), got 'auto'.
+    """
+    if allow_auto and zero == "auto" and isinstance(zero, str):
+        return
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool) or isinstance(zero, str):
+        extra = ' or "auto" (the lowest level that fits, chosen at setup)' if allow_auto else ""
         raise ValueError(
-            f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters),"
-            f" got {zero!r}."
+            f"`zero` must be 0 (off), 1 (optimizer state sharded over DP), 2 (and gradients) or 3 (and parameters)"
+            f"{extra}, got {zero!r}."
         )
 
 

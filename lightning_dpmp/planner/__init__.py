@@ -21,8 +21,14 @@ Modules, one line each:
 * ``sequence``: sequence parallelism over the token-wise regions.
 * ``apply_plan``: apply a plan to a module in place, and consolidate it back.
 * ``materialize``: meta-device models allocated shard by shard.
-* ``cost``: the cost of a traced model at each (dp, mp) of a fixed world.
+* ``cost``: the cost of a traced model's plan at each (dp, mp) of a fixed world, and the measured links.
 * ``stages``: pipeline stages from one traced step, where the block stack can and should be cut.
+* ``gpt_shape``: the shape of a GPT-like decoder (the analytic cost model's and profile's sizes).
+* ``profile``: reads a model's training step (saved activations, split and replicated parameters, FLOPs and MP
+  collectives per block) from meta or real tensors: the estimator's input.
+* ``estimate``: predicts per-rank peak memory and step time of every (dp, pp, mp, zero, ...) layout from a profile.
+* ``layout_search``: the layouts a fixed world can take, ranked by the estimator: what ``"auto"`` sizes choose at
+  setup, and the refusal of a given layout that will not fit.
 
 May import: torch and :mod:`lightning_dpmp.parallel`. Never Lightning or torchmetrics.
 """

@@ -1,4 +1,8 @@
-"""The cost of a traced model at each (dp, mp) of a fixed world: what ``DPMPStrategy(mp="auto")`` ranks.
+"""The cost of a traced model's plan at each (dp, mp) of a fixed world, and the measured link figures (:class:`Links`).
+
+``DPMPStrategy(mp="auto")`` ranked layouts with it until issue 44 item 3; the setup-time choice now ranks with the
+layout estimator (:mod:`lightning_dpmp.planner.layout_search`), which keeps using :func:`ring_s`,
+:data:`BUCKET_BYTES` and :class:`Links` from here (as does :mod:`lightning_dpmp.tools.costmodel`).
 
 :mod:`lightning_dpmp.tools.costmodel` predicts a GPT of a given *shape* at a fixed *global* batch. At setup the
 strategy knows more and less: it has the traced step (every Linear's sizes, the tokens each one read, the MP

@@ -4,9 +4,8 @@ Modules, one line each:
 
 * ``costmodel``: an analytic cost model for (dp, mp) layouts of a GPT-like transformer, and a recommendation.
 * ``costmodel_cli``: its command line, run as ``python -m lightning_dpmp.costmodel``.
-* ``profile``: reads a model's training step from meta tensors (saved activations, split and replicated parameters,
-  FLOPs and MP collectives per block), without allocating it.
-* ``estimate``: predicts per-rank peak memory and step time of every (dp, pp, mp, zero, ...) layout from a profile.
+* ``profile``: the public name of :mod:`lightning_dpmp.planner.profile` (moved there for the strategy's setup).
+* ``estimate``: the public name of :mod:`lightning_dpmp.planner.estimate` (moved there for the strategy's setup).
 * ``plan_cli``: the estimator's command line, run as ``python -m lightning_dpmp.plan``.
 * ``mfu``: the ``MFUMonitor`` callback: tokens/s, model TFLOP/s per device and MFU while training.
 

@@ -1,7 +1,11 @@
 """``DPMPStrategy(dp="auto", mp="auto")`` in one 4-process launch: the layout the cost model ranks first is the one
 built (two different choices from two sets of link figures, and this machine's own), the choice and its table are
 in the plan printout, and training at the chosen layout reaches single-process training's weights (float64, 1e-8)
-at the global batch the choice implies (dp x the loader's batch)."""
+at the global batch the choice implies (dp x the loader's batch).
+
+Issue 44 item 3: the ranking is the layout estimator's now (``planner.layout_search``), so the printout's words
+and its table's columns changed ("chose dp=4, mp=1", rows ``-> dp pp mp zero ...``); the choices asserted are the
+same."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_dpmp.parallel.topology import Topology
 from tests.conftest import run_ranks
 from tests.distributed import autolayout_worker as W
 from tests.support.models import ResMLP, build, reference_loader
@@ -51,10 +56,10 @@ def test_choice_is_the_first_ranked_and_logged(launch):
         assert res["grid"] == res["layout"] and res["sampler"] == res["layout"][0]
         report = res["report"]
         dp, mp = res["layout"]
-        assert f"mp='auto' chose dp={dp} x mp={mp}" in report and report in res["plan_text"]
+        assert f"chose {Topology(dp=dp, mp=mp)} of 4" in report and report in res["plan_text"]
         lines = report.splitlines()
-        first = lines[next(i for i, line in enumerate(lines) if "dp x mp" in line) + 1]
-        assert first.split()[:4] == ["->", str(dp), "x", str(mp)], first  # the chosen row is the first ranked
+        first = lines[next(i for i, line in enumerate(lines) if "dp  pp  mp" in line) + 1]
+        assert first.split()[:4] == ["->", str(dp), "1", str(mp)], first  # the chosen row is the first ranked
         assert report.splitlines()[1] in output  # printed at setup, in the plan printout
     assert ranks[0]["latency"]["measured"] == ["latency"]
     assert ranks[0]["latency"]["layout"] == [4, 1]  # slow per message: no MP collectives

@@ -1,5 +1,9 @@
 """The selection logic of ``mp="auto"`` in one process: candidates, the plan-based cost of a traced model, the
-ranking, and the strategy's pending layout (nothing may read dp/mp before the choice)."""
+ranking, and the strategy's pending layout (nothing may read dp/mp before the choice).
+
+Issue 44 item 3 replaced the plan-based ranking (``planner.cost``) at setup by the layout estimator
+(``planner.layout_search``): the two-figures test ranks with the estimator now, the precision test checks the
+estimator's names, and the fallback test's stand-in trace returns the (trace, profile) pair ``_trace`` returns."""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ import pytest
 import torch
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.integration.autolayout import candidate_layouts, rank_candidates
+from lightning_dpmp.integration.autolayout import candidate_layouts, profile_module
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.cost import LayoutCost, Links, model_cost, predict_layout, rank_layouts, ring_s
+from lightning_dpmp.planner.layout_search import candidates, estimator_precision, measured_device, rank
 from lightning_dpmp.planner.plan import make_plan
 from lightning_dpmp.planner.trace import trace_step
 from lightning_dpmp.planner.user_plan import PlanOverrides
@@ -44,16 +49,19 @@ def test_model_cost_follows_the_plan(costs):
     assert ops.count(("forward", "all_reduce")) == 2 and ops.count(("backward", "all_reduce")) == 2
 
 
-def test_two_figures_two_choices(costs):
-    lay = candidate_layouts(4)
-    latency_bound = rank_candidates(costs, SLOW_MESSAGES, lay, 4, 4, 1, True)
-    bandwidth_bound = rank_candidates(costs, SLOW_BYTES, lay, 4, 4, 1, True)
-    assert (latency_bound[0].dp, latency_bound[0].mp) == (4, 1)
-    assert bandwidth_bound[0].mp > 1
-    assert [r.tokens_per_s for r in latency_bound] == sorted((r.tokens_per_s for r in latency_bound), reverse=True)
-    # evaluation counts the forward only: no gradient all-reduce, so nothing favours MP there
-    forward = rank_candidates(costs, SLOW_BYTES, lay, 4, 4, 1, training=False)
-    assert (forward[0].dp, forward[0].mp) == (4, 1) and all(r.dp_exposed_s == 0 for r in forward)
+def test_two_figures_two_choices():
+    model, ds = build("resmlp")
+    batch = ds[0:2]
+    prof, per_rank = profile_module(model, lambda: model.training_step(batch, 0), batch)
+    specs, _ = candidates(prof, 4, per_rank, pp=1, zero=0)
+    rows = {}
+    for name, links in (("latency", SLOW_MESSAGES), ("bandwidth", SLOW_BYTES)):
+        dev = measured_device(links.intra_bw, links.intra_latency, links.flops, links.mem_bw, 4, 2**30, cpu=True)
+        rows[name] = rank(prof, dev, specs, 4, per_rank, "32-true").rows
+    assert (rows["latency"][0].dp, rows["latency"][0].mp) == (4, 1)
+    assert rows["bandwidth"][0].mp > 1
+    tps = [r.tokens_per_s for r in rows["latency"]]
+    assert tps == sorted(tps, reverse=True)
 
 
 def test_ranking_prefers_fitting_then_throughput_then_small_mp():
@@ -92,10 +100,8 @@ def test_pending_layout_before_setup():
 
 
 def test_element_bytes_by_precision():
-    from lightning_dpmp.integration.autolayout import _elem_bytes
-
-    assert [_elem_bytes(p) for p in ("64-true", "32-true", "bf16-mixed", "bf16-true")] == [(8, 8), (4, 4), (2, 4),
-                                                                                            (2, 2)]
+    assert [estimator_precision(p) for p in ("64-true", "32-true", "bf16-mixed", "bf16-true")] == [
+        "64-true", "32-true", "bf16-mixed", "bf16-true"]
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
@@ -115,7 +121,7 @@ def test_transformer_costs_count_the_blocks_collectives(name):
 def test_no_trace_falls_back_to_todays_rule(monkeypatch):
     import lightning_dpmp.integration.autolayout as autolayout
 
-    monkeypatch.setattr(autolayout, "_trace", lambda *a: None)
+    monkeypatch.setattr(autolayout, "_trace", lambda *a: (None, None))
     choice = autolayout.choose_layout(object(), None, None, torch.device("cpu"), 0, num_processes=4, num_nodes=1,
                                       meta=False, plan_overrides=PlanOverrides())
     assert choice.layout == Topology(dp=1, mp=4) and not choice.measured

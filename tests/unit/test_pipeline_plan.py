@@ -218,9 +218,13 @@ def test_bad_pipeline_arguments_are_refused_at_construction(kwargs, words):
         DPMPStrategy(**{"dp": 1, "mp": 1, **kwargs})
 
 
-def test_a_pipeline_needs_dp_or_mp_given():
-    with pytest.raises(ValueError, match=r"DPMPStrategy\(pp=2\) needs dp or mp given"):
-        DPMPStrategy(pp=2)
+def test_a_pipeline_with_dp_and_mp_chosen_at_setup():
+    # Issue 44 item 3 lifted the refusal of DPMPStrategy(pp=2) with dp="auto", mp="auto": the layout estimator
+    # now chooses (dp, mp) at setup with pp fixed, so the layout is pending until then.
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=DPMPStrategy(pp=2), logger=False)
+    assert trainer.strategy.layout_pending and trainer.strategy.chooses_layout
 
 
 def test_default_microbatches_one_per_stage():

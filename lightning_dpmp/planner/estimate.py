@@ -1,0 +1,365 @@
+"""Per-rank peak memory and step time of every layout (dp, pp, mp, zero, sequence parallel, micro-batches,
+schedule, recomputation) of a profiled model on a given cluster, before anything is launched.
+
+The model is a :class:`~lightning_dpmp.planner.profile.ModelProfile` (read from meta tensors of the model, or the
+analytic GPT); the cluster a :class:`Device` preset and a device count. For each layout, per rank of the worst
+pipeline stage:
+
+* **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all
+  local; 1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp, the full gradients
+  transiently before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter
+  and one gathered block), the DP gradient buffer at zero=0 (DDP's buckets, or the flat all-reduce under a
+  pipeline), the activations the profile saves (split ones /mp, token-wise ones /mp with sequence parallelism;
+  with recomputation only each block's input and one block's activations), times the micro-batches a stage
+  holds in flight (1F1B: ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``),
+  the logits and loss on the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken
+  where the step holds the most: the end of the forward pass, before the old gradients are freed, or the
+  optimizer step (the gradients, and foreach AdamW's float32 temporary of the stepped parameters).
+* **step time**: forward + backward FLOPs (+1 forward of the blocks with recomputation) at the device's
+  calibrated fraction of its dense peak; MP collectives per block (ring formula of
+  :func:`lightning_dpmp.planner.cost.ring_s`; on the intra-node link when an MP group fits in a node);
+  the DP gradient reduction (all-reduce, or reduce-scatter + all-gather, zero=3 gathering parameters for forward
+  and backward), exposed where it exceeds the last micro-batch's backward; stage-to-stage sends; the pipeline
+  bubble ``(pp-1)/(v M)`` of the stage time; and the AdamW step at the memory bandwidth.
+
+MFU is Megatron's: model FLOPs (no recomputation) / (step time x devices x dense peak).
+
+Example:
+    >>> from lightning_dpmp.planner.gpt_shape import GPTShape
+    >>> from lightning_dpmp.planner.profile import ModelProfile
+    >>> prof = ModelProfile.from_gpt(GPTShape(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048, batch=512))
+    >>> rows = estimate(prof, DEVICES["a100-80gb"], devices=64, global_batch=512, precision="bf16-mixed")
+    >>> best = next(r for r in rows if r.chosen)
+    >>> best.fits, best.dp * best.pp * best.mp
+    (True, 64)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Optional
+
+from lightning_dpmp.planner.cost import BUCKET_BYTES, ring_s
+from lightning_dpmp.planner.profile import ModelProfile
+
+__all__ = ["DEVICES", "PRECISIONS", "Device", "Estimate", "LayoutSpec", "estimate", "layouts", "predict"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator kind and the links between them.
+
+    Args:
+        name: the preset's name.
+        memory_gib: memory per device, GiB (what the framework can use).
+        peak_flops: dense peak FLOP/s by compute dtype (``"bf16"``, ``"fp32"``, ``"fp64"``).
+        efficiency: the fraction of the peak a large transformer's matmuls sustain (calibrated, see docs).
+        mem_bw: memory bandwidth, bytes/s (the optimizer step).
+        intra_bw, inter_bw: achieved collective bus bandwidth per device inside a node / across nodes, bytes/s.
+        intra_latency, inter_latency: seconds per ring step.
+        devices_per_node: devices sharing the intra-node link.
+        efficiency_width: matmuls narrower than this lose efficiency: the sustained fraction is
+            ``efficiency * hidden / (hidden + efficiency_width)`` (0 = constant).
+        overhead_s: fixed seconds per block per micro-batch, forward and backward (kernel launches, Python).
+        overlap_dp: the DP gradient reduction runs during the backward pass (devices with their own copy
+            engines); ``False`` where it competes for the same cores (gloo on CPU).
+        idle_bubble: a stage waiting in the pipeline bubble idles its device; ``False`` where processes share
+            cores, so that one waiting gives its core to another.
+    """
+
+    name: str
+    memory_gib: float
+    peak_flops: dict[str, float]
+    efficiency: float
+    mem_bw: float
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    devices_per_node: int = 8
+    efficiency_width: float = 0.0
+    overhead_s: float = 30e-6
+    overlap_dp: bool = True
+    idle_bubble: bool = True
+
+    def sustained(self, dtype: str, hidden: int) -> float:
+        """FLOP/s one device sustains on the model's matmuls at width ``hidden``."""
+        shape = hidden / (hidden + self.efficiency_width) if self.efficiency_width else 1.0
+        return self.peak_flops[dtype] * self.efficiency * shape
+
+
+# Figures: vendor datasheets for peaks, memory and HBM bandwidth (dense, no sparsity); link figures are NCCL
+# bus bandwidths commonly achieved (NVLink3 ~230 GB/s, NVLink4 ~360 GB/s, NVLink5 ~720 GB/s; 200/400 Gb/s
+# InfiniBand per GPU ~22/45 GB/s). efficiency and efficiency_width of the NVIDIA presets are calibrated on
+# Megatron-LM's Table 1 (benchmarks/megatron_check.py); cpu's on this machine (benchmarks/estimator_check.py).
+_A100 = {"bf16": 312e12, "fp32": 19.5e12, "fp64": 19.5e12}
+_H100 = {"bf16": 989e12, "fp32": 67e12, "fp64": 67e12}
+
+
+def _nvidia(name: str, memory_gb: float, mem_bw: float, peak: dict[str, float], intra_bw: float,
+            inter_bw: float) -> Device:
+    # efficiency, efficiency_width and overhead fitted on the A100 rows of Megatron-LM's Table 1
+    return Device(name, memory_gib=memory_gb * 1e9 / 2**30, peak_flops=peak, efficiency=0.64, mem_bw=mem_bw,
+                  intra_bw=intra_bw, inter_bw=inter_bw, efficiency_width=500.0, overhead_s=0.0)
+
+
+DEVICES: dict[str, Device] = {
+    "a100-40gb": _nvidia("a100-40gb", 40, 1.555e12, _A100, 230e9, 22e9),
+    "a100-80gb": _nvidia("a100-80gb", 80, 2.039e12, _A100, 230e9, 22e9),
+    "h100": _nvidia("h100", 80, 3.35e12, _H100, 360e9, 45e9),
+    "h200": _nvidia("h200", 141, 4.8e12, _H100, 360e9, 45e9),
+    "b200": _nvidia("b200", 180, 8.0e12, {"bf16": 2.25e15, "fp32": 75e12, "fp64": 37e12}, 720e9, 45e9),
+    # This machine (2 cores of an AVX-512 Xeon, 23 GiB, 4 gloo processes): peak = half a core's (2 FMA units x 16
+    # float32 lanes x 2 FLOPs at an assumed 2.0 GHz: 128 GFLOP/s per core); memory = 23 GiB / 4 processes less the
+    # runtime; efficiency and link bandwidth fitted on 3 measured layouts (benchmarks/estimator_check.py).
+    "cpu": Device("cpu", memory_gib=4.0, peak_flops={"bf16": 64e9, "fp32": 64e9, "fp64": 32e9}, efficiency=0.58,
+                  mem_bw=5e9, intra_bw=0.5e9, inter_bw=0.5e9, intra_latency=100e-6, inter_latency=100e-6,
+                  devices_per_node=64, overhead_s=0.0, overlap_dp=False, idle_bubble=False),
+}
+
+# precision -> (compute dtype, bytes per parameter, per gradient, optimizer state per parameter (AdamW + master))
+PRECISIONS: dict[str, tuple[str, int, int, int]] = {
+    "bf16-mixed": ("bf16", 4, 4, 8), "16-mixed": ("bf16", 4, 4, 8), "bf16-true": ("bf16", 2, 2, 4),
+    "32-true": ("fp32", 4, 4, 8), "64-true": ("fp64", 8, 8, 16),
+    # Megatron-LM's mixed precision: bf16 weights, fp32 main gradients, fp32 master weights and moments
+    "megatron-bf16": ("bf16", 2, 4, 12),
+}
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One layout: the parallel degrees and the settings that change memory or time."""
+
+    dp: int
+    pp: int
+    mp: int
+    zero: int = 0
+    sequence_parallel: bool = False
+    microbatches: int = 1
+    schedule: str = "none"
+    recompute: bool = False
+
+
+@dataclass
+class Estimate:
+    """The prediction for one layout (the JSON row of ``python -m lightning_dpmp.plan``); bytes per rank of the
+    worst stage, seconds per optimizer step."""
+
+    dp: int
+    pp: int
+    mp: int
+    zero: int
+    sequence_parallel: bool
+    microbatches: int
+    schedule: str
+    recompute: bool
+    fits: bool
+    peak_mem_gib: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    chosen: bool = False
+    memory: Optional[dict[str, float]] = None
+    time: Optional[dict[str, float]] = None
+
+    def row(self) -> dict[str, Any]:
+        """The keys of the JSON format (without the breakdowns)."""
+        d = asdict(self)
+        d.pop("memory")
+        d.pop("time")
+        return d
+
+    @property
+    def spec(self) -> LayoutSpec:
+        return LayoutSpec(self.dp, self.pp, self.mp, self.zero, self.sequence_parallel, self.microbatches,
+                          self.schedule, self.recompute)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(prof: ModelProfile, devices: int, global_batch: int, zeros: Iterable[int] = (0, 1, 2, 3),
+            schedules: Iterable[str] = ("1f1b", "gpipe", "interleaved"),
+            max_microbatches: int = 64) -> list[LayoutSpec]:
+    """Every layout of ``devices`` the model allows: ``mp`` divides heads, key/value heads and the feed-forward
+    width; ``pp`` at most the blocks; ``dp`` divides the global batch; micro-batches divide each DP rank's batch
+    (powers of two times the stages, up to ``max_microbatches``); zero > 0 only with dp > 1; sequence
+    parallelism only with mp > 1.
+
+    Example:
+        >>> from lightning_dpmp.planner.gpt_shape import GPTShape
+        >>> p = ModelProfile.from_gpt(GPTShape(layers=4, hidden=64, heads=4, vocab=128, seq=16, batch=8))
+        >>> sorted({(s.dp, s.pp, s.mp) for s in layouts(p, 4, 8)})
+        [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    """
+    out = []
+    for mp in _divisors(devices):
+        if any(x and x % mp for x in (prof.heads, prof.kv_heads, prof.ffn)):
+            continue
+        for pp in _divisors(devices // mp):
+            dp = devices // (mp * pp)
+            if pp > max(prof.layers, 1) or global_batch % dp:
+                continue
+            local = global_batch // dp
+            if pp == 1:
+                mbs, scheds = [m for m in _divisors(local) if m <= max_microbatches], ["none"]
+            else:
+                mbs = [m for m in _divisors(local) if m >= pp and m <= max_microbatches]
+                scheds = [s for s in schedules if s != "interleaved" or prof.layers % (2 * pp) == 0]
+            for m in mbs:
+                for sched in scheds:
+                    for zero in (z for z in zeros if dp > 1 or z == 0):
+                        for sp in ((False, True) if mp > 1 else (False,)):
+                            for rc in (False, True):
+                                out.append(LayoutSpec(dp, pp, mp, zero, sp, m, sched, rc))
+    return out
+
+
+def _stage_params(prof: ModelProfile, spec: LayoutSpec) -> list[float]:
+    """Parameters each stage holds on one rank (dense count / mp where split)."""
+    mp, pp = spec.mp, spec.pp
+    vocab_split = prof.vocab % mp == 0
+    block = prof.block_split_params / mp + prof.block_replicated_params
+    vocab = prof.vocab_params / (mp if vocab_split else 1)
+    per_stage = math.ceil(prof.layers / pp)
+    if pp == 1:
+        return [prof.layers * block + vocab + prof.other_params]
+    table = vocab / 2 if not prof.tied else vocab  # untied: table on the first stage, head on the last
+    first = per_stage * block + table + prof.other_params
+    last = per_stage * block + (vocab - table if not prof.tied else vocab)
+    return [first, last] + ([per_stage * block] if pp > 2 else [])
+
+
+def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, spec: LayoutSpec,
+            precision: str = "bf16-mixed") -> Estimate:
+    """Predict one layout: peak memory of the worst rank and step time (see the module docstring)."""
+    dtype, pb, gb, ob = PRECISIONS[precision]
+    dp, pp, mp, zero, m = spec.dp, spec.pp, spec.mp, spec.zero, spec.microbatches
+    if dp * pp * mp != devices:
+        raise ValueError(f"dp*pp*mp = {dp}*{pp}*{mp} = {dp * pp * mp} != devices = {devices}")
+    act_scale = {"bf16": 2, "fp32": 4, "fp64": 8}[dtype] / prof.act_bytes  # profiled in another dtype
+    local_seqs = global_batch / dp
+    mb = local_seqs / m                                # sequences per micro-batch
+    vocab_split = prof.vocab % mp == 0
+    per_stage = math.ceil(prof.layers / pp)
+    v = 2 if spec.schedule == "interleaved" else 1
+    sp = spec.sequence_parallel
+
+    # ---- memory, per rank, of each stage; the worst counts
+    block_params = prof.block_split_params / mp + prof.block_replicated_params
+    tokenwise = prof.block_act_tokenwise / (mp if sp else 1)
+    block_act = (prof.block_act_split / mp + tokenwise) * act_scale * mb
+    block_in = prof.block_input_bytes * act_scale * mb / (mp if sp else 1)
+    logits = prof.logits_act * mb / (mp if vocab_split else 1)
+    msg = prof.hidden * prof.seq * mb * prof.act_bytes * act_scale   # one micro-batch's boundary activation
+    worst: dict[str, float] = {}
+    for s, n in enumerate(_stage_params(prof, spec)):
+        stage = 0 if s == 0 else (pp - 1 if s == 1 else 1)
+        if pp == 1:
+            inflight = 1.0
+        elif spec.schedule == "gpipe":
+            inflight = float(m)
+        elif spec.schedule == "interleaved":
+            inflight = min(m, pp) * (1 + (pp - 1) / (pp * v)) if stage == 0 else min(m, pp - stage)
+        else:
+            inflight = float(min(m, pp - stage))
+        per_micro = per_stage * (block_in if spec.recompute else block_act)
+        acts = inflight * per_micro + (block_act if spec.recompute else 0.0)
+        if stage == 0:
+            acts += inflight * prof.rest_act * act_scale * mb
+        if stage == pp - 1:
+            acts += logits
+        held_p, held_g, held_o, extra = n * pb, n * gb, n * ob, 0.0
+        if zero == 0:
+            extra = n * gb if dp > 1 else 0.0                      # DDP's buckets / the flat all-reduce copy
+        elif zero in (1, 2):
+            held_p, held_g, held_o = n * pb * (1 + 1 / dp), n * gb / dp, n * ob / dp
+            extra = n * gb - held_g                                   # full gradients before the reduce-scatter
+        else:
+            held_p, held_g, held_o = n * pb / dp, n * gb / dp, n * ob / dp
+            extra = n * gb - held_g + block_params * pb * 2           # + the gathered and the prefetched block
+        if pp > 1:
+            # the schedule's gradients are new tensors (the previous step's wait aside until the strategy's
+            # backward): with a steady phase (more micro-batches than in flight) they coexist with the most
+            # activations, otherwise with one micro-batch fewer; zero=3's are the full ones before each reduce-scatter
+            fresh = n * gb
+            steady = spec.schedule != "gpipe" and m > inflight
+            acts = acts + fresh if steady else max(acts, acts - per_micro + fresh)
+            if zero in (1, 2):
+                extra = 0.0
+            elif zero == 3:
+                extra = block_params * pb * 2
+            elif dp > 1:
+                extra = n * gb                                        # the flat all-reduce's copy of the gradients
+        buffers = 2 * msg if pp > 1 else 0.0                         # the stage's send and receive buffers
+        mem = dict(parameters=held_p, gradients=held_g, optimizer=held_o, activations=acts, dp_buffers=extra,
+                   comm_buffers=buffers)
+        # the optimizer step, activations freed: torch's foreach AdamW holds one float32 temporary per parameter
+        # it steps (sqrt of the second moment); with recomputation this phase is often the peak
+        stepped = n / (dp if zero else 1)
+        grads_at_step = n * gb if zero == 0 else n * gb / dp
+        at_step = held_p + grads_at_step + held_o + (n * gb if zero == 0 and dp > 1 else 0.0) + stepped * 4
+        mem["optimizer_step"] = max(0.0, at_step - sum(mem.values()))
+        if sum(mem.values()) > sum(worst.values()):
+            worst = mem
+    peak = sum(worst.values())
+
+    # ---- time
+    flops_dev = dev.sustained(dtype, prof.hidden)
+    fwd_block = (prof.block_flops_split / mp + prof.block_flops_replicated) * mb
+    fwd_head = prof.head_flops / (mp if vocab_split else 1) * mb
+    passes = 4.0 if spec.recompute else 3.0
+    stage_fwdbwd = (per_stage * fwd_block * passes + (3 * fwd_head if pp == 1 else 0.0)) / flops_dev
+    head_s = 3 * fwd_head / flops_dev if pp > 1 else 0.0               # the last stage's extra work
+    mp_in_node = mp <= dev.devices_per_node and dev.devices_per_node % mp == 0
+    mp_bw, mp_lat = (dev.intra_bw, dev.intra_latency) if mp_in_node else (dev.inter_bw, dev.inter_latency)
+    act = prof.hidden * prof.seq * mb * prof.act_bytes * act_scale
+    fwd_ar, bwd_ar = prof.mp_allreduces_per_block
+    n_ar = fwd_ar + bwd_ar + (fwd_ar if spec.recompute else 0)
+    mp_s = per_stage * n_ar * ring_s(act, mp, mp_bw, mp_lat) if mp > 1 else 0.0   # SP: AG + RS, the same time
+    if vocab_split and mp > 1:
+        mp_s += 2 * ring_s(act, mp, mp_bw, mp_lat) / max(pp, 1)       # the embedding and the head's input grad
+    micro_s = stage_fwdbwd + mp_s + per_stage * dev.overhead_s * (1.33 if spec.recompute else 1.0)
+    pp_s = 0.0
+    if pp > 1:
+        inter = pp * mp > dev.devices_per_node                          # neighbouring stages lie mp apart
+        bw, lat = (dev.inter_bw, dev.inter_latency) if inter else (dev.intra_bw, dev.intra_latency)
+        pp_s = 2 * (msg / bw + lat)                                     # activation forward, its gradient backward
+        micro_s += pp_s
+    bubble = (pp - 1) / v * micro_s if pp > 1 and dev.idle_bubble else 0.0
+    pipe_s = m * micro_s + bubble + (m * head_s if pp > 1 else 0.0)
+    # DP: gradients of the largest stage, over dp ranks; inter-node once the DP group spans nodes
+    n_local = max(_stage_params(prof, spec))
+    grad_bytes = n_local * (4 if dtype != "fp64" else 8)
+    # a DP group's ranks lie pp*mp apart: it spans nodes as soon as the world does (dp > 1)
+    bw, lat = (dev.inter_bw, dev.inter_latency) if devices > dev.devices_per_node else (dev.intra_bw, dev.intra_latency)
+    buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+    dp_s = ring_s(grad_bytes, dp, bw, 0.0) + (buckets * 2 * (dp - 1) * lat if dp > 1 else 0.0)
+    if zero == 3:
+        dp_s += m * ring_s(n_local * pb, dp, bw, lat, "all_gather")   # parameters gathered again per micro-batch
+    dp_exposed = (max(0.0, dp_s - micro_s * 2 / 3) if dev.overlap_dp else dp_s) if dp > 1 else 0.0
+    optim_s = n_local / (dp if zero else 1) * 28 / dev.mem_bw        # AdamW: ~7 words read/written per parameter
+    step = pipe_s + dp_exposed + optim_s
+    tokens = global_batch * prof.seq
+    model_flops = prof.model_flops_per_token() * tokens
+    return Estimate(
+        dp=dp, pp=pp, mp=mp, zero=zero, sequence_parallel=sp, microbatches=m, schedule=spec.schedule,
+        recompute=spec.recompute, fits=peak <= dev.memory_gib * 2**30, peak_mem_gib=peak / 2**30, step_s=step,
+        tokens_per_s=tokens / step, mfu=model_flops / (step * devices * dev.peak_flops[dtype]),
+        memory=worst, time=dict(compute=m * stage_fwdbwd, mp=m * mp_s, pp=m * pp_s, bubble=bubble,
+                                dp_exposed=dp_exposed, optimizer=optim_s),
+    )
+
+
+def estimate(prof: ModelProfile, dev: Device, devices: int, global_batch: int, precision: str = "bf16-mixed",
+             specs: Optional[Iterable[LayoutSpec]] = None) -> list[Estimate]:
+    """Every layout (or ``specs``), fastest first; the fastest that fits is ``chosen`` (ties: the one holding
+    the least memory)."""
+    rows = [predict(prof, dev, devices, global_batch, s, precision)
+            for s in (specs if specs is not None else layouts(prof, devices, global_batch))]
+    rows.sort(key=lambda r: (not r.fits, round(r.step_s, 12), r.peak_mem_gib))
+    if rows and rows[0].fits:
+        rows[0].chosen = True
+    return rows
