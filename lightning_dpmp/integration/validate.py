@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, IterableDataset  # noqa: F401  (DataLoa
 
 from lightning_dpmp.checkpoint.integrity import check_checkpoint_file
 from lightning_dpmp.compat import compiled_by_user
+from lightning_dpmp.integration.activations import check_activation_checkpointing
 from lightning_dpmp.parallel.compiled import compiled_by_strategy
 from lightning_dpmp.planner.user_plan import PlanOverrides, UserPlan, check_plan_on_model
 
@@ -70,6 +71,7 @@ __all__ = [
     "check_init_args",
     "check_not_compiled",
     "check_plan_at_setup",
+    "check_recompute",
     "check_sync_batchnorm",
     "check_ddp_kwargs_with_dtensors",
     "check_zero_without_ddp",
@@ -231,6 +233,15 @@ def check_mixed_precision(policy: Any, zero: int, dp: Any) -> None:
     if getattr(policy, "output_dtype", None) is not None:
         raise ValueError("mixed_precision.output_dtype is not supported (outputs keep the compute dtype); leave it"
                          " None.")
+
+
+def check_recompute(activation_checkpointing: Any, compile: Any = False) -> None:
+    """Refuse an ``activation_checkpointing`` other than ``None``/``"blocks"``/``"auto"``, and with ``compile=True``
+    (a compiled block under a recompute is not proven exact yet)."""
+    check_activation_checkpointing(activation_checkpointing)
+    if activation_checkpointing is not None and compile:
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} with compile=True is not supported "
+                         "yet: the recompute of a compiled block is not proven exact; use one of the two.")
 
 
 def check_speed_flags(compile: Any = False, async_grad_allreduce: Any = None) -> None:

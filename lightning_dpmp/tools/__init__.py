@@ -10,5 +10,6 @@ Modules, one line each:
 * ``plan_cli``: the estimator's command line, run as ``python -m lightning_dpmp.plan``.
 * ``mfu``: the ``MFUMonitor`` callback: tokens/s, model TFLOP/s per device and MFU while training.
 
-May import anything in the package; nothing in the package imports it.
+May import ``parallel``, ``planner``, ``checkpoint`` and ``compat`` (and Lightning); ``integration`` imports it:
+``DPMPStrategy(activation_checkpointing="auto")`` asks the estimator at setup.
 """

@@ -217,10 +217,11 @@ class Layout:
     notes: list[str] = field(default_factory=list)
 
     def strategy(self, **kwargs: Any) -> Any:
-        """``DPMPStrategy(dp=self.dp, mp=self.mp, **kwargs)``."""
-        from lightning_dpmp.integration.strategy import DPMPStrategy
+        """``DPMPStrategy(dp=self.dp, mp=self.mp, **kwargs)``, by its registered name (``"dpmp"``, registered when
+        the package is imported): ``tools`` sits below ``integration``, which asks the estimator at setup."""
+        from lightning.pytorch.strategies import StrategyRegistry
 
-        return DPMPStrategy(dp=self.dp, mp=self.mp, **kwargs)
+        return StrategyRegistry["dpmp"]["strategy"](dp=self.dp, mp=self.mp, **kwargs)
 
 
 def _divisors(n: int) -> list[int]:

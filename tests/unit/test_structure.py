@@ -10,7 +10,7 @@ import re
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "lightning_dpmp"
-ORDER = ["parallel", "planner", "checkpoint", "integration", "tools"]
+ORDER = ["parallel", "planner", "checkpoint", "tools", "integration"]
 THIRD_PARTY_BANNED = {"parallel": {"lightning", "pytorch_lightning", "torchmetrics", "hydra"},
                       "planner": {"lightning", "pytorch_lightning", "torchmetrics", "hydra"}}
 
