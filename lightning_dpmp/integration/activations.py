@@ -36,8 +36,8 @@ from lightning_dpmp.parallel.zero_engine import find_units
 from lightning_dpmp.tools.estimate import PRECISIONS, LayoutSpec, fewest_recomputed
 from lightning_dpmp.tools.profile import ModelProfile, profile_step, token_tensor
 
-__all__ = ["NO_LIMIT", "SETTINGS", "batch_sequences", "apply_recompute", "check_activation_checkpointing", "describe", "device_budget",
-           "profile_module", "recompute_count"]
+__all__ = ["NO_LIMIT", "SETTINGS", "apply_recompute", "batch_sequences", "check_activation_checkpointing", "describe",
+           "device_budget", "profile_module", "recompute_count"]
 
 SETTINGS = (None, "blocks", "auto")
 

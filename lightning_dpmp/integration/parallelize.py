@@ -90,16 +90,15 @@ from lightning_dpmp.integration.pipeline import (
 )
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
 from lightning_dpmp.integration.stepdata import first_batch, isolated, step_runner
-from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank0
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.comm import all_reduce_grads
-from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
-from lightning_dpmp.parallel.recompute import uncheckpoint_blocks
+from lightning_dpmp.parallel.compiled import compile_blocks, repeated_blocks, uncompile_blocks
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.freed_reads import GatherOnRead, outermost_forward_hooks
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
+from lightning_dpmp.parallel.recompute import uncheckpoint_blocks
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.topology import Topology

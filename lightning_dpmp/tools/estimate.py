@@ -369,7 +369,8 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     model_flops = prof.model_flops_per_token() * tokens
     return Estimate(
         dp=dp, pp=pp, mp=mp, zero=zero, sequence_parallel=sp, microbatches=m, schedule=spec.schedule,
-        recompute=spec.recompute, recompute_blocks=spec.recompute_blocks, fits=peak <= dev.memory_gib * 2**30, peak_mem_gib=peak / 2**30, step_s=step,
+        recompute=spec.recompute, recompute_blocks=spec.recompute_blocks, fits=peak <= dev.memory_gib * 2**30,
+        peak_mem_gib=peak / 2**30, step_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * devices * dev.peak_flops[dtype]),
         memory=worst, time=dict(compute=m * stage_fwdbwd, mp=m * mp_s, pp=m * pp_s, bubble=bubble,
                                 dp_exposed=dp_exposed, optimizer=optim_s),

@@ -75,10 +75,43 @@ def run(case: str, out: str) -> dict:
             "left": checkpointed_blocks(model), "rank": trainer.global_rank}
 
 
+def fabric_run(setting: str, out: str) -> dict:
+    """``fabric:SETTING``: the same GPT under Lightning Fabric at (2, 2), 6 float64 AdamW steps with norm clipping;
+    the collectives of step 2 and the weights (``OUT/fabric_SETTING.ckpt``)."""
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from lightning_dpmp import CommCounter, FabricDPMPStrategy
+
+    strategy = FabricDPMPStrategy(dp=2, mp=2, activation_checkpointing=None if setting == "none" else setting,
+                                  timeout=timedelta(minutes=2))
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy, precision="64-true")
+    fabric.launch()
+    fabric.seed_everything(SEED)
+    net, dataset = build("gpt4")
+    model, optimizer = fabric.setup(net.net, torch.optim.AdamW(net.net.parameters(), lr=3e-3, weight_decay=0.01))
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=GLOBAL_BATCH // 2))
+    counts: dict = {}
+    for step, (x, y) in zip(range(6), loader):
+        counter = CommCounter({"mp": strategy.grid.mp_group, "dp": strategy.grid.dp_group})
+        with counter:
+            logits = model(x)
+            fabric.backward(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)))
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+        if step == 2:
+            counts = {f"{g}/{op}": n for (g, op), n in counter.counts.items()}
+    fabric.save(os.path.join(out, f"fabric_{setting}.ckpt"), {"model": model})
+    return {"counts": counts, "wrapped": checkpointed_blocks(net.net), "plan_text": strategy.applied_plan.text,
+            "rank": fabric.global_rank}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out, cases = sys.argv[1], sys.argv[2].split(",")
-    results = {case: run(case, out) for case in cases}
+    results = {case: fabric_run(case.split(":")[1], out) if case.startswith("fabric:") else run(case, out)
+               for case in cases}
     rank = next(iter(results.values()))["rank"]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -23,7 +23,7 @@ WORKER = "tests/distributed/recompute_worker.py"
 TOL = 1e-8
 BLOCKS = 4  # gpt4
 CASES = ["2.1.2:blocks", "2.1.2:blocks:z3", "2.1.2:blocks:sp", "1.2.2:blocks", "2.1.2:none:drop",
-         "2.1.2:blocks:drop"]
+         "2.1.2:blocks:drop", "fabric:none", "fabric:blocks"]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,20 @@ def test_recomputed_blocks_train_to_single_process_weights(launch, tmp_path):
     worst = max_weight_diff(_ckpt(out, "2.1.2:blocks:drop"), _ckpt(out, "2.1.2:none:drop"))
     print(f"dropout 0.1, recomputed vs kept: {worst:.2e}")
     assert worst <= TOL
+    # Fabric at (2, 2): recomputed blocks train to the weights of the same loop without (which test_fabric.py
+    # holds to one process's)
+    ours, kept = (torch.load(out / f"fabric_{s}.ckpt", weights_only=True)["model"] for s in ("blocks", "none"))
+    worst = max((ours[k] - kept[k]).abs().max().item() for k in kept)
+    print(f"fabric (2,2), recomputed vs kept: {worst:.2e}")
+    assert worst <= TOL
     for r in ranks:
-        for case in CASES:
+        assert len(r["fabric:blocks"]["wrapped"]) == BLOCKS and r["fabric:none"]["wrapped"] == []
+        assert 'activation checkpointing "blocks": 4 of 4 blocks recomputed' in r["fabric:blocks"]["plan_text"]
+        fabric = r["fabric:blocks"]["counts"]
+        assert fabric["mp/all_reduce"] == r["fabric:none"]["counts"]["mp/all_reduce"] + 2 * BLOCKS, fabric
+        assert {k: v for k, v in fabric.items() if k != "mp/all_reduce"} == {
+            k: v for k, v in r["fabric:none"]["counts"].items() if k != "mp/all_reduce"}
+        for case in CASES[:6]:
             wrapped = r[case]["wrapped"]
             assert len(wrapped) == (0 if ":none" in case else BLOCKS), (case, wrapped)
             assert r[case]["left"] == []  # teardown took the wrappers off
