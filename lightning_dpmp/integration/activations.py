@@ -37,7 +37,7 @@ from lightning_dpmp.tools.estimate import PRECISIONS, LayoutSpec, fewest_recompu
 from lightning_dpmp.tools.profile import ModelProfile, profile_step, token_tensor
 
 __all__ = ["NO_LIMIT", "SETTINGS", "apply_recompute", "batch_sequences", "check_activation_checkpointing", "describe",
-           "device_budget", "profile_module", "recompute_count"]
+           "device_budget", "layout_spec", "profile_module", "recompute_count"]
 
 SETTINGS = (None, "blocks", "auto")
 
@@ -96,6 +96,20 @@ NO_LIMIT = ('activation checkpointing "auto": no block recomputed (no device mem
             '"blocks" recomputes them all)')
 
 
+def layout_spec(topology: Topology, sequence_parallel: bool) -> LayoutSpec:
+    """The estimator's :class:`~lightning_dpmp.tools.estimate.LayoutSpec` of this run's layout (no recomputation).
+
+    Example:
+        >>> spec = layout_spec(Topology(dp=2, mp=2, pp=2, microbatches=4), True)
+        >>> spec.microbatches, spec.schedule, spec.recompute
+        (4, '1f1b', False)
+    """
+    pp = topology.pp
+    return LayoutSpec(topology.dp, pp, topology.mp, topology.zero, sequence_parallel,
+                      (topology.microbatches if topology.microbatches > 0 else pp) if pp > 1 else 1,
+                      topology.schedule if pp > 1 else "none")
+
+
 def recompute_count(prof: ModelProfile, topology: Topology, sequence_parallel: bool, sequences: int,
                     precision: str, budget: float) -> tuple[int, str]:
     """``"auto"``: how many blocks of each stage to recompute for a DP rank's batch of ``sequences`` at
@@ -108,14 +122,10 @@ def recompute_count(prof: ModelProfile, topology: Topology, sequence_parallel: b
         0
     """
     n = -(-prof.layers // topology.pp)
-    pp = topology.pp
-    spec = LayoutSpec(topology.dp, pp, topology.mp, topology.zero, sequence_parallel,
-                      (topology.microbatches if topology.microbatches > 0 else pp) if pp > 1 else 1,
-                      topology.schedule if pp > 1 else "none")
-    k, row = fewest_recomputed(prof, spec, sequences * topology.dp, budget,
+    k, row = fewest_recomputed(prof, layout_spec(topology, sequence_parallel), sequences * topology.dp, budget,
                                precision if precision in PRECISIONS else "32-true")
     fits = "fits" if row.fits else "does NOT fit even so"
-    per = " per stage" if pp > 1 else ""
+    per = " per stage" if topology.pp > 1 else ""
     return k, (f'activation checkpointing "auto": {k} of {n} blocks{per} recomputed (predicted peak '
                f"{row.peak_mem_gib:.2f} GiB, {fits} the {budget / 2**30:.2f} GiB available)")
 

@@ -3,12 +3,13 @@
 Usage (from the repo root):
     python tests/distributed/recompute_worker.py OUT CASE,...
 
-A CASE is ``DP.PP.MP:SETTING[:zN][:sp][:drop]``: the example GPT with 4 blocks (``gpt4``; ``drop``: with dropout
+A CASE is ``DP.PP.MP:SETTING[:zN][:sp][:drop][:midK]``: the example GPT with 4 blocks (``gpt4``; ``drop``: with dropout
 0.1 everywhere, attention included) trained 20 float64 AdamW steps with norm clipping under
 ``DPMPStrategy(dp, mp, pp, activation_checkpointing=SETTING)`` (``none``, ``blocks``), ``zero=N``,
-``sequence_parallel``; each rank writes the collectives of step 3 by group, the analytic per-step MP collectives of
-the plan, the blocks wrapped and the plan printout to ``OUT/rank{r}.json``; the consolidated checkpoint goes to
-``OUT/{case}.ckpt``.
+``sequence_parallel``; ``midK`` (with ``auto``): a device memory limit, as on CUDA, set between the predicted peaks
+of K and K - 1 recomputed blocks per stage; ``fabric:SETTING``: Fabric at (2, 2) (:func:`fabric_run`); each rank
+writes the collectives of step 3 by group, the analytic per-step MP collectives of the plan, the blocks wrapped and
+the plan printout to ``OUT/rank{r}.json``; the consolidated checkpoint goes to ``OUT/{case}.ckpt``.
 """
 
 from __future__ import annotations
@@ -50,10 +51,36 @@ def model_for(case: str):
     return build("gpt4")
 
 
+def fake_memory_limit(k: int) -> None:
+    """``"auto"`` as on a device with a memory limit (CUDA's ``mem_get_info``): a limit half-way between the peaks the
+    estimator predicts for this run with ``k`` and ``k - 1`` recomputed blocks per stage."""
+    from dataclasses import replace
+
+    import lightning_dpmp.integration.parallelize as P
+    from lightning_dpmp.integration.activations import layout_spec, recompute_count
+    from lightning_dpmp.tools.estimate import DEVICES, predict
+
+    def between(prof, topology, sequence_parallel, sequences, precision, budget):
+        spec = layout_spec(topology, sequence_parallel)
+        n = topology.dp * topology.pp * topology.mp
+
+        def peak(j: int) -> float:
+            s = replace(spec, recompute=j > 0, recompute_blocks=j)
+            return predict(prof, DEVICES["h100"], n, sequences * topology.dp, s, precision).peak_mem_gib * 2**30
+
+        return recompute_count(prof, topology, sequence_parallel, sequences, precision, (peak(k) + peak(k - 1)) / 2)
+
+    P.device_budget = lambda device: 1.0  # (any limit: `between` sets the one that counts)
+    P.recompute_count = between
+
+
 def run(case: str, out: str) -> dict:
     layout, setting, *flags = case.split(":")
     dp, pp, mp = (int(x) for x in layout.split("."))
     zero = next((int(f[1:]) for f in flags if f.startswith("z")), 0)
+    mid = next((int(f[3:]) for f in flags if f.startswith("mid")), None)
+    if mid is not None:
+        fake_memory_limit(mid)
     L.seed_everything(SEED, workers=True)
     model, dataset = model_for(case)
     counter, wrapped = Counter(), Wrapped()

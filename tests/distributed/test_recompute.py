@@ -7,6 +7,9 @@ clipping. Each run must land within 1e-8 of one process (the dropout runs, whose
 by design, within 1e-8 of the same layout without recomputation: the recompute draws the masks the forward drew).
 The recompute adds exactly one forward's MP collectives per block and micro-batch (GPT: the 2 row layers'
 all-reduces; with sequence parallelism 2 all-gathers and 2 reduce-scatters), and at zero=3 no DP all-gather.
+Under Fabric at (2,2) the same, against Fabric without recomputation. ``"auto"`` recomputes nothing on a CPU and, under
+a memory limit set between two predicted peaks (as CUDA's would be), the first K blocks (of each stage), with the
+same weights and K blocks' worth of collectives. About 2 min 15 s on the loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ WORKER = "tests/distributed/recompute_worker.py"
 TOL = 1e-8
 BLOCKS = 4  # gpt4
 CASES = ["2.1.2:blocks", "2.1.2:blocks:z3", "2.1.2:blocks:sp", "1.2.2:blocks", "2.1.2:none:drop",
-         "2.1.2:blocks:drop", "fabric:none", "fabric:blocks"]
+         "2.1.2:blocks:drop", "fabric:none", "fabric:blocks", "2.1.2:auto", "2.1.2:auto:mid2", "1.2.2:auto:mid1"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def _ckpt(out, case: str) -> dict:
 def test_recomputed_blocks_train_to_single_process_weights(launch, tmp_path):
     out, ranks = launch
     ref = reference_run("gpt4", "64-true", tmp_path / "ref.ckpt")
-    for case in CASES[:4]:
+    for case in CASES[:4] + CASES[-2:]:
         worst = max_weight_diff(_ckpt(out, case), ref)
         print(f"{case}: max |w - w_ref| = {worst:.2e}")
         assert worst <= TOL, (case, worst)
@@ -64,6 +67,12 @@ def test_recomputed_blocks_train_to_single_process_weights(launch, tmp_path):
         assert fabric["mp/all_reduce"] == r["fabric:none"]["counts"]["mp/all_reduce"] + 2 * BLOCKS, fabric
         assert {k: v for k, v in fabric.items() if k != "mp/all_reduce"} == {
             k: v for k, v in r["fabric:none"]["counts"].items() if k != "mp/all_reduce"}
+        # "auto": nothing on a CPU (no limit); under a limit the first K blocks (of each stage)
+        assert r["2.1.2:auto"]["wrapped"] == [] and "no device memory limit" in r["2.1.2:auto"]["plan_text"]
+        assert r["2.1.2:auto:mid2"]["wrapped"] == ["net.blocks.0", "net.blocks.1"]
+        assert 'activation checkpointing "auto": 2 of 4 blocks recomputed' in r["2.1.2:auto:mid2"]["plan_text"]
+        assert r["1.2.2:auto:mid1"]["wrapped"] == ["net.blocks.0", "net.blocks.2"]
+        assert '"auto": 1 of 2 blocks per stage recomputed' in r["1.2.2:auto:mid1"]["plan_text"]
         for case in CASES[:6]:
             wrapped = r[case]["wrapped"]
             assert len(wrapped) == (0 if ":none" in case else BLOCKS), (case, wrapped)
@@ -75,8 +84,9 @@ def test_recomputed_blocks_train_to_single_process_weights(launch, tmp_path):
 @pytest.mark.slow
 def test_recompute_adds_one_forward_of_mp_collectives_per_block(launch):
     _, ranks = launch
-    for case in ("2.1.2:blocks", "2.1.2:blocks:z3", "2.1.2:blocks:drop", "2.1.2:none:drop"):
-        recomputed = 0 if ":none" in case else BLOCKS
+    for case in ("2.1.2:blocks", "2.1.2:blocks:z3", "2.1.2:blocks:drop", "2.1.2:none:drop", "2.1.2:auto",
+                 "2.1.2:auto:mid2"):
+        recomputed = 2 if case.endswith(":mid2") else BLOCKS if ":blocks" in case else 0
         for r in ranks:
             counts, analytic = r[case]["counts"], r[case]["analytic"]
             planned = analytic["forward"]["all_reduce"] + analytic["backward"]["all_reduce"]
@@ -97,3 +107,6 @@ def test_recompute_adds_one_forward_of_mp_collectives_per_block(launch):
         planned = stage[0]["analytic"]["forward"]["all_reduce"] + stage[0]["analytic"]["backward"]["all_reduce"]
         total = sum(p["counts"]["mp/all_reduce"] for p in stage)
         assert total == m * planned + pp + m * 2 * BLOCKS, [p["counts"] for p in stage]
+        stage = [r["1.2.2:auto:mid1"] for r in ranks if r["1.2.2:auto:mid1"]["grid"][2] == m_rank]
+        total = sum(p["counts"]["mp/all_reduce"] for p in stage)
+        assert total == m * planned + pp + m * 2 * pp, [p["counts"] for p in stage]  # 1 block of each stage
