@@ -47,6 +47,7 @@ class StrategyConfig:
     verify_plan: bool = True
     mp_batch: str = "broadcast"
     zero: int = 0
+    activation_checkpointing: Optional[str] = None  # None, "blocks" or "auto"
     pp: int = 1
     pp_microbatches: Optional[int] = None
     pp_schedule: str = "1f1b"

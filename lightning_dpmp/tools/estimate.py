@@ -10,8 +10,8 @@ pipeline stage:
   transiently before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter
   and one gathered block), the DP gradient buffer at zero=0 (DDP's buckets, or the flat all-reduce under a
   pipeline), the activations the profile saves (split ones /mp, token-wise ones /mp with sequence parallelism;
-  with recomputation only each recomputed block's input, plus one block's activations while it is recomputed:
-  ``k`` of a stage's ``N`` blocks, :attr:`LayoutSpec.recompute_blocks`), times the micro-batches a stage
+  with recomputation only each recomputed block's input: the first ``k`` of a stage's ``N`` blocks,
+  :attr:`LayoutSpec.recompute_blocks`, plus one block's activations while it is recomputed when ``k = N``), times the micro-batches a stage
   holds in flight (1F1B: ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``),
   the logits and loss on the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken
   where the step holds the most: the end of the forward pass, before the old gradients are freed, or the
@@ -290,7 +290,9 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
         else:
             inflight = float(min(m, pp - stage))
         per_micro = k * block_in + (per_stage - k) * block_act
-        acts = inflight * per_micro + (block_act if k else 0.0)   # (one block's, while it is recomputed)
+        # the first k blocks recompute, late in the backward, when the later blocks' activations are freed: a
+        # recomputed block's activations add to the peak only when every block recomputes
+        acts = inflight * per_micro + (block_act if k == per_stage and k else 0.0)
         if stage == 0:
             acts += inflight * prof.rest_act * act_scale * mb
         if stage == pp - 1:
