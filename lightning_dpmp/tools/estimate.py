@@ -5,20 +5,19 @@ The model is a :class:`~lightning_dpmp.tools.profile.ModelProfile` (read from me
 analytic GPT); the cluster a :class:`Device` preset and a device count. For each layout, per rank of the worst
 pipeline stage:
 
-* **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all
-  local; 1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp, the full gradients
-  transiently before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter
-  and one gathered block), the DP gradient buffer at zero=0 (DDP's buckets, or the flat all-reduce under a
-  pipeline), the activations the profile saves (split ones /mp, token-wise ones /mp with sequence parallelism;
-  with recomputation only each recomputed block's input: the first ``k`` of a stage's ``N`` blocks,
-  :attr:`LayoutSpec.recompute_blocks`, plus one block's activations while it is recomputed when ``k = N``), times the micro-batches a stage
-  holds in flight (1F1B: ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``),
-  the logits and loss on the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken
-  where the step holds the most: the end of the forward pass, before the old gradients are freed, or the
-  optimizer step (the gradients, and foreach AdamW's float32 temporary of the stepped parameters).
-* **step time**: forward + backward FLOPs (+1 forward of each recomputed block, and its forward MP collectives)
-  at the device's
-  calibrated fraction of its dense peak; MP collectives per block (ring formula of
+* **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all local;
+  1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp, the full gradients transiently
+  before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter and one gathered
+  block), the DP gradient buffer at zero=0 (DDP's buckets, or the flat all-reduce under a pipeline), the activations
+  the profile saves (split ones /mp, token-wise ones /mp with sequence parallelism; with recomputation only each
+  recomputed block's input: the first ``k`` of a stage's ``N`` blocks, :attr:`LayoutSpec.recompute_blocks`, plus one
+  block's activations while it is recomputed when ``k = N``), times the micro-batches a stage holds in flight (1F1B:
+  ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``), the logits and loss on
+  the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken where the step holds the
+  most: the end of the forward pass, before the old gradients are freed, or the optimizer step (the gradients, and
+  foreach AdamW's float32 temporary of the stepped parameters).
+* **step time**: forward + backward FLOPs (+1 forward of each recomputed block, and its forward MP collectives) at
+  the device's calibrated fraction of its dense peak; MP collectives per block (ring formula of
   :func:`lightning_dpmp.planner.cost.ring_s`; on the intra-node link when an MP group fits in a node);
   the DP gradient reduction (all-reduce, or reduce-scatter + all-gather, zero=3 gathering parameters for forward
   and backward), exposed where it exceeds the last micro-batch's backward; stage-to-stage sends; the pipeline
