@@ -34,7 +34,15 @@ ColwiseParallel q/k/v/fc1, RowwiseParallel out_proj/fc2, FSDP2 ``fully_shard`` o
 ``ddp_<n>`` (DDPStrategy), ``dpmp_<dp>x<mp>_pp<k>[_gpipe|_interleaved]`` (DPMPStrategy(pp=k): pipeline stages,
 ``--pp-microbatches`` per step, 1F1B by default; ``_interleaved`` runs 2 stages per rank). Pipeline layouts also
 report each rank's held bytes (the stages differ) and the schedule's bubble fraction. ``..._plainparams`` keeps the
-split parameters as plain shards (DDP at zero=0), as before DTensor parameters (issue 41's side-by-side)::
+split parameters as plain shards (DDP at zero=0), as before DTensor parameters (issue 41's side-by-side).
+``..._ac`` adds ``activation_checkpointing="blocks"`` (every block recomputed in the backward); the report then puts
+each ``X_ac`` beside ``X``: measured peak and step time as ratios, and the layout estimator's predicted peak of both
+(issue 44 item 4)::
+
+    python benchmarks/gpt_bench.py --model hf_llama --rounds 2 --out benchmarks/results/recompute \
+        --configs dpmp_2x2,dpmp_2x2_ac,dpmp_1x2_pp2,dpmp_1x2_pp2_ac
+
+Earlier side-by-sides::
 
     python benchmarks/gpt_bench.py --model hf_llama --rounds 3 --out benchmarks/results/dtensor_params \
         --configs dpmp_2x2,dpmp_2x2_plainparams,dpmp_2x2_zero3,dpmp_4x1_zero3
@@ -435,7 +443,7 @@ def worker(args: argparse.Namespace) -> None:
     if name == "dpmp_auto":  # every size chosen at setup by the estimator (issue 44 item 3), on --world processes
         name = f"dpmp_{args.world}x1"
     m = re.fullmatch(r"(dpmp|mps|ddp)_(\d+)(?:x(\d+))?((?:_sp|_async|_compiled|_zero[0-3]|_fsdp2|_pp\d+|_gpipe"
-                     r"|_interleaved|_plainparams|_noreshard)*)", name)
+                     r"|_interleaved|_plainparams|_noreshard|_ac)*)", name)
     if not m:
         raise SystemExit(f"unknown config {name!r}")
     kind, a, b, flags = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4)
@@ -637,6 +645,16 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
             lines.append(f"- {c}: {schedule}, {args.pp_microbatches} micro-batches, bubble {bubble:.1%}; held MB per "
                          f"rank {held}; stage-to-stage (PP) MB per step on rank 0 {r['pp_mb_per_step']:.2f}")
     for c, r in rows.items():
+        base = c[:-3] if c.endswith("_ac") else None
+        if base in rows:  # activation checkpointing beside the same layout without, and the estimator's peaks
+            b = rows[base]
+            step = _ratio(rows, c, base)
+            predicted = [_predicted_peak_mb(args, x) for x in (c, base)]
+            lines.append(f"- activation checkpointing, {c} / {base}: peak {r['peak_mb']:.2f} / {b['peak_mb']:.2f} MB ="
+                         f" {r['peak_mb'] / b['peak_mb']:.3f} (estimator: {predicted[0]:.2f} / {predicted[1]:.2f} MB ="
+                         f" {predicted[0] / predicted[1]:.3f}); throughput {step[0] if step else float('nan'):.3f}; "
+                         f"MP collectives {r['comm_calls']} vs {b['comm_calls']}")
+    for c, r in rows.items():
         m = re.fullmatch(r"dpmp_(\d+)x(\d+).*", c)
         if m and "_pp" not in c:
             split, rep, exp = expected_param_numel(net, int(m.group(2)))
@@ -655,6 +673,38 @@ def report(rows: dict[str, dict[str, Any]], args: argparse.Namespace, out: Path)
     _plot(rows, out / "results.png")
     del torch
     return text
+
+
+def _predicted_peak_mb(args: argparse.Namespace, config: str) -> float:
+    """The layout estimator's peak tensor bytes per rank (worst stage) for a ``dpmp_*`` config, in MiB, from a
+    profile of the benchmark's model read on meta tensors (float32, AdamW)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_dpmp.tools.estimate import DEVICES, LayoutSpec, predict
+    from lightning_dpmp.tools.profile import profile_step
+
+    m = re.fullmatch(r"dpmp_(\d+)x(\d+)(.*)", config)
+    if m is None:
+        return float("nan")
+    dp, mp, flags = int(m.group(1)), int(m.group(2)), m.group(3)
+    pp_flag, zero = re.search(r"_pp(\d+)", flags), re.search(r"_zero(\d)", flags)
+    pp = int(pp_flag.group(1)) if pp_flag else 1
+    with torch.device("meta"):
+        net = _net(args)
+    ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
+
+    def step() -> Any:
+        logits = net(ids) if args.model == "gpt" else net(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, args.vocab), ids[:, 1:].reshape(-1))
+
+    prof = profile_step(net, step, args.vocab, args.hidden, args.seq, 1, heads=args.heads,
+                        kv_heads=args.kv_heads if args.model == "hf_llama" else args.heads, ffn=4 * args.hidden)
+    schedule = "interleaved" if "_interleaved" in flags else "gpipe" if "_gpipe" in flags else "1f1b"
+    spec = LayoutSpec(dp, pp, mp, int(zero.group(1)) if zero else 0, "_sp" in flags,
+                      args.pp_microbatches if pp > 1 else 1, schedule if pp > 1 else "none", "_ac" in flags)
+    row = predict(prof, DEVICES["cpu"], dp * pp * mp, args.global_batch, spec, "32-true")
+    return row.peak_mem_gib * 1024
 
 
 def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:

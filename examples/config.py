@@ -48,6 +48,7 @@ class StrategyConfig:
     mp_batch: str = "broadcast"
     zero: int = 0
     reshard_after_forward: bool = True
+    activation_checkpointing: Optional[str] = None  # None, "blocks" or "auto"
     pp: int = 1
     pp_microbatches: Optional[int] = None
     pp_schedule: str = "1f1b"

@@ -9,6 +9,7 @@ Modules, one line each:
 * ``validate``: the checks of the user's input, each at the first point its information exists.
 * ``verify``: numerical verification of a plan: the dense first step against the parallel one.
 * ``parallelize``: the setup pipeline from the dense module to the parallel one, in order, and its undoing.
+* ``activations``: ``activation_checkpointing=``: which blocks recompute (all, or the fewest that fit), applied.
 * ``autolayout``: ``dp="auto"``/``mp="auto"``, the (dp, mp) split chosen at setup.
 * ``autoplan``: plan a LightningModule from one traced step, parallelise it, fall back until it verifies.
 * ``stepdata``: the first batch of the current stage, a callable running its step, and its isolation.
@@ -26,5 +27,6 @@ Modules, one line each:
 * ``guard``: the replica-consistency guard (one model and one batch per MP group).
 * ``accounting``: the collectives a block of code issues, by operation and group.
 
-May import: Lightning, torchmetrics, and every lower subpackage (``parallel``, ``planner``, ``checkpoint``).
+May import: Lightning, torchmetrics, and every lower subpackage (``parallel``, ``planner``, ``checkpoint``,
+``tools``).
 """

@@ -22,7 +22,11 @@ writes, its MP group gathers), which load into the plain model or into any (dp, 
 for this rank (before the first call too: the optimizer's state is sliced when the model is split).
 ``fabric.all_reduce``/``all_gather`` default to the DP group (the ranks of an MP group hold the same values).
 
-Not under Fabric (refused at construction, with the reason): ZeRO, ``compile=True``, ``mp="auto"``.
+``activation_checkpointing="blocks"`` recomputes every repeated block in the backward, applied right after the split
+(:mod:`lightning_dpmp.parallel.recompute`), as the Trainer strategy applies it.
+
+Not under Fabric (refused at construction, with the reason): ZeRO, ``compile=True``, ``mp="auto"``,
+``activation_checkpointing="auto"`` (it profiles a ``training_step``, which Fabric has none of).
 
 Example:
     >>> from lightning.fabric import Fabric                                            # doctest: +SKIP
@@ -58,6 +62,7 @@ from lightning_dpmp.checkpoint.consolidated import (
 )
 from lightning_dpmp.checkpoint.weights import note_deferring_strategy
 from lightning_dpmp.integration import validate
+from lightning_dpmp.integration.activations import apply_recompute, describe
 from lightning_dpmp.integration.mp_batch import broadcast_batch
 from lightning_dpmp.integration.split import Split, split_module
 from lightning_dpmp.integration.stepdata import real_tensors_on_meta, to_meta
@@ -67,6 +72,7 @@ from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT, Grid, build_grid
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 from lightning_dpmp.parallel.topology import Topology, check_parallel_size
+from lightning_dpmp.parallel.zero_engine import find_units
 from lightning_dpmp.planner.materialize import empty_parameters, is_meta
 from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.trace import NoDropout
@@ -145,6 +151,9 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         plan_overrides, sequence_parallel, verify_plan, timeout, process_group_backend: as
             :class:`~lightning_dpmp.DPMPStrategy`.
         zero, compile: must stay 0 / False (not built for Fabric; the Trainer strategy has them).
+        activation_checkpointing: ``None`` (default) or ``"blocks"``: every repeated block recomputes its
+            activations in the backward (:mod:`lightning_dpmp.integration.activations`); ``"auto"`` is the Trainer
+            strategy's only.
 
     Example:
         >>> strategy = FabricDPMPStrategy(dp=2, mp=2)
@@ -162,6 +171,7 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         timeout: Optional[timedelta] = None,
         zero: int = 0,
         compile: bool = False,
+        activation_checkpointing: Optional[Literal["blocks"]] = None,
         process_group_backend: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
@@ -173,6 +183,11 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         if zero or compile:
             raise ValueError(f"FabricDPMPStrategy does not implement zero={zero!r} or compile={compile!r} yet; use"
                              " lightning_dpmp.DPMPStrategy with the Trainer for ZeRO and compiled blocks.")
+        validate.check_recompute(activation_checkpointing)
+        if activation_checkpointing == "auto":
+            raise ValueError('FabricDPMPStrategy(activation_checkpointing="auto") is not supported: "auto" profiles a '
+                             'training_step, which Fabric has none of; use "blocks" (every block) or None.')
+        self._recompute = activation_checkpointing
         self._overrides = validate.check_init_args(plan_overrides, sequence_parallel, verify_plan, "rank0", False,
                                                    process_group_backend, "popen", timeout)
         super().__init__(process_group_backend=process_group_backend,
@@ -296,6 +311,9 @@ class FabricDPMPStrategy(FabricDDPStrategy):
                                    self._sequence_parallel, precision, training, meta)
         self._repoint_optimizers(state, names_before)
         plan = state.split.applied_plan
+        if self._recompute == "blocks":  # after the split: the recompute runs the split layers
+            names = apply_recompute(module, None, state.split.rng, state.split.params)
+            plan.text += "\n" + describe(names, len(find_units(module)))
         if self.global_rank == 0:
             print(f"{plan.text}\n  grid: dp={self.dp} x mp={self.mp} (rank = dp_rank*mp + mp_rank)")
         return plan

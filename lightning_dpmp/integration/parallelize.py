@@ -12,6 +12,13 @@ the device (skipped for a meta model). The steps, each a short function below, r
 
 Fitting only:
 
+0b. before step 1, with ``activation_checkpointing="auto"`` on a device with a memory limit, :func:`plan_recompute`:
+   the first batch's step profiled on meta tensors and the fewest blocks to recompute predicted
+   (:mod:`lightning_dpmp.integration.activations`);
+4b. :func:`recompute_blocks`: after the pipeline's stages are built over the split model, the chosen blocks run
+   under activation checkpointing (:mod:`lightning_dpmp.parallel.recompute`), so the recompute runs the split
+   layers (and under ZeRO the engine's hooks stay around the block's first run only);
+
 0. before step 1, with ``pp > 1``, :func:`plan_pipeline`: the first batch's step is probed on the dense model and
    the repeated blocks are cut into pipeline stages (:mod:`lightning_dpmp.integration.pipeline`), built over the
    split model after step 4; DP then averages the stages' gradients itself (no DDP: its reducer cannot follow a
@@ -62,6 +69,15 @@ from torch import nn
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks
+from lightning_dpmp.integration.activations import (
+    NO_LIMIT,
+    apply_recompute,
+    batch_sequences,
+    describe,
+    device_budget,
+    profile_module,
+    recompute_count,
+)
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
 from lightning_dpmp.integration.metrics import shapes_only
 from lightning_dpmp.integration.pipeline import (
@@ -78,14 +94,15 @@ from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.comm import all_reduce_grads
-from lightning_dpmp.parallel.compiled import compile_blocks, uncompile_blocks
+from lightning_dpmp.parallel.compiled import compile_blocks, repeated_blocks, uncompile_blocks
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.freed_reads import GatherOnRead, outermost_forward_hooks
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
+from lightning_dpmp.parallel.recompute import uncheckpoint_blocks
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.topology import Topology
-from lightning_dpmp.parallel.zero_engine import ZeroEngine
+from lightning_dpmp.parallel.zero_engine import ZeroEngine, find_units
 from lightning_dpmp.parallel.zero_shard import storage_freed
 from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.stages import StackProfile
@@ -100,6 +117,8 @@ __all__ = [
     "parallelize",
     "plan_and_split",
     "plan_pipeline",
+    "plan_recompute",
+    "recompute_blocks",
     "route_metrics",
     "shard_dp",
     "unparallelize",
@@ -119,6 +138,7 @@ class ParallelConfig:
     async_grad_allreduce: Optional[bool] = None  # None: on for CUDA, off on CPU/gloo
     mixed_precision: Optional[Any] = None  # zero >= 2: torch's MixedPrecisionPolicy (param_dtype, reduce_dtype)
     reshard_after_forward: bool = True  # zero=3: False keeps a unit gathered to its backward (a pipeline: the step)
+    activation_checkpointing: Optional[str] = None  # None, "blocks" or "auto" (integration.activations)
 
 
 @dataclass
@@ -393,6 +413,42 @@ def plan_pipeline(trainer: Any, module: Any, grid: Any, device: torch.device, pl
     return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote), batch
 
 
+def plan_recompute(trainer: Any, module: nn.Module, grid: Any, device: torch.device, plugin: Any,
+                   config: ParallelConfig, batch: Optional[Any]) -> tuple[Optional[int], str, Any]:
+    """Step 0b (fitting with ``activation_checkpointing``): how many blocks of each stage recompute (``None``: all),
+    the printout's line, and the first batch (read here when "auto" needs it, for step 1 to reuse). ``"auto"``
+    profiles the dense module's step on meta tensors and asks the estimator, on a device with a memory limit."""
+    if config.activation_checkpointing != "auto":
+        return None, "", batch
+    budget = device_budget(device)  # (the same kind of device on every rank: all take this branch or none)
+    if budget is None:
+        return 0, NO_LIMIT, batch
+    # every rank recomputes the same blocks (a recompute re-issues MP collectives): the smallest budget decides
+    least = torch.tensor([budget], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+    budget = float(least.item())
+    if batch is None:
+        batch, _ = first_batch(trainer, module, grid.rank)
+    prof = profile_module(trainer, module, plugin, device, batch)
+    k, line = recompute_count(prof, grid.topology, config.sequence_parallel, batch_sequences(batch)[0],
+                              str(trainer.precision), budget)
+    return k, line, batch
+
+
+def recompute_blocks(module: nn.Module, setting: Optional[str], count: Optional[int], split: Split,
+                     pipeline: Optional[Pipeline]) -> str:
+    """Step 4b: the blocks ``setting`` names (``count`` of each stage, ``None``: all) run under activation
+    checkpointing, restoring the split's dropout stream and DTensor views in the recompute. Returns the printout's
+    line ("" when nothing is set)."""
+    if setting is None or count == 0:
+        return ""
+    # a count is of the blocks the estimator profiled and the pipeline cuts: the ModuleList's
+    blocks = repeated_blocks(module) if count is not None else find_units(module)
+    ranges = list(pipeline.ranges) if pipeline is not None and count is not None else None
+    names = apply_recompute(module, count, split.rng, split.params, ranges, blocks)
+    return describe(names, len(blocks)) if setting == "blocks" else ""
+
+
 def wrap_dp(configure_ddp: Callable[[dict[str, Any]], None], ddp_kwargs: Mapping[str, Any], grid: Any,
             conditional: bool) -> None:
     """Step 5 (zero=0, dp > 1): ``DistributedDataParallel`` over the DP group, so gradients are averaged over DP
@@ -460,6 +516,8 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
     # with pp > 1 every run is staged, evaluation too: planned from the first batch of the run's own step
     profile, free, batch = plan_pipeline(trainer, module, grid, device, plugin, meta) if grid.pp > 1 else (
         None, frozenset(), None)
+    recompute, recompute_line, batch = plan_recompute(trainer, module, grid, device, plugin, config, batch) if (
+        fitting) else (None, "", batch)
     split = plan_and_split(trainer, module, grid, device, plugin, config, meta, mesh, free, batch, layout_report)
     route_metrics(model, grid.dp_group)
     overlap_grad_allreduce(model, config.async_grad_allreduce, device.type)
@@ -471,6 +529,11 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
                             sequence_parallel=split.applied_plan.plan.sequence is not None)
         split.applied_plan.text += "\n" + pipeline.text()
         rank_zero_info(pipeline.text())
+    if fitting and config.activation_checkpointing is not None:
+        recompute_line = recompute_blocks(module, config.activation_checkpointing, recompute, split,
+                                          pipeline) or recompute_line
+        split.applied_plan.text += "\n" + recompute_line
+        rank_zero_info(recompute_line)
     if fitting:
         if pipeline is None and grid.dp > 1 and topology.zero == 0 and split.params is None:
             wrap_dp(configure_ddp, ddp_kwargs, grid, bool(split.applied_plan.conditional))
@@ -521,6 +584,8 @@ def unparallelize(module: Optional[nn.Module], optimizers: list[Any], scheduler_
         unsplit_model(module, optimizers, grid, everywhere=consolidate is True)
     elif consolidate == "rank0" and not failed and module is not None:
         keep_on_rank0(module, optimizers, grid.rank)  # nothing split (mp=1): the other ranks let theirs go as well
+    if module is not None:
+        uncheckpoint_blocks(module)
     if parallel.compiled and module is not None:
         uncompile_blocks(module)
     while parallel._hooked:

@@ -121,6 +121,14 @@ class DPMPStrategy(GridStrategy):
             when not. Either way loader workers are seeded by DP rank, not global rank.
         compile: after the split, ``torch.compile`` each repeated block in place (or the whole model when it has
             none; :mod:`lightning_dpmp.parallel.compiled`): no graph break inside a block, same parameter names.
+        activation_checkpointing: recompute the repeated blocks' activations in the backward instead of keeping
+            them (:mod:`lightning_dpmp.integration.activations`), as Lightning's FSDP strategy does through a policy:
+            ``None`` (default) off; ``"blocks"`` every repeated block (children of ``nn.ModuleList``/
+            ``nn.Sequential`` that own parameters; each recompute re-issues the block's forward MP collectives);
+            ``"auto"`` the fewest blocks per stage whose peak the layout estimator predicts to fit the device's
+            memory (CUDA; nothing on a CPU, which has no such limit). Applied after the split, with dropout masks
+            reproduced; composes with ``mp``, ``zero`` (3: no extra gather), ``pp`` and ``sequence_parallel``, not
+            yet with ``compile=True``. The setup printout says what was chosen.
         async_grad_allreduce: overlap a column layer's input-gradient all-reduce with its weight gradient
             (:mod:`lightning_dpmp.parallel.overlap`); ``None`` (default): on for CUDA, off on CPU/gloo.
         mixed_precision: with zero=2/3 (dp > 1), torch's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -169,6 +177,7 @@ class DPMPStrategy(GridStrategy):
         zero: Union[int, Literal["auto"]] = 0,
         reshard_after_forward: bool = True,
         compile: bool = False,
+        activation_checkpointing: Optional[Literal["blocks", "auto"]] = None,
         async_grad_allreduce: Optional[bool] = None,
         mixed_precision: Optional[Any] = None,
         pp: Union[int, Literal["auto"]] = 1,
@@ -203,6 +212,7 @@ class DPMPStrategy(GridStrategy):
                                              save_distributed_checkpoint, process_group_backend, start_method,
                                              timeout)
         validate.check_speed_flags(compile, async_grad_allreduce)
+        validate.check_recompute(activation_checkpointing, compile)
         self._guard = ConsistencyGuard(check_consistency_every_n_steps)
         check_mp_batch(mp_batch)
         self._mp_batch = mp_batch
@@ -232,7 +242,8 @@ class DPMPStrategy(GridStrategy):
         )
         # parsed and checked once, here; what setup's parallelize pipeline follows
         self._config = ParallelConfig(overrides, bool(verify_plan), bool(sequence_parallel), compile,
-                                      async_grad_allreduce, mixed_precision, reshard_after_forward)
+                                      async_grad_allreduce, mixed_precision, reshard_after_forward,
+                                      activation_checkpointing)
         self._consolidate_on_teardown = consolidate_on_teardown
         self.checkpointer = StrategyCheckpointer(self, distributed=save_distributed_checkpoint)
         self._parallel: Optional[Parallelized] = None  # set by setup's parallelize

@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, IterableDataset  # noqa: F401  (DataLoa
 
 from lightning_dpmp.checkpoint.integrity import check_checkpoint_file
 from lightning_dpmp.compat import compiled_by_user
+from lightning_dpmp.integration.activations import check_activation_checkpointing
 from lightning_dpmp.parallel.compiled import compiled_by_strategy
 from lightning_dpmp.planner.user_plan import PlanOverrides, UserPlan, check_plan_on_model
 
@@ -71,6 +72,7 @@ __all__ = [
     "check_not_compiled",
     "check_plan_at_setup",
     "check_reshard_after_forward",
+    "check_recompute",
     "check_sync_batchnorm",
     "check_ddp_kwargs_with_dtensors",
     "check_zero_without_ddp",
@@ -254,6 +256,15 @@ def check_reshard_after_forward(reshard_after_forward: Any, zero: int) -> None:
             f"reshard_after_forward=False applies to zero=3 (parameters freed between uses); got zero={zero}, which"
             f" keeps the parameters whole already. Set zero=3, or leave reshard_after_forward=True."
         )
+
+
+def check_recompute(activation_checkpointing: Any, compile: Any = False) -> None:
+    """Refuse an ``activation_checkpointing`` other than ``None``/``"blocks"``/``"auto"``, and with ``compile=True``
+    (a compiled block under a recompute is not proven exact yet)."""
+    check_activation_checkpointing(activation_checkpointing)
+    if activation_checkpointing is not None and compile:
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} with compile=True is not supported "
+                         "yet: the recompute of a compiled block is not proven exact; use one of the two.")
 
 
 def check_speed_flags(compile: Any = False, async_grad_allreduce: Any = None) -> None:

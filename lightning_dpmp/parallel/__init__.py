@@ -21,6 +21,7 @@ Modules, one line each:
 * ``modes``: the ``TorchFunctionMode`` entered for user code and stepped aside from for the strategy's own.
 * ``freed_reads``: user code reading a parameter whose storage is freed between uses (ZeRO-3) reads its values.
 * ``compiled``: ``torch.compile`` of a parallelised model, block by block.
+* ``recompute``: activation checkpointing of the repeated blocks, the recompute restoring dropout streams and views.
 * ``stage_runner``: pipeline stages of an unchanged step function, run by torch's schedules.
 * ``zero_shard``: ZeRO-2/3 flat-shard buffers, their DP slices and the optimizer over the slices.
 * ``zero_engine``: ZeRO-1/2/3's schedule: when buckets reduce-scatter gradients and gather parameters.

@@ -37,7 +37,7 @@ import torch
 from torch import fx, nn
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.parallel.entry import SharedInputCopy
+from lightning_dpmp.parallel.entry import SharedInputCopy, shared_entries
 
 __all__ = [
     "compile_blocks",
@@ -144,8 +144,7 @@ def compile_blocks(module: nn.Module, **compile_kwargs: Any) -> list[str]:
     compile_kwargs.setdefault("backend", exact_backend)
     blocks = repeated_blocks(module) or [("", module)]
     for _, block in blocks:
-        entries = list({id(e): e for m in block.modules()
-                        if isinstance(e := getattr(m, "shared_input", None), SharedInputCopy)}.values())
+        entries = shared_entries(block)
         if entries:  # eager, around the compiled forward: the entry starts and ends every forward empty
             hook = _reset_entries(entries)
             block.__dict__[_HOOKS] = [block.register_forward_pre_hook(hook), block.register_forward_hook(hook)]

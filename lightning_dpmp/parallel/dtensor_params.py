@@ -297,6 +297,18 @@ class DTensorParams:
 
         return hook
 
+    @contextmanager
+    def computing(self, module: nn.Module) -> Iterator[None]:
+        """For the duration, what ``module``'s forward hooks make of the registered parameters of its subtree (local
+        views, the bridge aside; nothing inside another module's forward): for its forward run outside a module
+        call, as activation checkpointing recomputes it in the backward."""
+        slots = [s for m in module.modules() for s in self._by_module.get(id(m), [])]
+        self._enter(slots)(module, ())
+        try:
+            yield
+        finally:
+            self._exit(slots)(module, (), None)
+
     @property
     def in_forward(self) -> bool:
         """A module forward is running (the registered parameters are local views)."""

@@ -13,7 +13,7 @@ from torch import Tensor
 import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel.comm import copy_to_group, gather_from_sequence
 
-__all__ = ["GATHERED", "SharedInputCopy", "enter_region"]
+__all__ = ["GATHERED", "SharedInputCopy", "enter_region", "shared_entries"]
 
 
 class SharedInputCopy:
@@ -69,6 +69,19 @@ class SharedInputCopy:
 
     def _release(self, grad: Tensor) -> None:
         self.reset()
+
+
+def shared_entries(module: Any) -> list[SharedInputCopy]:
+    """The distinct :class:`SharedInputCopy` entries of ``module``'s layers (``shared_input`` attributes), in order:
+    what a block resets around its forward when something other than autograd runs it (a compiled forward, a
+    recomputed one), so that no entry outlives the forward that set it.
+
+    Example:
+        >>> shared_entries(torch.nn.Linear(2, 2))
+        []
+    """
+    return list({id(e): e for m in module.modules()
+                 if isinstance(e := getattr(m, "shared_input", None), SharedInputCopy)}.values())
 
 
 GATHERED = "gathered"  # sequence_dim value: the enclosing module already all-gathered the sequence

@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -91,6 +93,26 @@ class RNGTracker:
             self._sharded_state = gen.get_state()
             gen.set_state(self._saved)
             self._saved = None
+
+    def snapshot(self) -> torch.Tensor:
+        """The sharded stream's state now: where a recomputed forward (activation checkpointing) replays from."""
+        return (_default_generator(self.device).get_state() if self.inside else self._sharded_state).clone()
+
+    @contextmanager
+    def replaying(self, state: torch.Tensor) -> Iterator[None]:
+        """The sharded stream from ``state`` for the duration, then back where it was: a forward recomputed in the
+        backward draws the masks its first run drew, and the forwards after it (a pipeline's next micro-batch)
+        draw what they would have drawn without the recompute."""
+        inside = self.inside
+        self.exit()
+        now, self._sharded_state = self._sharded_state, state.clone()
+        try:
+            yield
+        finally:
+            self.exit()
+            self._sharded_state = now
+            if inside:
+                self.enter()
 
     def state_dict(self) -> dict[str, Any]:
         self.exit()

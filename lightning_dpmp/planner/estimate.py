@@ -5,18 +5,19 @@ The model is a :class:`~lightning_dpmp.planner.profile.ModelProfile` (read from 
 analytic GPT); the cluster a :class:`Device` preset and a device count. For each layout, per rank of the worst
 pipeline stage:
 
-* **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all
-  local; 1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp, the full gradients
-  transiently before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter
-  and one gathered block), the DP gradient buffer at zero=0 (DDP's buckets, or the flat all-reduce under a
-  pipeline), the activations the profile saves (split ones /mp, token-wise ones /mp with sequence parallelism;
-  with recomputation only each block's input and one block's activations), times the micro-batches a stage
-  holds in flight (1F1B: ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``),
-  the logits and loss on the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken
-  where the step holds the most: the end of the forward pass, before the old gradients are freed, or the
-  optimizer step (the gradients, and foreach AdamW's float32 temporary of the stepped parameters).
-* **step time**: forward + backward FLOPs (+1 forward of the blocks with recomputation) at the device's
-  calibrated fraction of its dense peak; MP collectives per block (ring formula of
+* **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all local;
+  1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp, the full gradients transiently
+  before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter and one gathered
+  block), the DP gradient buffer at zero=0 (DDP's buckets, or the flat all-reduce under a pipeline), the activations
+  the profile saves (split ones /mp, token-wise ones /mp with sequence parallelism; with recomputation only each
+  recomputed block's input: the first ``k`` of a stage's ``N`` blocks, :attr:`LayoutSpec.recompute_blocks`, plus one
+  block's activations while it is recomputed when ``k = N``), times the micro-batches a stage holds in flight (1F1B:
+  ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``), the logits and loss on
+  the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken where the step holds the
+  most: the end of the forward pass, before the old gradients are freed, or the optimizer step (the gradients, and
+  foreach AdamW's float32 temporary of the stepped parameters).
+* **step time**: forward + backward FLOPs (+1 forward of each recomputed block, and its forward MP collectives) at
+  the device's calibrated fraction of its dense peak; MP collectives per block (ring formula of
   :func:`lightning_dpmp.planner.cost.ring_s`; on the intra-node link when an MP group fits in a node);
   the DP gradient reduction (all-reduce, or reduce-scatter + all-gather, zero=3 gathering parameters for forward
   and backward), exposed where it exceeds the last micro-batch's backward; stage-to-stage sends; the pipeline
@@ -37,13 +38,14 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Optional
 
 from lightning_dpmp.planner.cost import BUCKET_BYTES, ring_s
 from lightning_dpmp.planner.profile import ModelProfile
 
-__all__ = ["DEVICES", "PRECISIONS", "Device", "Estimate", "LayoutSpec", "estimate", "layouts", "predict"]
+__all__ = ["DEVICES", "PRECISIONS", "Device", "Estimate", "LayoutSpec", "estimate", "fewest_recomputed", "layouts",
+           "predict", "recomputed_per_stage"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,8 @@ PRECISIONS: dict[str, tuple[str, int, int, int]] = {
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """One layout: the parallel degrees and the settings that change memory or time."""
+    """One layout: the parallel degrees and the settings that change memory or time. ``recompute``: the blocks'
+    activations are recomputed in the backward, ``recompute_blocks`` of each stage's (``None``: all of them)."""
 
     dp: int
     pp: int
@@ -139,6 +142,7 @@ class LayoutSpec:
     microbatches: int = 1
     schedule: str = "none"
     recompute: bool = False
+    recompute_blocks: Optional[int] = None
 
 
 @dataclass
@@ -162,18 +166,20 @@ class Estimate:
     chosen: bool = False
     memory: Optional[dict[str, float]] = None
     time: Optional[dict[str, float]] = None
+    recompute_blocks: Optional[int] = None
 
     def row(self) -> dict[str, Any]:
-        """The keys of the JSON format (without the breakdowns)."""
+        """The keys of the JSON format (without the breakdowns and the recomputed count: all or none there)."""
         d = asdict(self)
         d.pop("memory")
         d.pop("time")
+        d.pop("recompute_blocks")
         return d
 
     @property
     def spec(self) -> LayoutSpec:
         return LayoutSpec(self.dp, self.pp, self.mp, self.zero, self.sequence_parallel, self.microbatches,
-                          self.schedule, self.recompute)
+                          self.schedule, self.recompute, self.recompute_blocks)
 
 
 def _divisors(n: int) -> list[int]:
@@ -232,6 +238,22 @@ def _stage_params(prof: ModelProfile, spec: LayoutSpec) -> list[float]:
     return [first, last] + ([per_stage * block] if pp > 2 else [])
 
 
+def recomputed_per_stage(prof: ModelProfile, spec: LayoutSpec) -> int:
+    """How many of a stage's blocks ``spec`` recomputes (0 without recomputation, at most the stage's blocks).
+
+    Example:
+        >>> from lightning_dpmp.planner.gpt_shape import GPTShape
+        >>> p = ModelProfile.from_gpt(GPTShape(layers=8, hidden=64, heads=4, vocab=128, seq=16, batch=8))
+        >>> [recomputed_per_stage(p, LayoutSpec(1, 2, 1, recompute=r, recompute_blocks=k))
+        ...  for r, k in ((False, 3), (True, None), (True, 3), (True, 9))]
+        [0, 4, 3, 4]
+    """
+    per_stage = math.ceil(prof.layers / spec.pp)
+    if not spec.recompute:
+        return 0
+    return per_stage if spec.recompute_blocks is None else max(0, min(spec.recompute_blocks, per_stage))
+
+
 def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, spec: LayoutSpec,
             precision: str = "bf16-mixed") -> Estimate:
     """Predict one layout: peak memory of the worst rank and step time (see the module docstring)."""
@@ -246,6 +268,7 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     per_stage = math.ceil(prof.layers / pp)
     v = 2 if spec.schedule == "interleaved" else 1
     sp = spec.sequence_parallel
+    k = recomputed_per_stage(prof, spec)  # blocks of a stage recomputed in the backward
 
     # ---- memory, per rank, of each stage; the worst counts
     block_params = prof.block_split_params / mp + prof.block_replicated_params
@@ -265,8 +288,10 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
             inflight = min(m, pp) * (1 + (pp - 1) / (pp * v)) if stage == 0 else min(m, pp - stage)
         else:
             inflight = float(min(m, pp - stage))
-        per_micro = per_stage * (block_in if spec.recompute else block_act)
-        acts = inflight * per_micro + (block_act if spec.recompute else 0.0)
+        per_micro = k * block_in + (per_stage - k) * block_act
+        # the first k blocks recompute, late in the backward, when the later blocks' activations are freed: a
+        # recomputed block's activations add to the peak only when every block recomputes
+        acts = inflight * per_micro + (block_act if k == per_stage and k else 0.0)
         if stage == 0:
             acts += inflight * prof.rest_act * act_scale * mb
         if stage == pp - 1:
@@ -310,18 +335,17 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     flops_dev = dev.sustained(dtype, prof.hidden)
     fwd_block = (prof.block_flops_split / mp + prof.block_flops_replicated) * mb
     fwd_head = prof.head_flops / (mp if vocab_split else 1) * mb
-    passes = 4.0 if spec.recompute else 3.0
-    stage_fwdbwd = (per_stage * fwd_block * passes + (3 * fwd_head if pp == 1 else 0.0)) / flops_dev
+    stage_fwdbwd = ((3 * per_stage + k) * fwd_block + (3 * fwd_head if pp == 1 else 0.0)) / flops_dev
     head_s = 3 * fwd_head / flops_dev if pp > 1 else 0.0               # the last stage's extra work
     mp_in_node = mp <= dev.devices_per_node and dev.devices_per_node % mp == 0
     mp_bw, mp_lat = (dev.intra_bw, dev.intra_latency) if mp_in_node else (dev.inter_bw, dev.inter_latency)
     act = prof.hidden * prof.seq * mb * prof.act_bytes * act_scale
     fwd_ar, bwd_ar = prof.mp_allreduces_per_block
-    n_ar = fwd_ar + bwd_ar + (fwd_ar if spec.recompute else 0)
-    mp_s = per_stage * n_ar * ring_s(act, mp, mp_bw, mp_lat) if mp > 1 else 0.0   # SP: AG + RS, the same time
+    n_ar = per_stage * (fwd_ar + bwd_ar) + k * fwd_ar   # a recomputed block re-issues its forward's
+    mp_s = n_ar * ring_s(act, mp, mp_bw, mp_lat) if mp > 1 else 0.0   # SP: AG + RS, the same time
     if vocab_split and mp > 1:
         mp_s += 2 * ring_s(act, mp, mp_bw, mp_lat) / max(pp, 1)       # the embedding and the head's input grad
-    micro_s = stage_fwdbwd + mp_s + per_stage * dev.overhead_s * (1.33 if spec.recompute else 1.0)
+    micro_s = stage_fwdbwd + mp_s + (per_stage + 0.33 * k) * dev.overhead_s
     pp_s = 0.0
     if pp > 1:
         inter = pp * mp > dev.devices_per_node                          # neighbouring stages lie mp apart
@@ -346,11 +370,37 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     model_flops = prof.model_flops_per_token() * tokens
     return Estimate(
         dp=dp, pp=pp, mp=mp, zero=zero, sequence_parallel=sp, microbatches=m, schedule=spec.schedule,
-        recompute=spec.recompute, fits=peak <= dev.memory_gib * 2**30, peak_mem_gib=peak / 2**30, step_s=step,
+        recompute=spec.recompute, recompute_blocks=spec.recompute_blocks, fits=peak <= dev.memory_gib * 2**30,
+        peak_mem_gib=peak / 2**30, step_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * devices * dev.peak_flops[dtype]),
         memory=worst, time=dict(compute=m * stage_fwdbwd, mp=m * mp_s, pp=m * pp_s, bubble=bubble,
                                 dp_exposed=dp_exposed, optimizer=optim_s),
     )
+
+
+def fewest_recomputed(prof: ModelProfile, spec: LayoutSpec, global_batch: int, budget_bytes: float,
+                      precision: str = "bf16-mixed") -> tuple[int, Estimate]:
+    """The fewest blocks per stage to recompute at ``spec``'s layout whose predicted peak fits ``budget_bytes``
+    (what ``DPMPStrategy(activation_checkpointing="auto")`` applies), and that prediction; every block (the least
+    memory) when none fits, with ``fits`` False.
+
+    Example:
+        >>> from lightning_dpmp.planner.gpt_shape import GPTShape
+        >>> p = ModelProfile.from_gpt(GPTShape(layers=8, hidden=256, heads=4, vocab=512, seq=256, batch=8))
+        >>> none = predict(p, DEVICES["h100"], 1, 8, LayoutSpec(1, 1, 1), "32-true").peak_mem_gib * 2**30
+        >>> k, row = fewest_recomputed(p, LayoutSpec(1, 1, 1), 8, none * 0.8, "32-true")
+        >>> 0 < k < 8, row.fits
+        (True, True)
+    """
+    n = math.ceil(prof.layers / spec.pp)
+    dev = replace(DEVICES["h100"], memory_gib=budget_bytes / 2**30)  # (only the memory matters here)
+    devices = spec.dp * spec.pp * spec.mp
+    row = predict(prof, dev, devices, global_batch, replace(spec, recompute=False, recompute_blocks=None), precision)
+    for k in range(1, n + 1):
+        if row.fits:
+            return k - 1, row
+        row = predict(prof, dev, devices, global_batch, replace(spec, recompute=True, recompute_blocks=k), precision)
+    return n, row
 
 
 def estimate(prof: ModelProfile, dev: Device, devices: int, global_batch: int, precision: str = "bf16-mixed",

@@ -8,8 +8,11 @@ from lightning_dpmp.planner.estimate import (
     Estimate,
     LayoutSpec,
     estimate,
+    fewest_recomputed,
     layouts,
     predict,
+    recomputed_per_stage,
 )
 
-__all__ = ["DEVICES", "PRECISIONS", "Device", "Estimate", "LayoutSpec", "estimate", "layouts", "predict"]
+__all__ = ["DEVICES", "PRECISIONS", "Device", "Estimate", "LayoutSpec", "estimate", "fewest_recomputed", "layouts",
+           "predict", "recomputed_per_stage"]
