@@ -65,7 +65,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 import lightning_dpmp.compat as compat
 from lightning_dpmp.integration import hooks
@@ -95,7 +96,7 @@ from lightning_dpmp.integration.zero import release_engine, shard_optimizers, th
 from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import compile_blocks, repeated_blocks, uncompile_blocks
-from lightning_dpmp.parallel.dtensor_params import DTensorParams
+from lightning_dpmp.parallel.dtensor_params import DTensorParams, local_tensor
 from lightning_dpmp.parallel.freed_reads import GatherOnRead, outermost_forward_hooks
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.recompute import uncheckpoint_blocks
@@ -103,6 +104,7 @@ from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine, find_units
+from lightning_dpmp.parallel.zero_grads import ShardedGrads, storage_key
 from lightning_dpmp.parallel.zero_shard import storage_freed
 from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.stages import StackProfile
@@ -169,6 +171,8 @@ class Parallelized:
     reader: Optional[GatherOnRead] = None
     # when fitting: the optimizers the strategy steps (over the ZeRO engine's shards at zero >= 1); None otherwise
     optimizers: Optional[list[Any]] = None
+    # zero >= 1 without a pipeline: the engine's sharded gradients as the parameters' .grad, gathered on first read
+    grads: Optional[ShardedGrads] = None
     _reader_hooks: list[Any] = field(default_factory=list)
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
     _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
@@ -211,8 +215,10 @@ class Parallelized:
 
     def start_backward(self) -> None:
         """Before each backward: DTensor gradients whose local ones an optimizer's ``zero_grad`` cleared are
-        cleared too (the backward would accumulate into them)."""
-        if self.params is not None:
+        cleared too, and under ZeRO the last step's gradient views go (the backward would accumulate into them)."""
+        if self.grads is not None:
+            self.grads.clear()
+        elif self.params is not None:
             with self._bridge_aside():
                 self.params.clear_stale_grads()
 
@@ -221,6 +227,11 @@ class Parallelized:
         the gradients (one flat all-reduce per dtype; not while accumulating), and the local parameters the
         optimizer steps take the gradients (the same storage)."""
         params = self.params
+        engine = self.engine
+        if engine is not None:  # the engine reduced them already; user code sees them when it reads them
+            if self.grads is not None and (engine.sync or engine.level == 3 and engine.reshard_after_forward):
+                self.grads.attach()
+            return
         if params is None:
             return
         with self._bridge_aside():  # (our own work on the shards: no per-call pass through the bridge)
@@ -234,14 +245,22 @@ class Parallelized:
 
     @contextmanager
     def _bridge_aside(self) -> Iterator[None]:
-        bridge = self.bridge
-        if bridge is not None:
-            bridge.step_aside()
+        """The modes user code runs under stepped aside (the reader, innermost, first), for our own work."""
+        self._modes_aside()
         try:
             yield
         finally:
-            if bridge is not None:
-                bridge.step_back()
+            self._modes_back()
+
+    def _modes_aside(self) -> None:
+        for mode in (self.reader, self.bridge):
+            if mode is not None:
+                mode.step_aside()
+
+    def _modes_back(self) -> None:
+        for mode in (self.bridge, self.reader):
+            if mode is not None:
+                mode.step_back()
 
     @contextmanager
     def local(self) -> Iterator[None]:
@@ -263,17 +282,64 @@ class Parallelized:
         for the read; under a pipeline every parameter that some stage does not read is broadcast from the stage
         that owns it (whether it is freed here differs by rank, so the rule is the same on every rank), and reads
         inside the schedule are refused with the reason."""
-        engine, pipeline = self.engine, self.pipeline
-        watched = {id(p) for p in module.parameters()}
+        engine, pipeline, params = self.engine, self.pipeline, self.params
         if pipeline is not None:  # another stage's parameter from its owner (the schedule refuses reads)
+            watched = {id(p) for p in module.parameters()}
             reader = GatherOnRead(watched, pipeline.fetches, pipeline.values_of, pipeline.refused_read)
             pipeline.quiet = reader.aside
-        elif engine is not None and engine.level == 3:
-            reader = GatherOnRead(watched, storage_freed, engine.gathered)
+        elif engine is not None:
+            # the engine's gradients, read on demand; at zero=3 its parameters too, watched by their buffers'
+            # storage (a DTensor parameter's, a view's and a .data alias's alike)
+            self.grads = ShardedGrads(engine, params.dtensor if params is not None else _same, self._grad_of)
+            watched = {storage_key(b.full) for b in engine.buckets} if engine.level == 3 else set()
+            reader = GatherOnRead(watched, _freed, self._current_values, key=storage_key, grads=self.grads,
+                                  sink=self._sink)
         else:
             return
         self.reader = reader
-        self._reader_hooks = outermost_forward_hooks(module, reader.step_aside, reader.step_back)
+        if params is not None:  # one pair of hooks steps both modes aside, in stack order
+            params.set_modes(self._modes_aside, self._modes_back)
+        else:
+            self._reader_hooks = outermost_forward_hooks(module, reader.step_aside, reader.step_back)
+
+    def _grad_of(self, p: nn.Parameter, view: Tensor) -> Tensor:
+        """The gradient user code reads of the engine's parameter ``p``, from a view of its values: a DTensor with
+        the placements of ``p``'s DTensor form, or the view."""
+        if self.params is None:
+            return view
+        d = self.params.dtensor(p)
+        assert isinstance(d, DTensor)
+        return DTensor.from_local(view, d.device_mesh, d.placements, run_check=False, shape=d.shape,
+                                  stride=d.stride())
+
+    @contextmanager
+    def _current_values(self, tensors: list[Tensor]) -> Iterator[list[Tensor]]:
+        """zero=3: the buckets that ``tensors`` view gathered for the duration; yields each one's values (a
+        parameter's from its local one: under mixed precision its master values)."""
+        assert self.engine is not None
+        with self.engine.gathered(storages={storage_key(t) for t in tensors}):
+            yield [self._value_of(t) for t in tensors]
+
+    def _sink(self, param: Tensor, grad: Tensor) -> None:
+        """The gradient of a freed parameter that user code read (an L2 term at zero=3): into the engine's
+        accumulator for its bucket, as the gradient of its local form (a DTensor's in the parameter's placements)."""
+        assert self.engine is not None
+        params = self.params
+        if params is not None and params.owns(param):
+            if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+                grad = grad.redistribute(grad.device_mesh, param.placements)
+            param, grad = params.local(param), local_tensor(grad)
+        self.engine.accumulate(param, grad)  # type: ignore[arg-type]  # (a module parameter)
+
+    def _value_of(self, t: Tensor) -> Tensor:
+        params = self.params
+        if params is None or not params.owns(t):
+            return t.detach()
+        loc = params.local(t)
+        if t is loc or not isinstance(t, DTensor):
+            return loc.detach()
+        return DTensor.from_local(loc.detach(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
 
     @contextmanager
     def optimizer_update(self, optimizer: Any) -> Iterator[None]:
@@ -339,6 +405,14 @@ class Parallelized:
                 self.rng.exit()
 
 
+def _same(p: nn.Parameter) -> nn.Parameter:
+    return p
+
+
+def _freed(t: Tensor) -> bool:
+    return storage_freed(local_tensor(t))
+
+
 def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
     def run() -> Any:
         out = closure()
@@ -366,7 +440,7 @@ def distributes_parameters(topology: Topology, fitting: bool) -> bool:
     """Whether the split parameters become DTensors (:mod:`lightning_dpmp.parallel.dtensor_params`): with mp > 1
     (with mp = 1 every parameter is whole, as one process holds it). Not yet under a pipeline or while the ZeRO
     engine shards over DP: there the parameters stay the plain MP shards."""
-    return topology.mp > 1 and topology.pp == 1 and not (fitting and topology.zero_enabled)
+    return topology.mp > 1 and topology.pp == 1
 
 
 def route_metrics(module: nn.Module, dp_group: Any) -> None:
@@ -541,14 +615,18 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
         if split.params is not None:  # they step the local shards: plain tensors, no DTensor dispatch per op
             step_local_shards(optimizers, split.params)
         if topology.zero_enabled:
-            optimizers, engine = shard_dp(module, optimizers, scheduler_configs, grid, split, topology.zero,
-                                          config.mixed_precision, pipeline, config.reshard_after_forward)
+            # the engine shards the plain local parameters; the DTensor forms are then rebuilt on its buffers
+            with split.params.local() if split.params is not None else nullcontext():
+                optimizers, engine = shard_dp(module, optimizers, scheduler_configs, grid, split, topology.zero,
+                                              config.mixed_precision, pipeline, config.reshard_after_forward)
+            if split.params is not None and engine is not None:
+                split.params.compute_on_locals(engine.accumulate)
     # the engine's flat shards of MP-split parameters are MP shards too
     split_params = frozenset(split.split_params) | (
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
                             engine, compiled, pipeline, split.params, split.bridge, optimizers=optimizers)
-    if split.params is not None and grid.dp > 1:  # DP averaged by the strategy, in DDP's bucket size
+    if split.params is not None and grid.dp > 1 and engine is None:  # DP averaged by the strategy (DDP's buckets)
         parallel.dp_group = grid.dp_group
         parallel.dp_bucket_bytes = int((ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20)
     parallel.watch_freed_reads(module)
@@ -566,6 +644,9 @@ def unparallelize(module: Optional[nn.Module], optimizers: list[Any], scheduler_
     (:func:`~lightning_dpmp.integration.teardown.consolidate_engine`; with ``False`` the engine is released: whole
     MP-local parameters, plain optimizers with their gathered state), uncompile, remove the step hooks. Returns the
     optimizers the strategy holds from then on (``optimizers``, or the plain ones that replace the engine's)."""
+    if parallel.grads is not None:
+        parallel.grads.clear()
+        parallel.grads = None
     if parallel.params is not None:  # the plain shards for good: what the rest of the teardown gathers
         parallel.params.release()
         parallel.params = parallel.bridge = None  # a save after fit reads the module as teardown leaves it

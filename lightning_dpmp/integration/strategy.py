@@ -485,7 +485,7 @@ class DPMPStrategy(GridStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
                  ) -> torch.Tensor:
         parallel = self._parallel
-        if parallel is not None and parallel.params is not None:
+        if parallel is not None and (parallel.params is not None or parallel.grads is not None):
             # Lightning's order, with the DP average of the gradients between the backward and on_after_backward
             assert self.lightning_module is not None
             parallel.start_backward()

@@ -89,8 +89,14 @@ def _shares(t: Tensor, other: Optional[Tensor]) -> bool:
 
 
 def _free(t: Tensor) -> None:
-    """Release ``t``'s storage now (a shard read for the last time), not when the last reference goes."""
-    t.untyped_storage().resize_(0)
+    """Release ``t``'s storage now (a shard read for the last time), not when the last reference goes; a storage
+    that user code pinned (``p.detach().numpy()``, as a histogram logger reads a parameter, shares it with a numpy
+    array and makes it not resizable) goes with its last reference instead."""
+    try:
+        t.untyped_storage().resize_(0)
+    except RuntimeError as err:
+        if "not resizable" not in str(err):
+            raise
 
 
 def consolidate_engine(module: nn.Module, grid: Any, engine: ZeroEngine, optimizers: Sequence[Any],

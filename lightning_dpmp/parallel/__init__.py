@@ -25,6 +25,7 @@ Modules, one line each:
 * ``stage_runner``: pipeline stages of an unchanged step function, run by torch's schedules.
 * ``zero_shard``: ZeRO-2/3 flat-shard buffers, their DP slices and the optimizer over the slices.
 * ``zero_engine``: ZeRO-1/2/3's schedule: when buckets reduce-scatter gradients and gather parameters.
+* ``zero_grads``: ZeRO's sharded gradients as the parameters' ``.grad``, gathered over DP when user code reads them.
 
 May import: torch. Never Lightning, torchmetrics, or any other ``lightning_dpmp`` subpackage. Every process group
 is passed in explicitly; nothing here holds module-level parallel state.

@@ -196,7 +196,46 @@ class DTensorParams:
         self._localized = 0  # inside local(): the hooks leave the registration alone
         self._on_enter: Optional[Callable[[], object]] = None
         self._on_exit: Optional[Callable[[], object]] = None
+        # a module's forward computes on the plain local Parameters themselves, not on views of the DTensors (under
+        # the ZeRO engine, whose hooks and flat buffers are the local Parameters'): see compute_on_locals
+        self._on_locals = False
         self._register(self.dtensors)
+
+    def compute_on_locals(self, accumulate: Callable[[nn.Parameter, Tensor], None]) -> None:
+        """From now on a module's forward registers the plain local Parameters themselves (their gradients, hooks
+        and storage are the ZeRO engine's), and each DTensor parameter is rebuilt on its local Parameter's current
+        storage (the engine made it a view of a flat buffer). A gradient that reaches a DTensor parameter (user code
+        read it outside the layers: an L2 term in ``training_step``) is handed to ``accumulate(local, grad)``."""
+        self._on_locals = True
+        rebuilt = []
+        for loc, d in zip(self.locals, self.dtensors):
+            spec = d.data
+            placements = spec.placements if isinstance(spec, DTensor) else [Replicate()] * self.mesh.ndim
+            new = DTensor.from_local(loc.detach(), self.mesh, placements, run_check=False, shape=d.shape,
+                                     stride=d.stride())
+            rebuilt.append(nn.Parameter(new, requires_grad=loc.requires_grad))
+        self._index = {k: v for k, v in self._index.items() if k in {id(p) for p in self.locals}}
+        for i, d in enumerate(rebuilt):
+            self._index[id(d)] = i
+            if d.requires_grad:
+                d.register_post_accumulate_grad_hook(self._hand_over(i, accumulate))
+        self.dtensors = rebuilt
+        self._register(self.dtensors)
+
+    def _hand_over(self, i: int, accumulate: Callable[[nn.Parameter, Tensor], None]) -> Callable[[Tensor], None]:
+        def hook(d: Tensor) -> None:
+            g = d.grad
+            d.grad = None
+            if isinstance(g, DTensor) and isinstance(d, DTensor) and tuple(g.placements) != tuple(d.placements):
+                g = g.redistribute(g.device_mesh, d.placements)  # (a Partial sum from a replicated term: settled)
+            if g is not None:
+                accumulate(self.locals[i], local_tensor(g))
+        return hook
+
+    def set_modes(self, on_enter: Optional[Callable[[], object]], on_exit: Optional[Callable[[], object]]) -> None:
+        """What the outermost module's forward calls when it starts and ends (the modes user code runs under step
+        aside), replacing what :meth:`install_hooks` was given."""
+        self._on_enter, self._on_exit = on_enter, on_exit
 
     def _distribute(self, p: nn.Parameter, dim: Optional[int], blocks: Blocks, mp: int) -> nn.Parameter:
         placements = [Replicate()] * self.mesh.ndim
@@ -280,7 +319,8 @@ class DTensorParams:
                 d = self.dtensors[slot.index]
                 view = views.get(slot.index)
                 if view is None:
-                    view = views[slot.index] = d.to_local() if isinstance(d, DTensor) else d
+                    view = views[slot.index] = (self.locals[slot.index] if self._on_locals
+                                                else d.to_local() if isinstance(d, DTensor) else d)
                 compat.own_parameters(slot.module)[slot.name] = view  # type: ignore[assignment]  # a view, for the forward
 
         return hook

@@ -17,9 +17,10 @@ shard otherwise.
 Calls that only read metadata (shape, dtype, storage pointers, ``.grad``, setting ``.data``) pass through; so does
 every call while a module's forward runs (the strategy steps the mode aside there, as the layers gather what they
 use). Gathering is a collective over the ranks that share the parameter's state (a DP group at ZeRO-3): every
-rank must run the reading code, as with DTensors. The op reads a copy, so a value read
-with gradients enabled is fine until a backward reaches it (an L2 term in ``training_step`` at zero=3): that
-backward, and in-place writes, are refused with the reason.
+rank must run the reading code, as with DTensors. The op reads a copy; a value read with gradients enabled (an L2
+term in ``training_step`` at zero=3) hands its gradient to ``sink`` (the ZeRO engine's accumulator) where there is
+one, and a backward reaching it is refused with the reason where there is none (another pipeline stage's
+parameter); in-place writes into a freed parameter are refused.
 
 Example:
     >>> import torch
@@ -41,14 +42,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.modes import AsideMode
 
-__all__ = ["GatherOnRead", "outermost_forward_hooks"]
+__all__ = ["GatherOnRead", "GradReads", "outermost_forward_hooks"]
 
 # Calls that read no element of their tensors: metadata, storage handles, attributes and hooks.
 _METADATA = {
@@ -88,8 +89,45 @@ class _Read(torch.autograd.Function):
         raise RuntimeError(
             "A gradient reached a parameter read outside its layers while its storage was freed (ZeRO-3, or another"
             " pipeline stage's parameter), e.g. an L2 term in training_step: it would not reach the sharded update."
-            " Use the optimizer's weight_decay, or zero <= 2 without a pipeline (where parameters are DTensors)."
+            " Use the optimizer's weight_decay, or pp=1 (where ZeRO takes such a gradient into its update)."
         )
+
+
+class _SunkRead(torch.autograd.Function):
+    """A freed parameter's values, read with gradients enabled, whose gradient is handed to ``sink(param, grad)``
+    (ZeRO-3: into the engine's accumulator for the parameter's bucket) instead of reaching the parameter."""
+
+    @staticmethod
+    def forward(ctx: Any, sink: Any, param: Tensor, value: Tensor) -> Tensor:
+        ctx.sink, ctx.param = sink, param
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        ctx.sink(ctx.param, grad)
+        return None, None, None
+
+
+class GradReads(Protocol):
+    """Gradients whose values are brought on first read (ZeRO's sharded gradients,
+    :class:`~lightning_dpmp.parallel.zero_grads.ShardedGrads`)."""
+
+    def owns(self, t: Tensor) -> bool:
+        """Whether ``t`` views one of these gradients."""
+
+    def ensure(self, tensors: list[Tensor]) -> None:
+        """Make ``tensors`` (each one :meth:`owns`) hold their values (collective)."""
+
+    def written(self, tensors: list[Tensor]) -> None:
+        """``tensors`` were written in place: keep what they came from in step."""
+
+
+def _writes(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_OPERATORS
+
+
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                       "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
 
 
 class GatherOnRead(AsideMode):
@@ -105,26 +143,52 @@ class GatherOnRead(AsideMode):
         refusal: called before a read is made current; a message refuses it (raised as a ``RuntimeError``), e.g.
             inside a pipeline's schedule, where the ranks run user code at different times and no collective can
             bring a value.
+        key: what ``watched`` holds of a tensor (``id``; a storage identity also catches views and ``.data``
+            aliases of a watched parameter).
+        grads: gradients brought on first read (:class:`GradReads`): an op reading one makes it current first,
+            and an in-place write into one is reported back.
+        sink: where the gradient of a freed parameter read with gradients enabled goes, ``sink(param, grad)``
+            (an L2 term in ``training_step`` at ZeRO-3); without one such a backward is refused.
     """
 
     def __init__(self, watched: set[int], is_freed: Callable[[Tensor], bool],
                  make_current: Callable[[list[Tensor]], AbstractContextManager[Optional[list[Tensor]]]],
-                 refusal: Optional[Callable[[], Optional[str]]] = None) -> None:
+                 refusal: Optional[Callable[[], Optional[str]]] = None, key: Callable[[Tensor], int] = id,
+                 grads: Optional[GradReads] = None, sink: Optional[Callable[[Tensor, Tensor], None]] = None
+                 ) -> None:
         super().__init__()
         self.watched = watched
         self.is_freed = is_freed
         self.make_current = make_current
         self.refusal = refusal
+        self.key = key
+        self.grads = grads
+        self.sink = sink
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _METADATA:
+        name = getattr(func, "__name__", "")
+        if name in _METADATA:
             return func(*args, **kwargs)
+        if self.grads is None:
+            return self._read(func, name, args, kwargs)
+        grads = [t for t in _tensors(args, kwargs) if self.grads.owns(t)]
+        if not grads:
+            return self._read(func, name, args, kwargs)
+        self.grads.ensure(grads)  # (in argument order: the same on every DP rank)
+        out = self._read(func, name, args, kwargs)
+        if _writes(name) and args:
+            target = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.grads.written([t for t in target if isinstance(t, Tensor) and self.grads.owns(t)])
+        return out
+
+    def _read(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         # (each once, in argument order: the same on every rank taking part in make_current's collectives)
-        freed = list({id(t): t for t in _tensors(args, kwargs) if id(t) in self.watched and self.is_freed(t)}.values())
+        freed = list({id(t): t for t in _tensors(args, kwargs)
+                      if self.key(t) in self.watched and self.is_freed(t)}.values())
         if not freed:
             return func(*args, **kwargs)
-        name = getattr(func, "__name__", repr(func))
+        name = name or repr(func)
         if name.endswith("_") and not name.endswith("__") and args and args[0] is freed[0]:
             raise RuntimeError(
                 f"'{name}' writes into a parameter whose storage is freed between uses (ZeRO-3 or another pipeline"
@@ -136,9 +200,15 @@ class GatherOnRead(AsideMode):
         with self.make_current(freed) as values:
             # the op reads copies: nothing it returns (a detach(), a view) points at storage freed again after
             held = [t.detach() for t in freed] if values is None else [v.detach() for v in values]
-            copies = {id(t): _Read.apply(t, v.clone()) if torch.is_grad_enabled() and t.requires_grad else v.clone()
-                      for t, v in zip(freed, held)}
+            copies = {id(t): self._differentiable(t, v.clone()) if torch.is_grad_enabled() and t.requires_grad
+                      else v.clone() for t, v in zip(freed, held)}
             return func(*_swap(args, copies), **{k: _swap(v, copies) for k, v in kwargs.items()})
+
+
+    def _differentiable(self, param: Tensor, value: Tensor) -> Tensor:
+        if self.sink is None:
+            return _Read.apply(param, value)
+        return _SunkRead.apply(self.sink, param, value)
 
 
 def outermost_forward_hooks(module: nn.Module, on_enter: Callable[[], object], on_exit: Callable[[], object]

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_dpmp.compat import queue_backward_callback
+from lightning_dpmp.compat import queue_backward_callback, storage_identity
 from lightning_dpmp.parallel.stage_runner import stood_in
 from lightning_dpmp.parallel.zero_shard import (
     Bucket,
@@ -318,6 +318,19 @@ class ZeroEngine:
                         x.free()  # every backward use of these parameters has run
         return hook
 
+    def accumulate(self, param: nn.Parameter, grad: Tensor) -> None:
+        """Add ``grad`` into ``param``'s gradient as autograd's accumulation would, and run what the engine runs
+        then (a gradient that reached ``param`` by another route: its DTensor form, read by user code)."""
+        found = self.locate(param)
+        if found is None or not found[0].trainable:  # (not the engine's to reduce: autograd's accumulation)
+            param.grad = grad.detach().clone() if param.grad is None else param.grad.add_(grad.detach())
+            return
+        # Into the bucket's accumulator, not param.grad: it must not count as the parameter's gradient from its
+        # layer (the unit would be reduce-scattered before its layers' gradients arrive). The accumulator goes with
+        # the unit's reduce-scatter, or, arriving after it, with one more at the end of the backward.
+        found[0].add_grad(param, grad)
+        self._queue_end_of_backward()
+
     def _mark_backward(self, module: nn.Module, args: Any, out: Any) -> None:
         _on_output_grads(out, self._backward_began)
 
@@ -377,6 +390,13 @@ class ZeroEngine:
                 for b in self.live():
                     b.finish_reduce_scatter()
                     b.fired.clear()
+            # gradients that arrived after their unit's reduce-scatter (accumulate: a parameter read outside the
+            # layers, whose backward ran late): one more, in one collective (every DP rank ran the same read)
+            late = [b for b in self.live() if b.trainable and b.stashed]
+            if late:
+                reduce_scatter_buckets(late, self.group)
+                for b in late:
+                    b.finish_reduce_scatter()
         self._fired.clear()
         if self.level == 3:
             for u in self.by_unit:
@@ -486,16 +506,20 @@ class ZeroEngine:
         gather_buckets(works, self.group, async_op=False)  # every bucket in one collective
 
     @contextmanager
-    def gathered(self, params: Optional[Sequence[Tensor]] = None) -> Iterator[None]:
-        """The module's parameters (or only the buckets holding ``params``) whole, with their master values, for the
-        duration (zero=3 gathers and frees again; under mixed precision a master-dtype buffer stands in for the
-        compute one). Collective over DP."""
+    def gathered(self, params: Optional[Sequence[Tensor]] = None, storages: Optional[set[int]] = None
+                 ) -> Iterator[None]:
+        """The module's parameters (or only the buckets holding ``params``, or whose buffer's storage identity is
+        in ``storages``) whole, with their master values, for the duration (zero=3 gathers and frees again; under
+        mixed precision a master-dtype buffer stands in for the compute one, and with ``storages`` the compute
+        buffer is gathered too: a view of it is being read). Collective over DP."""
         buckets = self.buckets
         if params is not None:
             held = {id(found[0]): found[0] for p in params if (found := self.locate(p)) is not None}
             buckets = [b for b in self.buckets if id(b) in held]  # (in bucket order: the same on every DP rank)
+        if storages is not None:
+            buckets = [b for b in self.buckets if storage_identity(b.full) in storages]
         was = [b.gathered for b in buckets]
-        plain = [b for b in buckets if not b.mixed]
+        plain = [b for b in buckets if not b.mixed or storages is not None]
         gather_buckets(plain, self.group, async_op=False)
         for b in buckets:
             if b.mixed:
@@ -508,7 +532,7 @@ class ZeroEngine:
                     b.use_compute()
             if self.level == 3:
                 for b, w in zip(buckets, was):
-                    if not w and not b.mixed:
+                    if not w and (not b.mixed or storages is not None):
                         b.free()
 
     # ------------------------------------------------------------------ what this rank holds (checkpoints)

@@ -254,12 +254,21 @@ class Bucket:
         the accumulator."""
         if p.grad is None:
             return
+        self.add_grad(p, p.grad)
+        p.grad = None
+
+    def add_grad(self, p: Tensor, grad: Tensor) -> None:
+        """Add ``grad`` (of ``p``, one of :attr:`params`) into the flat accumulator the next reduce-scatter sends."""
         if self._stash is None:
             self._stash = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.full.device)
         off = self._offset_of[id(p)]
-        self._stash[off : off + p.numel()].add_(p.grad.detach().reshape(-1))
+        self._stash[off : off + p.numel()].add_(grad.detach().reshape(-1))
         self.used_here = True
-        p.grad = None
+
+    @property
+    def stashed(self) -> bool:
+        """Whether the accumulator holds gradients not sent yet."""
+        return self._stash is not None
 
     def prepare_reduce_scatter(self) -> Optional[tuple[Tensor, Tensor]]:
         """``(out, flat)`` for a reduce-scatter the caller issues (:func:`reduce_scatter_buckets`): the gradients

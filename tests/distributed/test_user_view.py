@@ -1,7 +1,10 @@
 """What user code reads of the parameters equals one process (issue 41): the split model's parameters are DTensors
 on the grid's mesh, so Lightning's ``grad_norm``, a weight-norm callback, gradients in ``on_after_backward``,
-TensorBoard histograms, ``state_dict()``, ``ModelSummary`` and an L2 term in ``training_step`` see the dense
-model, in float64 against a single-process reference (``tests/distributed/user_view_worker.py``)."""
+TensorBoard histograms, ``state_dict()``, ``ModelSummary``, an L2 term in ``training_step`` and clipping by hand
+in ``on_before_optimizer_step`` see the dense model, in float64 against a single-process reference
+(``tests/distributed/user_view_worker.py``), at (2,2) with zero 0 (one launch) and zero 1, 2 and 3 (another: the
+ZeRO engine's sharded gradients are gathered when read, its freed parameters too, an L2 term's gradient goes into
+its update, a clip's write into the shards)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import pytest
 
 from tests.distributed.user_view_worker import LOGGED, STEPS, fit_case
 
-CASES = ("watched", "l2")
+CASES = ("watched", "l2", "clip")
+ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,16 @@ def ranks22(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@pytest.fixture(scope="module")
+def ranks22_zero(tmp_path_factory) -> list[dict]:
+    from tests.conftest import run_ranks
+
+    out = tmp_path_factory.mktemp("user_view22_zero")
+    proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "2", "2", str(out), ",".join(ZEROS)], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
 def _max_diff(a: dict, b: dict) -> float:
     return max((abs(a[k] - b[k]) for k in a), default=math.inf)
 
@@ -37,9 +51,19 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_logged_values_equal_one_process_on_every_rank(ranks22, reference, case):
-    ref = reference[case]
-    for rank in ranks22:
-        got = rank[case]
+    _check_logged(ranks22, reference, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ZEROS)
+def test_under_zero_logged_values_equal_one_process_on_every_rank(ranks22_zero, reference, spec):
+    _check_logged(ranks22_zero, reference, spec)
+
+
+def _check_logged(ranks: list[dict], reference: dict, spec: str) -> None:
+    ref = reference[spec.split(":")[0]]
+    for rank in ranks:
+        got = rank[spec]
         for key in LOGGED:
             assert len(got["logged"][key]) == STEPS, (key, got["logged"][key])
             assert _max_diff(got["logged"][key], ref["logged"][key]) < 1e-8, (case, key)
@@ -53,14 +77,32 @@ def test_logged_values_equal_one_process_on_every_rank(ranks22, reference, case)
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_weights_equal_one_process(ranks22, reference, case):
-    got, ref = ranks22[0][case]["weights"], reference[case]["weights"]
+    _check_weights(ranks22, reference, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ZEROS)
+def test_under_zero_weights_equal_one_process(ranks22_zero, reference, spec):
+    _check_weights(ranks22_zero, reference, spec)
+
+
+def _check_weights(ranks: list[dict], reference: dict, spec: str) -> None:
+    got, ref = ranks[0][spec]["weights"], reference[spec.split(":")[0]]["weights"]
     assert got.keys() == ref.keys()
     assert max(max(abs(a - b) for a, b in zip(got[k], ref[k])) for k in ref) < 1e-8
 
 
 @pytest.mark.slow
-def test_an_l2_term_keeps_the_split_plan(ranks22):
-    got = ranks22[0]["l2"]
+def test_a_clip_by_hand_changes_the_step_as_on_one_process(reference):
+    # (the clip binds: without it the weights differ far beyond the bounds above)
+    got, ref = reference["clip"]["weights"], reference["watched"]["weights"]
+    assert max(max(abs(a - b) for a, b in zip(got[k], ref[k])) for k in ref) > 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["l2", "l2:zero=3"])
+def test_an_l2_term_keeps_the_split_plan(ranks22, ranks22_zero, spec):
+    got = (ranks22 if spec == "l2" else ranks22_zero)[0][spec]
     assert not got["fallback"]
     assert "verified against the dense step on the first batch: passed" in got["plan"]
     assert "fallback" not in got["plan"] and "verification failed" not in got["plan"]

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_dpmp import DPMPStrategy, PlanFallbackWarning  # noqa: E402
 from tests.support.models import LMModule, build, reference_loader  # noqa: E402
 
-GLOBAL_BATCH, STEPS, SEED, L2 = 8, 10, 0, 1e-3
+GLOBAL_BATCH, STEPS, SEED, L2, CLIP = 8, 10, 0, 1e-3, 0.3
 LOGGED = ("grad_2.0_norm_total", "grad_sq", "weight_norm", "train_loss")
 
 
@@ -39,6 +39,7 @@ class Watched(LMModule):
     """An LM whose user code reads its parameters the ways Lightning users do."""
 
     l2 = 0.0
+    clip = 0.0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -51,6 +52,8 @@ class Watched(LMModule):
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.log_dict(grad_norm(self, norm_type=2))  # Lightning's documented way to watch gradients
+        if self.clip:  # clipping by hand, in place: what the optimizer then steps
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip)
 
     def on_after_backward(self) -> None:
         self.log("grad_sq", sum(p.grad.pow(2).sum() for p in self.parameters() if p.grad is not None))
@@ -95,6 +98,7 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
     base, dataset = build("llama")
     model = Watched(base.net)
     model.l2 = L2 if case == "l2" else 0.0
+    model.clip = CLIP if case == "clip" else 0.0
     watch = Watch()
     kwargs: dict[str, Any] = dict(accelerator="cpu", precision="64-true", max_steps=STEPS, logger=False,
                                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -124,6 +128,11 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dp, mp, out, cases = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
     extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-    result = {case: fit_case(case, dp, mp, **extra) for case in cases}
+    # a case may name its own strategy arguments: "l2:zero=3" (integers)
+    result = {}
+    for spec in cases:
+        case, _, opts = spec.partition(":")
+        own = {k: int(v) for k, v in (o.split("=") for o in opts.split(";") if o)}
+        result[spec] = fit_case(case, dp, mp, **{**extra, **own})
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)

@@ -35,7 +35,9 @@ from tests.support.models import build, make_dataset  # noqa: E402
 def _storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
-        st = t.untyped_storage()
+        # (a DTensor parameter or gradient: its local tensor's storage, read without dispatch; a user's read of it
+        # would gather a freed one)
+        st = getattr(t, "_local_tensor", t).untyped_storage()
         if st.nbytes() and st.data_ptr() not in seen:
             seen.add(st.data_ptr())
             total += st.nbytes()
