@@ -66,7 +66,7 @@ def _check_logged(ranks: list[dict], reference: dict, spec: str) -> None:
         got = rank[spec]
         for key in LOGGED:
             assert len(got["logged"][key]) == STEPS, (key, got["logged"][key])
-            assert _max_diff(got["logged"][key], ref["logged"][key]) < 1e-8, (case, key)
+            assert _max_diff(got["logged"][key], ref["logged"][key]) < 1e-8, (spec, key)
         assert abs(got["state_sq"] - ref["state_sq"]) < 1e-8 * ref["state_sq"]
         assert got["summary"] == ref["summary"]  # ModelSummary counts the dense model's parameters
         assert got["histograms"].keys() == ref["histograms"].keys()
