@@ -217,7 +217,8 @@ class Parallelized:
         """Before each backward: DTensor gradients whose local ones an optimizer's ``zero_grad`` cleared are
         cleared too, and under ZeRO the last step's gradient views go (the backward would accumulate into them)."""
         if self.grads is not None:
-            self.grads.clear()
+            with self._bridge_aside():
+                self.grads.clear()
         elif self.params is not None:
             with self._bridge_aside():
                 self.params.clear_stale_grads()
@@ -230,7 +231,8 @@ class Parallelized:
         engine = self.engine
         if engine is not None:  # the engine reduced them already; user code sees them when it reads them
             if self.grads is not None and (engine.sync or engine.level == 3 and engine.reshard_after_forward):
-                self.grads.attach()
+                with self._bridge_aside():  # (our own views of the buffers: nothing to gather)
+                    self.grads.attach()
             return
         if params is None:
             return

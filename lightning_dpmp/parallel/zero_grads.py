@@ -56,18 +56,23 @@ class ShardedGrads:
                  wrap: Callable[[nn.Parameter, Tensor], Tensor]) -> None:
         self.engine, self.target, self.wrap = engine, target, wrap
         self._buffers: dict[int, Tensor] = {}  # id(bucket) -> its gradient buffer (storage freed until read)
+        self._grads: dict[int, list[Tensor]] = {}  # id(bucket) -> its parameters' gradients, views of the buffer
         self._by_key: dict[int, Bucket] = {}
         self._current: set[int] = set()  # id() of the buckets whose buffer holds this step's gradients
         self._attached: list[nn.Parameter] = []
 
-    def _buffer(self, b: Bucket) -> Tensor:
-        buf = self._buffers.get(id(b))
-        if buf is None:
+    def _grads_of(self, b: Bucket) -> list[Tensor]:
+        """The gradients of ``b``'s parameters, made once: views of its buffer (made while it is allocated: a view
+        of freed storage cannot be made), the buffer then freed."""
+        grads = self._grads.get(id(b))
+        if grads is None:
             buf = torch.empty(b.layout.total, dtype=b.full.dtype, device=b.full.device)
+            grads = [self.wrap(p, buf[off: off + p.numel()].view(p.shape))
+                     for p, off in zip(b.params, b.layout.offsets)]
             buf.untyped_storage().resize_(0)
-            self._buffers[id(b)] = buf
+            self._buffers[id(b)], self._grads[id(b)] = buf, grads
             self._by_key[storage_key(buf)] = b
-        return buf
+        return grads
 
     def attach(self) -> None:
         """After a synchronised backward: each parameter of a bucket whose shard has a gradient gets a ``.grad``
@@ -76,10 +81,9 @@ class ShardedGrads:
         for b in self.engine.live():
             if not b.trainable or b.shard.grad is None:
                 continue
-            buf = self._buffer(b)
-            for p, off in zip(b.params, b.layout.offsets):
+            for p, grad in zip(b.params, self._grads_of(b)):
                 t = self.target(p)
-                t.grad = self.wrap(p, buf[off: off + p.numel()].view(p.shape))
+                t.grad = grad
                 self._attached.append(t)
 
     def clear(self) -> None:

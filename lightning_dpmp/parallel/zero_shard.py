@@ -170,6 +170,7 @@ class Bucket:
         self._gather_work: Any = None
         self._gather_src: Optional[Tensor] = None  # the cast shard an asynchronous gather reads (kept alive)
         self._master: Optional[Tensor] = None  # mixed precision: the master-dtype buffer of use_master
+        self._master_depth = 0  # use_master calls not undone yet (they nest)
         self._rs: Optional[tuple[Any, Tensor, Tensor]] = None  # (work, out, flat input kept alive)
         # zero=3 with reshard_after_forward=False while accumulating: the whole gradients, flat, in the reduce dtype
         self._stash: Optional[Tensor] = None
@@ -222,13 +223,19 @@ class Bucket:
     def use_master(self) -> None:
         """Mixed precision: point the parameters at a master-dtype buffer gathered from the shards (collective over
         DP), so that checkpoints and teardown see the master values, not their compute-dtype copies."""
+        self._master_depth += 1
+        if self._master_depth > 1:
+            return  # (nested: a read of a DTensor parameter's compute view inside parameters_whole) in use already
         self._master = self.gathered_copy(self.shard)
         for p, off in zip(self.params, self.layout.offsets):
             p.data = self._master[off : off + p.numel()].view(p.shape)
 
     def use_compute(self) -> None:
         """Undo :meth:`use_master`."""
-        assert self._master is not None
+        assert self._master is not None and self._master_depth > 0
+        self._master_depth -= 1
+        if self._master_depth:
+            return
         for p, view in zip(self.params, self._views):
             p.data = view
         self._master = None
