@@ -16,6 +16,14 @@ the split layers, and it restores what torch's ``checkpoint`` does not restore b
 * the shared q/k/v entry (:class:`~lightning_dpmp.parallel.entry.SharedInputCopy`) is reset before and after each
   run, as a compiled block's is: otherwise it would keep one entered input per block alive until the backward.
 
+The modes user code runs under (:class:`~lightning_dpmp.parallel.bridge.DTensorBridge`,
+:class:`~lightning_dpmp.parallel.freed_reads.GatherOnRead`) are off during the recompute, although no
+forward hook steps them aside there: every way into a backward (``Tensor.backward``, ``torch.autograd.backward`` and
+``grad``, which Lightning, Fabric and torch's pipeline schedules call) is a torch function, which the innermost mode
+intercepts and runs with the mode stack popped (measured on torch 2.13). So a block that reads its own parameter
+outside a layer call (``x * self.scale``) recomputes on the values its forward read (held under a pipeline, with
+DTensor parameters and at zero=3 by tests/distributed/test_recompute.py).
+
 The block's own hooks run once, around its first run: ZeRO-3 gathers its parameters when the gradient reaches the
 block's output, before autograd unpacks the first recomputed tensor, and frees them after their reduce-scatter, so
 the recompute issues no gather. It re-issues the block's forward MP collectives (row all-reduces; the all-gathers

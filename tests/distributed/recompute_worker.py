@@ -3,8 +3,9 @@
 Usage (from the repo root):
     python tests/distributed/recompute_worker.py OUT CASE,...
 
-A CASE is ``DP.PP.MP:SETTING[:zN][:sp][:drop][:midK]``: the example GPT with 4 blocks (``gpt4``; ``drop``: with dropout
-0.1 everywhere, attention included) trained 20 float64 AdamW steps with norm clipping under
+A CASE is ``DP.PP.MP:SETTING[:zN][:sp][:drop][:midK][:scaled]``: the example GPT with 4 blocks (``gpt4``; ``drop``:
+with dropout 0.1 everywhere, attention included; ``scaled``: instead ``resmlp_scaled``, whose blocks read their own
+``scale`` parameter directly) trained 20 float64 AdamW steps with norm clipping under
 ``DPMPStrategy(dp, mp, pp, activation_checkpointing=SETTING)`` (``none``, ``blocks``), ``zero=N``,
 ``sequence_parallel``; ``midK`` (with ``auto``): a device memory limit, as on CUDA, set between the predicted peaks
 of K and K - 1 recomputed blocks per stage; ``fabric:SETTING``: Fabric at (2, 2) (:func:`fabric_run`); each rank
@@ -43,6 +44,8 @@ class Wrapped(L.Callback):
 
 
 def model_for(case: str):
+    if case.endswith(":scaled"):
+        return build("resmlp_scaled")
     if case.endswith(":drop"):
         from examples.models.gpt import GPT
 

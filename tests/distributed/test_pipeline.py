@@ -19,8 +19,9 @@ from tests.conftest import run_ranks
 from tests.distributed import parity_worker as PW
 from tests.distributed import pipeline_worker as W
 from tests.distributed.checkpoint_worker import SaveAtTrainEnd
+from tests.support.layouts import layout_launches, spec_references, spec_tag
 from tests.support.models import build, reference_loader
-from tests.support.reference import LOGGED, max_weight_diff, one_process_trainer, reference_run
+from tests.support.reference import max_weight_diff, one_process_trainer
 
 WORKER = "tests/distributed/pipeline_worker.py"
 TOL = 1e-8
@@ -41,42 +42,15 @@ RUNS = {
 CASES = [(layout, spec) for layout, specs in RUNS.items() for spec in specs]
 
 
-def _tag(spec: str) -> str:
-    return f"{spec.replace(':', '_')}_64"
-
-
-def _reference_kwargs(spec: str) -> dict:
-    return {"accumulate_grad_batches": 2} if spec.endswith(":acc2") else {}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{(dp, pp, mp): (out dir, [rank results])}``, one launch per layout, launched when first needed."""
-    done: dict = {}
-
-    def get(layout):
-        if layout not in done:
-            dp, pp, mp = layout
-            out = tmp_path_factory.mktemp(f"pp_{dp}{pp}{mp}")
-            proc = run_ranks(dp * pp * mp, [WORKER, str(dp), str(pp), str(mp), str(out), ",".join(RUNS[layout])],
-                             timeout=600)
-            assert proc.returncode == 0, proc.stderr[-6000:]
-            done[layout] = out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * pp * mp)]
-        return done[layout]
-
-    return get
+    return layout_launches(tmp_path_factory, WORKER, "pp", timeout=600, specs=RUNS)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp_reference")
-
-    def get(spec: str) -> tuple[dict, dict]:
-        name, kwargs = spec.split(":")[0], _reference_kwargs(spec)
-        ckpt = reference_run(name, "64-true", tmp / f"{_tag(spec)}.ckpt", **kwargs)
-        return ckpt, LOGGED[(name, "64-true", tuple(sorted(kwargs.items())))]
-
-    return get
+    return spec_references(tmp_path_factory, "pp")
 
 
 @pytest.mark.slow
@@ -84,16 +58,16 @@ def references(tmp_path_factory):
 def test_weights_and_logged_loss_match_single_process(runs, references, layout, spec):
     out, ranks = runs(layout)
     ref, ref_logged = references(spec)
-    worst = max_weight_diff(torch.load(out / f"{_tag(spec)}.ckpt", weights_only=True), ref)
+    worst = max_weight_diff(torch.load(out / f"{spec_tag(spec)}.ckpt", weights_only=True), ref)
     print(f"pipeline parity {spec} (dp, pp, mp)={layout} float64: max |w - w_ref| = {worst:.2e}")
     if spec.endswith(":fp32"):  # computed in float32: off by its rounding, never by more, and never equal
         assert 1e-9 < worst <= 1e-4, (layout, spec, worst)
     else:
         assert worst <= TOL, (layout, spec, worst)
     if spec.endswith(":compile"):  # every block ran compiled (the stand-ins only replace the other stages' blocks)
-        assert all(r[_tag(spec)]["compiled_blocks"] == 2 for r in ranks)
+        assert all(r[spec_tag(spec)]["compiled_blocks"] == 2 for r in ranks)
     # every rank logs its DP replica's loss (the mean over micro-batches): with dp=1, the batch's one process logs
-    results = [r[_tag(spec)] for r in ranks]
+    results = [r[spec_tag(spec)] for r in ranks]
     for r in results:
         logged = {int(k): v for k, v in r["logged"].items()}
         first = next(q for q in results if q["grid"][0] == r["grid"][0])  # the same DP replica
@@ -123,7 +97,7 @@ def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
     dp, pp, mp = layout
     _, ranks = runs(layout)
     m, stages = W.MICROBATCHES, _stages(spec, pp)
-    results = [r[_tag(spec)] for r in ranks]
+    results = [r[spec_tag(spec)] for r in ranks]
     # activations forward and their gradients back, once per micro-batch and cut: 2 (K - 1) M per pipeline
     sends = sum(r["counts"].get("pp/send", 0) for r in results)
     assert sends == dp * mp * 2 * (stages - 1) * m, [r["counts"] for r in results]
@@ -171,13 +145,13 @@ def test_sends_and_collectives_per_step_are_exact(runs, layout, spec):
 @pytest.mark.slow
 def test_plan_printout_names_stages_and_bubble(runs):
     _, ranks = runs((1, 2, 1))
-    text = ranks[0][_tag("hf_llama4:interleaved:2")]["plan_text"]
+    text = ranks[0][spec_tag("hf_llama4:interleaved:2")]["plan_text"]
     assert "pipeline: pp=2 x 2 stage(s) per rank, schedule interleaved, 4 micro-batches per step; bubble 11.1%" in text
     assert ("stage 0 (pp_rank 0): net.model.layers.0 .. net.model.layers.0 (1 blocks) + the code before the stack"
             in text)
     assert "stage 3 (pp_rank 1): net.model.layers.3 .. net.model.layers.3 (1 blocks) + the code after it" in text
-    assert ranks[0][_tag("gpt4:interleaved:2")]["ranges"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
-    assert "read on several stages (gradients summed over PP): net.wte.weight" in ranks[0][_tag("gpt:1f1b")][
+    assert ranks[0][spec_tag("gpt4:interleaved:2")]["ranges"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert "read on several stages (gradients summed over PP): net.wte.weight" in ranks[0][spec_tag("gpt:1f1b")][
         "plan_text"]
 
 

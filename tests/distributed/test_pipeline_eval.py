@@ -11,17 +11,15 @@ The oracle is single-process Lightning doing the same on the same global batches
 
 from __future__ import annotations
 
-import json
-
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from lightning_dpmp.checkpoint.sharded import load_sharded_full
-from tests.conftest import run_ranks
 from tests.distributed import parity_worker as PW
 from tests.distributed import pipeline_worker as W
+from tests.support.layouts import layout_launches
 from tests.support.models import build, reference_loader
 from tests.support.reference import one_process_trainer
 
@@ -56,18 +54,8 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    done: dict = {}
-
-    def get(layout):
-        if layout not in done:
-            dp, pp, mp = layout
-            out = tmp_path_factory.mktemp(f"pp_eval_{dp}{pp}{mp}")
-            proc = run_ranks(dp * pp * mp, [WORKER, "evaluate", str(dp), str(pp), str(mp), str(out)], timeout=600)
-            assert proc.returncode == 0, proc.stderr[-6000:]
-            done[layout] = out, [json.loads((out / f"eval_rank{r}.json").read_text()) for r in range(dp * pp * mp)]
-        return done[layout]
-
-    return get
+    return layout_launches(tmp_path_factory, WORKER, "pp_eval", timeout=600, mode=["evaluate"],
+                           results="eval_rank{rank}.json")
 
 
 def _worst(a: list[float], b: list[float]) -> float:

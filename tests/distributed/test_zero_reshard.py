@@ -15,13 +15,11 @@ process on the same global batch:
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.conftest import run_ranks
-from tests.support.reference import max_weight_diff, reference_run
+from tests.support.layouts import layout_launches, spec_references, spec_tag
+from tests.support.reference import max_weight_diff
 
 WORKER = "tests/distributed/pipeline_worker.py"
 TOL = 1e-8
@@ -36,44 +34,22 @@ IDS = [f"dp{a}pp{b}mp{c}-{s}" for (a, b, c), s in CASES]
 BLOCKS = {"gpt": 2, "hf_llama": 2, "gpt4": 4, "moe_list": 2}  # repeated blocks of each model
 
 
-def _tag(spec: str) -> str:
-    return f"{spec.replace(':', '_')}_64"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{(dp, pp, mp): (out dir, [rank results])}``, one pooled launch per layout, launched when first needed."""
-    done: dict = {}
-
-    def get(layout):
-        if layout not in done:
-            dp, pp, mp = layout
-            out = tmp_path_factory.mktemp(f"keep_{dp}{pp}{mp}")
-            proc = run_ranks(dp * pp * mp, [WORKER, str(dp), str(pp), str(mp), str(out), ",".join(RUNS[layout])],
-                             timeout=900)
-            assert proc.returncode == 0, proc.stderr[-6000:]
-            done[layout] = out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp * pp * mp)]
-        return done[layout]
-
-    return get
+    return layout_launches(tmp_path_factory, WORKER, "keep", timeout=900, specs=RUNS)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("keep_reference")
-
-    def get(spec: str) -> dict:
-        kwargs = {"accumulate_grad_batches": 2} if spec.endswith(":acc2") else {}
-        return reference_run(spec.split(":")[0], "64-true", tmp / f"{_tag(spec)}.ckpt", **kwargs)
-
-    return get
+    return spec_references(tmp_path_factory, "keep")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,spec", CASES, ids=IDS)
 def test_weights_match_single_process(runs, references, layout, spec):
     out, _ = runs(layout)
-    worst = max_weight_diff(torch.load(out / f"{_tag(spec)}.ckpt", weights_only=True), references(spec))
+    worst = max_weight_diff(torch.load(out / f"{spec_tag(spec)}.ckpt", weights_only=True), references(spec)[0])
     print(f"reshard_after_forward=False {spec} (dp, pp, mp)={layout} float64: max |w - w_ref| = {worst:.2e}")
     if ":fp32" in spec:  # computed in float32: off by its rounding, never by more, and never equal
         assert 1e-9 < worst <= 1e-4, (layout, spec, worst)
@@ -94,7 +70,7 @@ def test_dp_collectives_per_step_are_exact(runs, layout, spec):
     acc = "acc2" in extra
     flags = name.startswith("moe")  # the used-here flags: one all-reduce (MAX) where the gradients are reduced
     for r in ranks:
-        counts = r[_tag(spec)]["counts"]
+        counts = r[spec_tag(spec)]["counts"]
         if pp > 1:  # each stage gathered on its first use (the root once per optimizer step), reduce-scattered once
             expected = (0 if acc else units + 1, 1)
         else:  # each block gathered once per micro-batch (none while kept over accumulation), reduce-scattered each

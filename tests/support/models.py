@@ -123,6 +123,27 @@ class CheckpointedMoE(MoEMLP):
     forward = CheckpointedMLP.forward
 
 
+class ScaledBlock(Block):
+    """:class:`Block` whose residual branch is multiplied by a per-feature ``scale`` read in the block's own
+    forward, after a submodule call: no layer call covers that read (what a recompute outside ``nn.Module.__call__``
+    must still run like the forward)."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__(width, hidden)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.ln(x)))) * self.scale
+
+
+class ScaledMLP(ResMLP):
+    """ResMLP with 4 :class:`ScaledBlock` blocks."""
+
+    def __init__(self) -> None:
+        super().__init__(n_blocks=4)
+        self.blocks = nn.ModuleList(ScaledBlock(16, 32) for _ in range(4))
+
+
 class ChainMLP(L.LightningModule):
     """``n`` Linears in a row, GELU after all but the last two: ``L1 -> GELU -> ... -> L(n-1) -> Ln -> cross-entropy``.
 
@@ -371,7 +392,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     fused (one qkv projection),
     gpt_frozen (gpt_untied with frozen attention), gpt_vocab61 (gpt with 61 tokens), moe_list (ResMLP with top-1
     ModuleList experts), layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under
-    torch.utils.checkpoint), moe_ckpt (moe_list so), llama_gc (transformers' Llama with gradient checkpointing)."""
+    torch.utils.checkpoint), moe_ckpt (moe_list so), resmlp_scaled (4 blocks reading their own
+    ``scale`` parameter directly), llama_gc (transformers' Llama with gradient checkpointing)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
     if name == "moe_list":
@@ -382,6 +404,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return CheckpointedMLP(), make_dataset()
     if name == "moe_ckpt":
         return CheckpointedMoE(), make_dataset()
+    if name == "resmlp_scaled":
+        return ScaledMLP(), make_dataset()
     if name == "llama_gc":  # transformers' gradient checkpointing (non-reentrant) on its Llama
         from tests.support.real_models import build_real
 

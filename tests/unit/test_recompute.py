@@ -1,9 +1,10 @@
 """Activation checkpointing (issue 44 item 4) in one process: the estimator's k-of-N recomputation, ``"auto"``'s
 choice under a fake memory limit, the refusals at construction, and the block wrapper (the MP dropout stream
-replayed, evaluation untouched, the previous forward restored)."""
+replayed, evaluation untouched, the previous forward restored, the modes of user code off during the recompute)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 from lightning_dpmp import DPMPStrategy, FabricDPMPStrategy
 from lightning_dpmp.integration.activations import NO_LIMIT, layout_spec, recompute_count
+from lightning_dpmp.parallel.freed_reads import GatherOnRead, outermost_forward_hooks
 from lightning_dpmp.parallel.recompute import (
     checkpoint_blocks,
     checkpointed_blocks,
@@ -125,6 +127,49 @@ def test_the_recompute_draws_the_masks_of_the_forward() -> None:
     assert all(torch.equal(a, b) for a, b in zip(kept, ours)) and torch.equal(state, ours_state)
     lost, _ = _grads(replay=False)  # without the tracker's replay the split region's masks differ
     assert not all(torch.equal(a, b) for a, b in zip(kept, lost))
+
+
+class _Scaled(nn.Module):
+    """A block reading its own parameter outside any layer call, after one (the forward hooks' depth back at 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.scale, self.runs = nn.Linear(3, 3), nn.Parameter(torch.linspace(0.5, 1.5, 3)), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.parametrize("backward", ["Tensor.backward", "autograd.grad"])
+def test_the_recompute_runs_outside_the_modes_of_user_code(backward: str) -> None:
+    """A reader of user code refusing every read of the net's parameters (as a pipeline's does inside its schedule)
+    is stepped aside by the forward hooks, which the recompute does not pass; it runs outside the reader all the same,
+    since the way into the backward is a torch function the reader intercepts and runs with the mode stack popped."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Scaled(), _Scaled())
+    net = nn.Sequential(_Scaled(), _Scaled())
+    net.load_state_dict(plain.state_dict())
+    reader = GatherOnRead({id(p) for p in net.parameters()}, lambda t: True, lambda ps: nullcontext(),
+                          lambda: "refused here")
+    outermost_forward_hooks(net, reader.step_aside, reader.step_back)
+    checkpoint_blocks(find_units(net))
+    x = torch.randn(4, 3)
+    with reader:
+        with pytest.raises(RuntimeError, match="refused here"):
+            net[0].scale * 2  # user code's own read
+        xs = x.clone().requires_grad_()
+        loss = net(xs).pow(2).sum()
+        if backward == "Tensor.backward":
+            loss.backward()
+            grads = [p.grad for p in net.parameters()]
+        else:
+            grads = list(torch.autograd.grad(loss, [xs]))
+    assert [b.runs for b in net] == [2, 2]  # each block recomputed once
+    ref_x = x.clone().requires_grad_()
+    plain(ref_x).pow(2).sum().backward()
+    ref = [p.grad for p in plain.parameters()] if backward == "Tensor.backward" else [ref_x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref)) and len(grads) == len(ref)
 
 
 def test_wrapping_is_undone_and_evaluation_runs_the_plain_forward() -> None:
