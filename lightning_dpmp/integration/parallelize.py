@@ -176,6 +176,7 @@ class Parallelized:
     _reader_hooks: list[Any] = field(default_factory=list)
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
     _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
+    _stepped: list[list[Any]] = field(default_factory=list)  # the modes each open _modes_aside took off the stack
 
     def step_closure(self, closure: Callable[[], Any], stepped: Iterable[nn.Parameter]) -> Callable[[], Any]:
         """``closure`` (forward and backward), then the MP sum of the partial gradients among ``stepped`` (the
@@ -255,14 +256,12 @@ class Parallelized:
             self._modes_back()
 
     def _modes_aside(self) -> None:
-        for mode in (self.reader, self.bridge):
-            if mode is not None:
-                mode.step_aside()
+        # which of them this call took off the stack (one already aside, as inside local(), stays as it is)
+        self._stepped.append([m for m in (self.reader, self.bridge) if m is not None and m.step_aside()])
 
     def _modes_back(self) -> None:
-        for mode in (self.bridge, self.reader):
-            if mode is not None:
-                mode.step_back()
+        for mode in reversed(self._stepped.pop() if self._stepped else []):
+            mode.step_back()
 
     @contextmanager
     def local(self) -> Iterator[None]:

@@ -81,7 +81,8 @@ class Probe(L.Callback):
                 "units": len({b.unit for b in engine.buckets if b.trainable}),
                 "child_units": len({b.unit for b in engine.buckets if b.unit >= 0}),
             }
-            self.res["local_numel"] = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+            local = [getattr(p, "_local_tensor", p) for p in pl_module.parameters()]  # (a DTensor's MP shard)
+            self.res["local_numel"] = sum(t.numel() * t.element_size() for t in local)
 
 
 def fit(dp, mp, name, zero, out, tag, steps=STEPS, accumulate=1, ckpt_path=None, callbacks=(), precision="64-true",
