@@ -64,6 +64,7 @@ __all__ = [
     "own_parameters",
     "tree_flatten",
     "storage_identity",
+    "unwatched",
     "functional_collectives",
     "apply_batch_transfer_handler",
     "averaged_copy",
@@ -247,6 +248,13 @@ def storage_record(x: Any) -> Optional[tuple[Any, Any, int, int]]:
     if torch.is_storage(x):
         return x, torch.UntypedStorage, x.nbytes(), x._cdata
     return None
+
+
+def unwatched() -> Any:
+    """A context in which torch functions reach no ``TorchFunctionMode`` (``torch._C.DisableTorchFunction``, torch
+    2.13): for a watcher's own bookkeeping (shapes, sizes), which another watcher of the same step (a trace around a
+    pipeline probe) must not record as the step's ops."""
+    return torch._C.DisableTorchFunction()
 
 
 def storage_identity(t: Tensor) -> int:

@@ -13,6 +13,7 @@ Modules, one line each:
 * ``autolayout``: ``dp="auto"``/``mp="auto"``, the (dp, mp) split chosen at setup.
 * ``autoplan``: plan a LightningModule from one traced step, parallelise it, fall back until it verifies.
 * ``stepdata``: the first batch of the current stage, a callable running its step, and its isolation.
+* ``firststep``: the first step recorded once per setup (batch, dense trace, loss and gradients, stage probe).
 * ``split``: splitting the model at setup and gathering it back at teardown.
 * ``teardown``: what a run leaves at its end (the dense model gathered back, from ZeRO's shards too).
 * ``pipeline``: the Lightning side of pipeline parallelism (stages planned at setup, the step by torch's schedule).

@@ -7,7 +7,9 @@ parallelize pipeline plans it for real, on every rank, when any of dp/mp (both),
 1. rank 0's first batch is broadcast and the step is traced once on the dense model (side-effect free, as the
    planner's own trace: :func:`~lightning_dpmp.integration.stepdata.isolated`), and its forward profiled
    (:func:`~lightning_dpmp.planner.profile.profile_step`: saved activations, parameters, FLOPs, MP collectives per
-   block, on the real tensors);
+   block, on the real tensors): both kept in the setup's record of the first step
+   (:class:`~lightning_dpmp.integration.firststep.FirstStep`), whose trace, dense loss and gradients the plan then
+   reuses;
 2. the links are measured briefly (:func:`measure_links`: a few all-reduces of 4 KiB and 4 MiB on the world group,
    per node and across nodes when ``num_nodes > 1``, one matmul and one copy; well under a second on 4 CPU
    processes) and rank 0's figures are broadcast, so that every rank predicts from the same numbers;
@@ -23,15 +25,15 @@ the old rule, dp = nodes and mp = devices per node (pp = 1 and zero = 0 where th
 printout says so.
 
 :func:`check_memory` runs for a given layout while fitting: where the parameters, gradients and optimizer state
-alone take more than half of :func:`device_memory` (a lower bound, no user code run), rank 0 profiles the first
-batch's step and predicts the peak at that layout; over the memory every rank raises the same ``ValueError`` (naming
-the predicted peak, the memory, the largest contributors and what would fit) before any step.
-``DPMP_MEMORY_CHECK=0`` turns the check (and the fit filter of the choice) off; ``DPMP_DEVICE_MEMORY_GIB`` sets
-the memory per rank.
+alone take more than half of :func:`device_memory` (a lower bound, no user code run), the first batch's step is
+profiled on rank 0, which predicts the peak at that layout; over the memory every rank raises
+the same ``ValueError`` (naming the predicted peak, the memory, the largest contributors and what would fit) before
+any step. ``DPMP_MEMORY_CHECK=0`` turns the check (and the fit filter of the choice) off;
+``DPMP_DEVICE_MEMORY_GIB`` sets the memory per rank.
 
 Example:
-    >>> choice = choose_layout(trainer, module, plugin, torch.device("cpu"), global_rank=0,  # doctest: +SKIP
-    ...                        num_processes=4, num_nodes=1, meta=False, plan_overrides=None, request=request)
+    >>> choice = choose_layout(first, num_processes=4, num_nodes=1, plan_overrides=None,  # doctest: +SKIP
+    ...                        request=request)
     >>> print(choice.text)                                                           # doctest: +SKIP
 """
 
@@ -40,15 +42,14 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dpmp.compat import tree_leaves
-from lightning_dpmp.integration.stepdata import first_batch, isolated, step_runner
+from lightning_dpmp.integration.firststep import FirstStep
 from lightning_dpmp.parallel.topology import Size, Topology
 from lightning_dpmp.planner.cost import Links
 from lightning_dpmp.planner.estimate import PRECISIONS, LayoutSpec
@@ -61,12 +62,12 @@ from lightning_dpmp.planner.layout_search import (
     refusal,
 )
 from lightning_dpmp.planner.plan import make_plan
-from lightning_dpmp.planner.profile import ModelProfile, config_sizes, profile_step, token_tensor
-from lightning_dpmp.planner.trace import Trace, trace_step
+from lightning_dpmp.planner.profile import ModelProfile
+from lightning_dpmp.planner.trace import Trace
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = ["PROFILE_ABOVE", "Choice", "Request", "candidate_layouts", "check_memory", "choose_layout", "device_memory",
-           "measure_links", "profile_module", "states_bytes"]
+           "measure_links", "states_bytes"]
 
 SMALL, LARGE = 4 * 1024, 4 * 2**20  # bytes of the latency and the bandwidth probes
 #: A given layout's step is profiled for the memory check only where its states alone exceed this share of memory.
@@ -206,33 +207,6 @@ def _memory_check_on() -> bool:
     return os.environ.get("DPMP_MEMORY_CHECK", "1") != "0"
 
 
-def profile_module(module: nn.Module, run: Callable[[], Any], batch: Any) -> tuple[ModelProfile, int]:
-    """The estimator's profile of ``module``'s step ``run`` on ``batch`` (one forward, on the tensors it holds),
-    and the sequences (rows) ``batch`` holds: the per-rank batch.
-
-    Sizes: a batch with a ``(sequences, tokens)`` integer tensor is read as sequences of that length, any other as
-    rows of one token; vocabulary, width, heads and feed-forward width come from a transformers config when the
-    model holds one, else from its largest ``nn.Embedding`` (width: the blocks' input when there is none).
-    """
-    try:
-        sequences, seq = token_tensor(batch).shape
-    except ValueError:
-        first = next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-        sequences, seq = (int(first.shape[0]) if first is not None else 1), 1
-    cfg = next((m.config for m in module.modules() if hasattr(getattr(m, "config", None), "to_dict")), None)
-    if cfg is not None:
-        vocab, hidden, heads, kv, ffn = config_sizes(cfg)
-    else:
-        tables = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-        big = max(tables, key=lambda m: m.num_embeddings, default=None)
-        vocab, hidden = (big.num_embeddings, big.embedding_dim) if big is not None else (0, 0)
-        heads = kv = ffn = 0
-    prof = profile_step(module, run, vocab, hidden, int(seq), int(sequences), heads=heads, kv_heads=kv, ffn=ffn)
-    if not prof.hidden and prof.block_input_bytes:
-        prof = replace(prof, hidden=max(1, round(prof.block_input_bytes / (prof.seq * prof.act_bytes))))
-    return prof, int(sequences)
-
-
 def _fallback(num_processes: int, num_nodes: int, request: Request, why: str) -> Choice:
     pp = request.pp if isinstance(request.pp, int) else 1
     lay = Topology.resolve(request.dp, request.mp, num_processes * num_nodes, num_nodes=num_nodes, pp=pp)
@@ -242,28 +216,18 @@ def _fallback(num_processes: int, num_nodes: int, request: Request, why: str) ->
                   measured=False)
 
 
-def _trace(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int, meta: bool
-           ) -> tuple[Optional[Trace], Optional[tuple[ModelProfile, int]]]:
-    """Rank 0's first batch, traced and profiled on every rank's dense model (collective: the batch broadcast);
-    ``(None, None)`` on every rank when any rank could not trace or profile it."""
-    batch, _ = first_batch(trainer, module, global_rank)
+def _trace(first: FirstStep) -> tuple[Optional[Trace], Optional[tuple[ModelProfile, int]]]:
+    """The first step's trace and the estimator's profile, from the setup's record (collective: the batch broadcast
+    and the dense run when they are first made); ``(None, None)`` on every rank when any rank could not trace or
+    profile it."""
     trace: Optional[Trace] = None
     prof: Optional[tuple[ModelProfile, int]] = None
-    if batch is not None:
-        run = step_runner(trainer, module, plugin, device, batch, meta)
-        try:
-            with isolated(module, []), torch.enable_grad():
-                trace = trace_step(module, run)
-                trace.result = None  # drop the graph
-        except Exception:  # the planner reports it at its own trace; here it only means "no measurement"
-            trace = None
+    if first.batch is not None:
+        dense = first.dense()  # (the planner reports a failure at its own use)
+        trace = dense.trace if dense.trace is not None and not dense.trace.error else None
         if trace is not None:
-            try:
-                with isolated(module, []), torch.enable_grad():
-                    prof = profile_module(module, run, batch)
-            except Exception:  # no profile: no prediction (the fallback rule)
-                prof = None
-    failed = torch.tensor([float(trace is None or prof is None)], device=device)
+            prof = first.layout_profile()  # no profile: no prediction (the fallback rule)
+    failed = torch.tensor([float(trace is None or prof is None)], device=first.device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     return (trace, prof) if failed.item() == 0 else (None, None)
 
@@ -284,22 +248,22 @@ def _plannable_mp(module: nn.Module, trace: Trace, world: int, overrides: PlanOv
     return ok, notes
 
 
-def choose_layout(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int,
-                  num_processes: int, num_nodes: int, meta: bool, plan_overrides: PlanOverrides,
+def choose_layout(first: FirstStep, num_processes: int, num_nodes: int, plan_overrides: PlanOverrides,
                   mp_one_only: bool = False, request: Optional[Request] = None) -> Choice:
-    """Trace and profile ``module``'s step (on ``device``, under the precision ``plugin``), measure, predict and
-    choose a layout for ``num_processes`` per node on ``num_nodes`` within ``request`` (default: dp and mp
-    ``"auto"``, pp 1, zero 0); collective over the world; the caller builds the groups. Raises a ``ValueError`` on
-    every rank when no candidate is predicted to fit."""
+    """Trace and profile the step of ``first`` (the setup's record of the first step: its module, device and
+    precision plugin), measure, predict and choose a layout for ``num_processes`` per node on ``num_nodes`` within
+    ``request`` (default: dp and mp ``"auto"``, pp 1, zero 0); collective over the world; the caller builds the
+    groups. Raises a ``ValueError`` on every rank when no candidate is predicted to fit."""
     request = request if request is not None else Request()
     world = num_processes * num_nodes
     if world == 1:
         lay = request.layout(1, 1, 1, 0)
         return Choice(lay, [], None, f"  layout: {lay} (the only one)", measured=True)
-    trace, prof = _trace(trainer, module, plugin, device, global_rank, meta)
+    trace, prof = _trace(first)
     if trace is None or prof is None:
         return _fallback(num_processes, num_nodes, request,
                          "no batch to trace at this stage (or the step did not run outside the loop)")
+    trainer, module, device, global_rank = first.trainer, first.module, first.device, first.global_rank
     t0 = time.perf_counter()
     precision = estimator_precision(str(trainer.precision))
     dtype = {"64-true": torch.float64, "32-true": torch.float32}.get(precision, torch.bfloat16)
@@ -379,15 +343,15 @@ def states_bytes(module: nn.Module, topology: Topology, precision: str) -> float
     return n / (t.mp * t.pp) * per
 
 
-def check_memory(trainer: Any, module: Any, plugin: Any, device: torch.device, global_rank: int,
-                 topology: Topology, num_processes: int, meta: bool, sequence_parallel: bool) -> None:
+def check_memory(first: FirstStep, topology: Topology, num_processes: int, sequence_parallel: bool) -> None:
     """Refuse a given layout the estimator predicts will not fit: the same ``ValueError`` on every rank, before any
-    step (collective over the world). The step is profiled (one extra forward on rank 0, which user code in it sees)
-    only where the parameters, gradients and optimizer state alone take more than half the memory
-    (:data:`PROFILE_ABOVE`); below that the layout is taken to fit, with one small broadcast. Off with
-    ``DPMP_MEMORY_CHECK=0``; a step that cannot be profiled is not checked."""
+    step (collective over the world). The step of ``first`` (the setup's record of the first step) is profiled
+    (fitting: in the record's one dense run, which the plan reads later) only where the parameters, gradients and
+    optimizer state alone take more than half the memory (:data:`PROFILE_ABOVE`); below that the layout is taken to
+    fit, with one small broadcast. Off with ``DPMP_MEMORY_CHECK=0``; a step that cannot be profiled is not checked."""
     if not _memory_check_on() or not dist.is_initialized():
         return
+    trainer, module, device, global_rank = first.trainer, first.module, first.device, first.global_rank
     precision = estimator_precision(str(trainer.precision))
     gate: list[Any] = [False]
     if global_rank == 0:
@@ -396,13 +360,12 @@ def check_memory(trainer: Any, module: Any, plugin: Any, device: torch.device, g
     dist.broadcast_object_list(gate, src=0)
     if not gate[0]:
         return
-    batch, _ = first_batch(trainer, module, global_rank)
+    batch = first.batch
     box: list[Optional[str]] = [None]
-    if global_rank == 0 and batch is not None:
+    measured = first.layout_profile() if global_rank == 0 and batch is not None else None
+    if measured is not None:
         try:
-            run = step_runner(trainer, module, plugin, device, batch, meta)
-            with isolated(module, []), torch.enable_grad():
-                prof, per_rank = profile_module(module, run, batch)
+            prof, per_rank = measured
             memory, where = device_memory(device, num_processes)
             dev = measured_device(1e9, 1e-5, 1e12, 1e10, num_processes, memory, cpu=device.type == "cpu")
             t = topology

@@ -4,7 +4,8 @@ The sequence, run by :class:`~lightning_dpmp.integration.strategy.DPMPStrategy` 
 
 1. rank 0 takes the first batch of the stage's dataloader and broadcasts it (all MP ranks must see one batch);
 2. each rank runs the step once on the dense model, recording data flow (:mod:`lightning_dpmp.planner.trace`) and, when
-   fitting, the dense gradients;
+   fitting, the dense gradients (the Trainer strategy hands in that run from its record of the first step,
+   :class:`~lightning_dpmp.integration.firststep.FirstStep`, made once per setup);
 3. rank 0's plan (:mod:`lightning_dpmp.planner.plan`) is broadcast so that every rank applies the same layout;
 4. the model is parallelised, and the same step is run again: loss and every gradient shard must match the dense
    ones within a tolerance set by the lowest floating precision the step computes in
@@ -44,11 +45,12 @@ from torch import Tensor, nn
 
 from lightning_dpmp.integration.stepdata import isolated
 from lightning_dpmp.integration.verify import (
+    DenseStep,
     PlanVerificationError,
     all_levels_failed,
     check_mp_agreement,
     check_step,
-    dense_step,
+    record_dense,
     tolerance,
     world_worst,
 )
@@ -182,6 +184,7 @@ def plan_module(
     training: bool = True,
     distribute: Optional[Callable[[nn.Module], DTensorParams]] = None,
     bridge: Optional[DTensorBridge] = None,
+    recorded: Optional[DenseStep] = None,
 ) -> PlanResult:
     """Trace, plan, parallelise ``module`` in place and (optionally) verify it against the dense step.
 
@@ -189,20 +192,16 @@ def plan_module(
     the plan then comes from ``user_plan`` and defaults alone); ``training`` says it is a training step, which
     should give a loss to verify with. ``distribute`` turns the split module's parameters into DTensors
     (:class:`~lightning_dpmp.parallel.dtensor_params.DTensorParams`): each candidate plan is then verified on them,
-    under ``bridge``, as it will train, and the passing one keeps them (``PlanResult.params``). Collective over
-    the world.
+    under ``bridge``, as it will train, and the passing one keeps them (``PlanResult.params``). ``recorded``: the
+    dense run of ``run`` made already (:class:`~lightning_dpmp.integration.firststep.FirstStep`), used instead of
+    running it again. Collective over the world.
     """
-    trace, loss_ref, dtype = None, None, None
-    grads_ref: dict[str, Any] = {}
     notes = list(notes or [])
-    if run is not None:
-        try:
-            losses: list[Tensor] = []
-            with isolated(module, losses):
-                trace, loss_ref, grads_ref, dtype = dense_step(module, run, losses, keep_partial=not training)
-        except Exception as exc:  # a step that cannot run outside the loop
-            trace = None
-            notes.append(f"could not trace the step ({type(exc).__name__}: {exc})")
+    if recorded is None:
+        recorded = record_dense(module, run, training) if run is not None else DenseStep()
+    trace, loss_ref, grads_ref, dtype = recorded.trace, recorded.loss, recorded.grads, recorded.dtype
+    if recorded.note:
+        notes.append(recorded.note)
     if trace is not None and not training:  # generation: one pass per new token, each planned as the first
         trace, repeated = first_pass(trace)
         if repeated:
@@ -255,7 +254,7 @@ def plan_module(
             return PlanResult(plan, text, conditional=conditional, branches=branches)
         # mypy: checkable implies a traced run with a loss
         assert run is not None and loss_ref is not None
-        losses = []
+        losses: list[Tensor] = []
         params = distribute(module) if distribute is not None else None
         with isolated(module, losses):
             try:

@@ -2,7 +2,10 @@
 in its order, and the steps that undo it at teardown.
 
 ``DPMPStrategy.setup`` calls :func:`parallelize` once, after Lightning's precision conversion and the dense move to
-the device (skipped for a meta model). The steps, each a short function below, run in this order:
+the device (skipped for a meta model). Every step that plans from the first batch reads one record of it,
+:class:`~lightning_dpmp.integration.firststep.FirstStep` (made by the strategy, which may have used it already to
+choose the layout): the batch is read once and the dense step runs once for the stage cut, the plan and its
+verification's reference. The steps, each a short function below, run in this order:
 
 1. :func:`plan_and_split`: trace one step, plan, split over MP (sequence-parallel regions included), materialise a
    meta model and read deferred pretrained weights (:func:`~lightning_dpmp.integration.split.split_model`);
@@ -19,7 +22,8 @@ Fitting only:
    under activation checkpointing (:mod:`lightning_dpmp.parallel.recompute`), so the recompute runs the split
    layers (and under ZeRO the engine's hooks stay around the block's first run only);
 
-0. before step 1, with ``pp > 1``, :func:`plan_pipeline`: the first batch's step is probed on the dense model and
+0. before step 1, with ``pp > 1``, :func:`plan_pipeline`: the first batch's step is probed on the dense model (in
+   the record's dense run when fitting) and
    the repeated blocks are cut into pipeline stages (:mod:`lightning_dpmp.integration.pipeline`), built over the
    split model after step 4; DP then averages the stages' gradients itself (no DDP: its reducer cannot follow a
    schedule's interleaved micro-batches);
@@ -76,11 +80,10 @@ from lightning_dpmp.integration.activations import (
     batch_sequences,
     describe,
     device_budget,
-    profile_module,
     recompute_count,
 )
+from lightning_dpmp.integration.firststep import FirstStep
 from lightning_dpmp.integration.metrics import route_metrics as route_metrics_over
-from lightning_dpmp.integration.metrics import shapes_only
 from lightning_dpmp.integration.pipeline import (
     Pipeline,
     check_pipeline_at_setup,
@@ -90,7 +93,6 @@ from lightning_dpmp.integration.pipeline import (
     stage_ranges,
 )
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
-from lightning_dpmp.integration.stepdata import first_batch, isolated, step_runner
 from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank0
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.bridge import DTensorBridge
@@ -424,17 +426,16 @@ def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[],
 
 
 # ---------------------------------------------------------------------------------------------- the steps
-def plan_and_split(trainer: Any, module: nn.Module, grid: Any, device: torch.device, plugin: Any,
-                   config: ParallelConfig, meta: bool, mesh: Callable[[], Any], free: frozenset = frozenset(),
-                   batch: Optional[Any] = None, layout_report: str = "") -> Split:
-    """Step 1: trace, plan and split the LightningModule ``module`` over ``grid`` (collective); a meta model's
-    parameters named in ``free`` are initialised and their storage freed at once (other stages'); ``batch``: the
-    first batch if step 0 read it already. The split parameters become DTensors on the grid's mesh (``mesh()``, built
-    only then: :func:`distributes_parameters`)."""
-    fitting = trainer.state.fn == TrainerFn.FITTING
+def plan_and_split(first: FirstStep, grid: Any, config: ParallelConfig, mesh: Callable[[], Any],
+                   free: frozenset = frozenset(), layout_report: str = "") -> Split:
+    """Step 1: trace, plan and split the LightningModule of ``first`` (the setup's record of the first step) over
+    ``grid`` (collective); a meta model's parameters named in ``free`` are initialised and their storage freed at
+    once (other stages'). The split parameters become DTensors on the grid's mesh (``mesh()``, built only then:
+    :func:`distributes_parameters`)."""
+    fitting = first.trainer.state.fn == TrainerFn.FITTING
     on_mesh = mesh() if distributes_parameters(grid.topology, fitting) else None
-    return split_model(trainer, module, grid, device, plugin, meta, config.plan_overrides, config.verify,
-                       config.sequence_parallel, free, batch, on_mesh, layout_report)
+    return split_model(first, grid, config.plan_overrides, config.verify, config.sequence_parallel, free, on_mesh,
+                       layout_report)
 
 
 def distributes_parameters(topology: Topology, fitting: bool) -> bool:
@@ -463,51 +464,46 @@ def compile_model(module: nn.Module, enabled: bool) -> bool:
     return enabled
 
 
-def plan_pipeline(trainer: Any, module: Any, grid: Any, device: torch.device, plugin: Any, meta: bool
-                  ) -> tuple[StackProfile, frozenset, Any]:
+def plan_pipeline(first: FirstStep, grid: Any) -> tuple[StackProfile, frozenset]:
     """Step 0 (``pp > 1``), before the split: probe the first batch's step (the run's own: training, validation, test
-    or predict) on the dense model (on meta tensors for a meta model) and check that it can be cut into stages.
-    Returns the probe's profile and, for a meta model, the names of the parameters this rank's stages never read:
-    the split initialises them and frees their storage at once, so that no rank ever holds more than its stages and
-    one module; and the probed batch."""
-    lm, config = module, grid.topology
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    if fitting:  # (evaluation runs no backward: any optimization and precision can be evaluated stage by stage)
-        check_pipeline_at_setup(trainer, lm)
-    batch, _ = first_batch(trainer, lm, grid.rank)  # (rank 0 reads, every rank receives: the same probe everywhere)
+    or predict; when training, read from the record's one dense run) on the dense model (on meta tensors for a meta
+    model) and check that it can be cut into stages. Returns the probe's profile and, for a meta model, the names of
+    the parameters this rank's stages never read: the split initialises them and frees their storage at once, so that
+    no rank ever holds more than its stages and one module."""
+    lm, config, trainer = first.module, grid.topology, first.trainer
+    if trainer.state.fn == TrainerFn.FITTING:  # (evaluation runs no backward: any optimization and precision can be
+        check_pipeline_at_setup(trainer, lm)  # evaluated stage by stage)
+    batch = first.batch  # (rank 0 reads, every rank receives: the same probe everywhere)
     if batch is None:
         raise RuntimeError(f"DPMPStrategy(pp > 1) plans its stages from the first batch of the run; the "
                            f"{trainer.state.fn} dataloader gave none.")
-    run = step_runner(trainer, lm, plugin, device, batch, meta)
-    with isolated(lm), shapes_only(lm) if meta else nullcontext():
-        profile = probe_pipeline(lm, run, batch, config)
-    if not meta:
-        return profile, frozenset(), batch
+    profile = probe_pipeline(first.stack, batch, config)
+    if not first.meta:
+        return profile, frozenset()
     ranks = reading_ranks(lm, profile, stage_ranges(profile, config), grid.pp)
     remote = remote_parameters(lm, profile, ranks, grid.pp_rank)
-    return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote), batch
+    return profile, frozenset(n for n, p in lm.named_parameters(remove_duplicate=False) if id(p) in remote)
 
 
-def plan_recompute(trainer: Any, module: nn.Module, grid: Any, device: torch.device, plugin: Any,
-                   config: ParallelConfig, batch: Optional[Any]) -> tuple[Optional[int], str, Any]:
-    """Step 0b (fitting with ``activation_checkpointing``): how many blocks of each stage recompute (``None``: all),
-    the printout's line, and the first batch (read here when "auto" needs it, for step 1 to reuse). ``"auto"``
-    profiles the dense module's step on meta tensors and asks the estimator, on a device with a memory limit."""
+def plan_recompute(first: FirstStep, grid: Any, config: ParallelConfig) -> tuple[Optional[int], str]:
+    """Step 0b (fitting with ``activation_checkpointing``): how many blocks of each stage recompute (``None``: all)
+    and the printout's line. ``"auto"`` profiles the dense module's step on meta tensors
+    (:meth:`~lightning_dpmp.integration.firststep.FirstStep.recompute_profile`) and asks the estimator, on a device
+    with a memory limit."""
     if config.activation_checkpointing != "auto":
-        return None, "", batch
-    budget = device_budget(device)  # (the same kind of device on every rank: all take this branch or none)
+        return None, ""
+    budget = device_budget(first.device)  # (the same kind of device on every rank: all take this branch or none)
     if budget is None:
-        return 0, NO_LIMIT, batch
+        return 0, NO_LIMIT
     # every rank recomputes the same blocks (a recompute re-issues MP collectives): the smallest budget decides
-    least = torch.tensor([budget], dtype=torch.float64, device=device)
+    least = torch.tensor([budget], dtype=torch.float64, device=first.device)
     torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
     budget = float(least.item())
-    if batch is None:
-        batch, _ = first_batch(trainer, module, grid.rank)
-    prof = profile_module(trainer, module, plugin, device, batch)
+    batch = first.batch
+    prof = first.recompute_profile()
     k, line = recompute_count(prof, grid.topology, config.sequence_parallel, batch_sequences(batch)[0],
-                              str(trainer.precision), budget)
-    return k, line, batch
+                              str(first.trainer.precision), budget)
+    return k, line
 
 
 def recompute_blocks(module: nn.Module, setting: Optional[str], count: Optional[int], split: Split,
@@ -576,7 +572,8 @@ def install_step_hooks(plugin: Any, parallel: Parallelized, dp_group: Any, pp_gr
 def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, device: torch.device, plugin: Any,
                 config: ParallelConfig, meta: bool, *, mesh: Callable[[], Any], ddp_kwargs: Mapping[str, Any],
                 configure_ddp: Callable[[dict[str, Any]], None],
-                setup_optimizers: Callable[[], tuple[list[Any], list[Any]]], layout_report: str = "") -> Parallelized:
+                setup_optimizers: Callable[[], tuple[list[Any], list[Any]]], layout_report: str = "",
+                first: Optional[FirstStep] = None) -> Parallelized:
     """Run steps 1-8 on the LightningModule ``module`` (``model``: what Lightning wraps around it) over ``grid``
     (collective over the world: every rank calls it), on ``device`` under the precision ``plugin``.
 
@@ -584,23 +581,25 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
     grid's ``DeviceMesh`` (built on first use). When fitting, ``configure_ddp`` wraps ``model`` in DDP (zero=0) with
     this run's copy of ``ddp_kwargs``, ``setup_optimizers()`` runs the user's ``configure_optimizers`` and returns
     the optimizers and LR scheduler configs, and the result's ``optimizers`` are the ones to step (over the ZeRO
-    shards at zero >= 1), as Lightning's setup would leave them.
+    shards at zero >= 1), as Lightning's setup would leave them. ``first``: the setup's record of the first step
+    (:class:`~lightning_dpmp.integration.firststep.FirstStep`), when the layout choice made it already; each
+    step below reads it, so the step runs once for them all.
     """
     fitting = trainer.state.fn == TrainerFn.FITTING
     topology = grid.topology
+    if first is None:
+        first = FirstStep(trainer, module, plugin, device, grid.rank, meta, stack_wanted=grid.pp > 1)
     # with pp > 1 every run is staged, evaluation too: planned from the first batch of the run's own step
-    profile, free, batch = plan_pipeline(trainer, module, grid, device, plugin, meta) if grid.pp > 1 else (
-        None, frozenset(), None)
-    recompute, recompute_line, batch = plan_recompute(trainer, module, grid, device, plugin, config, batch) if (
-        fitting) else (None, "", batch)
-    split = plan_and_split(trainer, module, grid, device, plugin, config, meta, mesh, free, batch, layout_report)
+    profile, free = plan_pipeline(first, grid) if grid.pp > 1 else (None, frozenset())
+    recompute, recompute_line = plan_recompute(first, grid, config) if fitting else (None, "")
+    split = plan_and_split(first, grid, config, mesh, free, layout_report)
     route_metrics(model, grid.dp_group)
     overlap_grad_allreduce(model, config.async_grad_allreduce, device.type)
     compiled = compile_model(module, config.compile)
     engine = pipeline = None
     optimizers: Optional[list[Any]] = None
     if profile is not None:  # the stages, over the split model
-        pipeline = Pipeline(module, profile, grid, device, batch,
+        pipeline = Pipeline(module, profile, grid, device, first.batch,
                             sequence_parallel=split.applied_plan.plan.sequence is not None)
         split.applied_plan.text += "\n" + pipeline.text()
         rank_zero_info(pipeline.text())

@@ -65,12 +65,12 @@ from lightning_dpmp.planner.stages import (
     StackProfile,
     StageCutError,
     balance,
-    probe_stack,
     stand_in_shape,
 )
 
 __all__ = [
     "Pipeline",
+    "batch_rows",
     "batch_shapes",
     "evaluation_microbatches",
     "check_batch_shapes",
@@ -813,19 +813,26 @@ def _local(kwargs: dict[str, Any], grid: Grid) -> dict[str, Any]:
     return out
 
 
-def probe_pipeline(module: nn.Module, run_step: Any, batch: Any, config: Topology) -> StackProfile:
-    """Probe ``run_step`` (the first batch's training step, on the dense model: real or meta tensors) and check that
-    the stages can be cut. Raises :class:`~lightning_dpmp.planner.stages.StageCutError` on every rank when the step
-    cannot be cut (every rank probes the same model on the same batch)."""
+def batch_rows(batch: Any) -> Optional[int]:
+    """Dim 0 of the first tensor of ``batch`` with a batch dim (what micro-batches split); ``None`` without one."""
     sizes = [int(t.shape[0]) for t in _tensors(batch)]
-    if not sizes:
+    return sizes[0] if sizes else None
+
+
+def probe_pipeline(probe: Callable[[], StackProfile], batch: Any, config: Topology) -> StackProfile:
+    """Probe the step (``probe()``: the first batch's step on the dense model, real or meta tensors,
+    :func:`~lightning_dpmp.planner.stages.probe_stack`; the setup's record of the first step keeps it) and check
+    that the stages can be cut. Raises :class:`~lightning_dpmp.planner.stages.StageCutError` on every rank when the
+    step cannot be cut (every rank probes the same model on the same batch)."""
+    rows = batch_rows(batch)
+    if rows is None:
         raise StageCutError("pipeline parallelism splits the batch into micro-batches along dim 0; the first batch "
                             "holds no tensor")
-    if sizes[0] % config.microbatches:
+    if rows % config.microbatches:
         raise ValueError(f"pp_microbatches={config.microbatches} must divide the batch size; the first batch has "
-                            f"{sizes[0]} rows per DP rank")
+                            f"{rows} rows per DP rank")
     try:
-        profile = probe_stack(module, run_step, sizes[0])
+        profile = probe()
         stage_ranges(profile, config)  # enough blocks for the stages
         return profile
     except StageCutError as exc:

@@ -6,8 +6,7 @@ after Lightning's move to the device and before the DP wrap; it returns what tra
 :func:`unsplit_model` makes the module (and its optimizers' state) dense again.
 
 Example:
-    >>> split = split_model(trainer, module, grid, device, plugin, False, None, verify=True,  # doctest: +SKIP
-    ...                     sequence_parallel=False)
+    >>> split = split_model(first, grid, None, verify=True, sequence_parallel=False)  # doctest: +SKIP
     >>> print(split.applied_plan.text)  # doctest: +SKIP
 """
 
@@ -30,8 +29,10 @@ from lightning_dpmp.checkpoint.consolidated import consolidate_optimizer, optimi
 from lightning_dpmp.checkpoint.weights import DEFERRED_ATTR, DeferredWeights, RankZeroWeights, load_deferred
 from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autoplan import plan_module
-from lightning_dpmp.integration.stepdata import first_batch, step_runner
+from lightning_dpmp.integration.firststep import FirstStep
+from lightning_dpmp.integration.verify import DenseStep
 from lightning_dpmp.parallel.bridge import DTensorBridge
+from lightning_dpmp.parallel.comm import broadcast_dense
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
 from lightning_dpmp.parallel.rng import RNGTracker, has_dropout
 from lightning_dpmp.parallel.sharding import DenseGather, params_to_meta, shard_dims
@@ -41,7 +42,7 @@ from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = [
-    "Split", "agree_on_meta", "broadcast_dense", "meta_safe_teardown", "split_model", "split_module", "unsplit_model"
+    "Split", "agree_on_meta", "meta_safe_teardown", "split_model", "split_module", "unsplit_model"
 ]
 
 
@@ -57,14 +58,6 @@ class Split:
     # None when they stay plain (mp=1, or a path not distributed yet: ZeRO, pipelines, Fabric)
     params: Optional[DTensorParams] = None
     bridge: Optional[DTensorBridge] = None
-
-
-def broadcast_dense(module: nn.Module) -> None:
-    """Make every rank start from rank 0's dense weights, so MP shards are slices of one model (unseeded runs)."""
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            if t.device.type != "meta":
-                dist.broadcast(t.data, src=0)
 
 
 def agree_on_meta(module: nn.Module, global_rank: int, device: torch.device) -> bool:
@@ -113,15 +106,19 @@ def split_module(
     notes: Optional[list[str]] = None,
     free: frozenset = frozenset(),
     mesh: Optional[Any] = None,
+    recorded: Optional[DenseStep] = None,
+    synced: bool = False,
 ) -> Split:
     """Plan ``module`` from ``run`` (one step, or ``None`` when there is no batch) and split it in place over
     ``grid`` (collective over the world): every rank starts from rank 0's dense weights, the split regions get
     their dropout streams, and a meta model is materialised shard by shard and its pending weights read. With a
     ``mesh`` (the grid's ``("dp", "pp", "mp")``) and ``mp > 1``, the split parameters become DTensors on it
     (:mod:`lightning_dpmp.parallel.dtensor_params`), the plan is verified on them, and the :class:`Split` carries
-    them and the bridge user code runs under. The one core of the Trainer strategy's setup (:func:`split_model`)
-    and of Fabric's first call."""
-    broadcast_dense(module)  # unseeded runs agree (meta tensors are skipped)
+    them and the bridge user code runs under. ``recorded``: the dense run of ``run`` made already, after every rank
+    took rank 0's weights (``synced``). The one core of the Trainer strategy's setup (:func:`split_model`) and of
+    Fabric's first call."""
+    if not synced:
+        broadcast_dense(module)  # unseeded runs agree (meta tensors are skipped)
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(module)) if grid.mp > 1 else None
     bridge = DTensorBridge(mesh) if mesh is not None and grid.mp > 1 else None
@@ -133,7 +130,8 @@ def split_module(
         return params
 
     applied = plan_module(module, grid, run, plan_overrides, verify and not meta, device, notes, rng,
-                          sequence_parallel, precision, training, distribute if bridge is not None else None, bridge)
+                          sequence_parallel, precision, training, distribute if bridge is not None else None, bridge,
+                          recorded)
     if meta:  # only now, split, does each rank allocate: its shards and the replicated rest
         materialize(module, device, seed, grid.mp_rank, free)
         load_deferred(module, grid.mp_group)  # pretrained weights: each rank reads only the slices it holds
@@ -154,31 +152,26 @@ def split_module(
 
 
 def split_model(
-    trainer: Any,
-    module: nn.Module,
+    first: FirstStep,
     grid: Any,
-    device: torch.device,
-    plugin: Any,
-    meta: bool,
     plan_overrides: PlanOverrides,
     verify: bool,
     sequence_parallel: bool,
     free: frozenset = frozenset(),
-    batch: Optional[Any] = None,
     mesh: Optional[Any] = None,
     layout_report: str = "",
 ) -> Split:
-    """Plan and split the LightningModule ``module`` in place over ``grid`` (collective over the world), its step
-    traced on ``device`` under the precision ``plugin``; a meta model's parameters named in ``free`` are freed right
-    after their initialisation (a pipeline's other stages); ``batch``: the first batch, when an earlier step (the
-    pipeline's probe) read and broadcast it already; ``mesh``: the parameters become DTensors on it
-    (:func:`split_module`); ``layout_report``: how (dp, mp) was chosen, printed with the plan."""
-    lm = module
+    """Plan and split the LightningModule of ``first`` (the setup's record of the first step: its module, device,
+    precision plugin and dense run) in place over ``grid`` (collective over the world); a meta model's parameters
+    named in ``free`` are freed right after their initialisation (a pipeline's other stages); ``mesh``: the
+    parameters become DTensors on it (:func:`split_module`); ``layout_report``: how (dp, mp) was chosen, printed with
+    the plan."""
+    lm, trainer = first.module, first.trainer
     validate.check_plan_at_setup(lm, plan_overrides, grid.mp, grid.rank)  # a configure_model model
-    batch, notes = (batch, []) if batch is not None else first_batch(trainer, lm, grid.rank)
-    run = step_runner(trainer, lm, plugin, device, batch, meta) if batch is not None else None
-    split = split_module(lm, grid, device, run, plan_overrides, verify, sequence_parallel, str(trainer.precision),
-                         trainer.state.fn == TrainerFn.FITTING, meta, notes, free, mesh)
+    recorded = first.dense()  # (the record's, when an earlier step, the layout choice or the stage cut, ran it)
+    split = split_module(lm, grid, first.device, first.runner(), plan_overrides, verify, sequence_parallel,
+                         str(trainer.precision), trainer.state.fn == TrainerFn.FITTING, first.meta, first.notes, free,
+                         mesh, recorded=recorded, synced=first.synced)
     applied, split_params = split.applied_plan, split.split_params
     if grid.rank == 0:
         validate.warn_if_mp_idle(len(split_params), grid.dp, grid.mp)

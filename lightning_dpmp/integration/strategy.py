@@ -38,6 +38,7 @@ from lightning_dpmp.integration import validate
 from lightning_dpmp.integration.autolayout import Request, check_memory, choose_layout
 from lightning_dpmp.integration.averaging import split_averaging_callbacks
 from lightning_dpmp.integration.data_path import trainer_of
+from lightning_dpmp.integration.firststep import FirstStep
 from lightning_dpmp.integration.grid_strategy import GridStrategy, check_mp_batch
 from lightning_dpmp.integration.guard import ConsistencyGuard
 from lightning_dpmp.integration.parallelize import ParallelConfig, Parallelized, parallelize, unparallelize
@@ -353,11 +354,13 @@ class DPMPStrategy(GridStrategy):
         meta = agree_on_meta(self.lightning_module, self.global_rank, self.root_device)
         if not meta:
             self.model_to_device()
+        # the first step, recorded once for everything below that plans from it (the batch, the dense run)
+        first = FirstStep(trainer, self.lightning_module, self.precision_plugin, self.root_device, self.global_rank,
+                          meta, stack_wanted=self._pp_auto or self._settings.pp > 1)
         if self.layout_pending:  # "auto" sizes: trace, measure, predict, then build the groups
-            self._choose_layout(trainer, meta)
+            self._choose_layout(first)
         elif fitting and not self.layout_report and self.world_size > 1:  # a given layout: refused if it won't fit
-            check_memory(trainer, self.lightning_module, self.precision_plugin, self.root_device, self.global_rank,
-                         self.topology, self.num_processes, meta, self._config.sequence_parallel)
+            check_memory(first, self.topology, self.num_processes, self._config.sequence_parallel)
         validate.check_mixed_precision(self._config.mixed_precision, self.zero, self.dp)  # (dp chosen by now)
         # No module-state sync from rank 0 outside fitting (DDPStrategy's): the split broadcast rank 0's dense
         # weights before splitting, and a sync now would overwrite each rank's MP shards with rank 0's.
@@ -365,7 +368,7 @@ class DPMPStrategy(GridStrategy):
             trainer, self.lightning_module, self.model, self.grid, self.root_device, self.precision_plugin,
             self._config, meta, mesh=lambda: self.device_mesh, ddp_kwargs=compat.ddp_kwargs(self),
             configure_ddp=self._configure_ddp_with, setup_optimizers=lambda: self._setup_optimizers(trainer),
-            layout_report=self.layout_report)
+            layout_report=self.layout_report, first=first)
         if self._parallel.optimizers is not None:  # fitting: over the split parameters (the ZeRO shards at zero >= 1)
             self.optimizers = self._parallel.optimizers
         if self.layout_report:
@@ -407,15 +410,15 @@ class DPMPStrategy(GridStrategy):
         self.setup_optimizers(trainer)
         return self.optimizers, self.lr_scheduler_configs
 
-    def _choose_layout(self, trainer: "pl.Trainer", meta: bool) -> None:
+    def _choose_layout(self, first: FirstStep) -> None:
+        trainer = first.trainer
         validate.check_plan_at_setup(self.lightning_module, None, 1, self.global_rank)  # e.g. compiled: no trace
         s, pipeline = self._settings, self._pipeline_args
         request = Request(dp=self._dp_arg, mp=self._mp_arg, pp="auto" if self._pp_auto else s.pp,
                           zero="auto" if self._zero_auto else s.zero, microbatches=pipeline.get("microbatches", -1),
                           schedule=pipeline.get("schedule", "1f1b"), stages_per_rank=pipeline.get("stages_per_rank", 1),
                           sequence_parallel=self._config.sequence_parallel)
-        choice = choose_layout(trainer, self.lightning_module, self.precision_plugin, self.root_device,
-                               self.global_rank, self.num_processes, self.num_nodes, meta, self._config.plan_overrides,
+        choice = choose_layout(first, self.num_processes, self.num_nodes, self._config.plan_overrides,
                                compat.layer_sync(self) is not None, request=request)
         lay = choice.layout
         self.set_layout(lay.dp, lay.mp, choice.text, keep=choice.measured, pp=lay.pp, zero=lay.zero)

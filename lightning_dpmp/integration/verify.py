@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dpmp.compat import tree_leaves
+from lightning_dpmp.integration.stepdata import isolated
 from lightning_dpmp.parallel.bridge import DTensorBridge, plain_value
 from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.comm import group_rank, group_size
@@ -35,6 +37,7 @@ from lightning_dpmp.planner.plan import Plan
 from lightning_dpmp.planner.trace import Trace, loss_of, trace_step
 
 __all__ = [
+    "DenseStep",
     "LowestFloat",
     "PlanVerificationError",
     "all_levels_failed",
@@ -43,6 +46,7 @@ __all__ = [
     "compare_grads",
     "dense_step",
     "fingerprint",
+    "record_dense",
     "step_loss",
     "tolerance",
     "world_worst",
@@ -136,6 +140,30 @@ def dense_step(
     if trace is not None:
         trace.result = None  # drop the graph
     return trace, (loss.detach() if loss is not None else None), grads, lowest.dtype
+
+
+@dataclass
+class DenseStep:
+    """One run of the step on the dense model: what :func:`record_dense` keeps (all empty without a batch)."""
+
+    trace: Optional[Trace] = None  # None: the step did not run outside the loop (``note`` says why)
+    loss: Optional[Tensor] = None  # detached; None: no scalar loss
+    grads: dict[str, Tensor] = field(default_factory=dict)  # parameter name -> dense gradient (a copy)
+    dtype: Optional[torch.dtype] = None  # the lowest floating dtype it computed in
+    note: str = ""  # why there is no trace, for the plan printout
+
+
+def record_dense(module: nn.Module, run: Callable[[], Any], training: bool) -> DenseStep:
+    """:func:`dense_step` of ``run`` with no side effect on ``module`` (:func:`isolated`: a manual-optimization step's
+    losses collected); a step that raises gives no trace and a note saying why. Outside ``training`` (an evaluation
+    step) a step that raised after a first pass keeps its partial trace."""
+    losses: list[Tensor] = []
+    try:
+        with isolated(module, losses):
+            trace, loss, grads, dtype = dense_step(module, run, losses, keep_partial=not training)
+    except Exception as exc:  # a step that cannot run outside the loop
+        return DenseStep(note=f"could not trace the step ({type(exc).__name__}: {exc})")
+    return DenseStep(trace, loss, grads, dtype)
 
 
 class _Locator:

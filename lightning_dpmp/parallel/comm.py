@@ -25,12 +25,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dpmp.compat import functional_collectives as funcol  # private torch module: see compat
 
 __all__ = [
     "all_reduce_grads",
+    "broadcast_dense",
     "all_reduce_sum",
     "copy_to_group",
     "gather_from_group",
@@ -56,6 +57,15 @@ def group_rank(group: Optional[Any]) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
+
+
+def broadcast_dense(module: nn.Module) -> None:
+    """Every rank takes rank 0's parameters and buffers of ``module`` (collective over the world; meta tensors are
+    skipped), so that unseeded runs start from one dense model."""
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t.device.type != "meta":
+                dist.broadcast(t.data, src=0)
 
 
 def all_reduce_sum(tensor: Tensor, group: Optional[Any]) -> Tensor:

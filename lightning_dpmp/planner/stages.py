@@ -209,9 +209,14 @@ class _Watch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        with compat.unwatched():  # (a trace watching the same step records the step's ops, not these)
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         fname = getattr(func, "__name__", str(func))
         if fname in _NOT_READS:
-            return out
+            return
         leaves, _ = compat.tree_flatten((args, kwargs))
         for leaf in leaves:
             if isinstance(leaf, Tensor):
@@ -228,7 +233,15 @@ class _Watch(TorchFunctionMode):
         for leaf in compat.tree_flatten(out)[0]:
             if isinstance(leaf, Tensor) and self.source(leaf) is None:
                 self.mark(leaf, self.region)
-        return out
+
+
+def _unwatched(hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook`` run with torch functions unseen by any mode: the probe's bookkeeping, not the step's ops."""
+    def run(*args: Any, **kwargs: Any) -> None:
+        with compat.unwatched():
+            hook(*args, **kwargs)
+
+    return run
 
 
 def _stream_of(args: tuple, kwargs: dict, where: Union[int, str, None]) -> tuple[Union[int, str], Any]:
@@ -261,6 +274,7 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
     info: dict[str, Any] = {"stream": None, "arity": None, "shape": None, "dtype": None}
     problems: list[str] = []
 
+    @_unwatched
     def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         i = index[id(mod)]
         calls.append(i)
@@ -276,6 +290,7 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
         watch.allowed = {id(value)} if isinstance(value, Tensor) else set()
         watch.region = i
 
+    @_unwatched
     def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         i = index[id(mod)]
         arity = 0 if isinstance(out, Tensor) else len(out) if isinstance(out, (tuple, list)) else -1
@@ -298,6 +313,7 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
     pre_modules: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
     open_pre = watch.open_pre
 
+    @_unwatched
     def any_pre(mod: nn.Module, args: tuple) -> None:
         name = module_names.get(id(mod))
         if (watch.region == PRE and name is not None and name not in around and not open_pre
@@ -306,6 +322,7 @@ def probe_stack(module: nn.Module, run_step: Callable[[], Any], batch_size: int)
             open_pre.append(name)
             pre_modules[name] = (tuple(first.shape) if first is not None else (), (), torch.float32)
 
+    @_unwatched
     def any_post(mod: nn.Module, args: tuple, out: Any) -> None:
         name = module_names.get(id(mod))
         if open_pre and name == open_pre[-1]:

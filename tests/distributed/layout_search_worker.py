@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 import lightning_dpmp.integration.autolayout as autolayout  # noqa: E402
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.planner.cost import Links  # noqa: E402
+from tests.distributed.pipeline_worker import SetupSteps  # noqa: E402
 from tests.support.models import build  # noqa: E402
 
 SEED, STEPS, PER_RANK_BATCH, MODEL = 0, 6, 4, "gpt4"
@@ -65,14 +66,15 @@ def fit(case: str, out: Path) -> dict:
     L.seed_everything(SEED, workers=True)
     model, dataset = build(MODEL)
     strategy = DPMPStrategy(dp="auto", mp="auto", pp="auto", zero="auto", timeout=timedelta(minutes=2))
-    record = Record(out)
+    record, setup_steps = Record(out), SetupSteps()
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, precision="64-true", max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[record])
+                        enable_model_summary=False, callbacks=[record, setup_steps])
     pending = strategy.layout_pending
     trainer.fit(model, DataLoader(dataset, batch_size=PER_RANK_BATCH))
     trainer.save_checkpoint(str(out / f"{case}.ckpt"))
-    return {"pending_before_fit": pending, "calls": calls, **record.seen, "report": strategy.layout_report}
+    return {"pending_before_fit": pending, "calls": calls, **record.seen, "report": strategy.layout_report,
+            "setup_steps": setup_steps.count}
 
 
 def choose(out: Path) -> None:

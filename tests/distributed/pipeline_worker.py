@@ -35,11 +35,29 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
+from lightning_dpmp.parallel.compiled import repeated_blocks  # noqa: E402
 from tests.distributed.checkpoint_worker import SaveAtTrainEnd  # noqa: E402
 from tests.distributed.parity_worker import CLIP, GLOBAL_BATCH, SEED, STEPS  # noqa: E402
 from tests.support.models import LMModule, build  # noqa: E402
 
 MICROBATCHES = 4  # of each DP rank's batch of GLOBAL_BATCH // dp rows: 4 micro-batches of 2 or 1 rows
+
+
+class SetupSteps(L.Callback):
+    """How many times the step ran at setup on this rank (issue 43 item 4): forwards of the first repeated block
+    between the callbacks' setup (before the strategy's) and ``on_train_start``."""
+
+    def __init__(self) -> None:
+        self.count, self.handle = 0, None
+
+    def setup(self, trainer, pl_module, stage):
+        block = repeated_blocks(pl_module)[0][1]
+        self.handle = block.register_forward_pre_hook(lambda *a: setattr(self, "count", self.count + 1))
+
+    def on_train_start(self, trainer, pl_module):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 class Counter(L.Callback):
@@ -86,11 +104,12 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
     name, schedule, *extra = spec.split(":")
     L.seed_everything(SEED, workers=True)
     model, dataset = build(name)
-    counter = Counter()
+    counter, setup_steps = Counter(), SetupSteps()
     v = int(extra[0]) if extra and extra[0].isdigit() else 1
     accumulate = 2 if "acc2" in extra else 1
     zero = next((int(e[1:]) for e in extra if e.startswith("z")), 0)
-    trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter], schedule, v, guard=5 if "guard" in extra else 0,
+    trainer = make_trainer(dp, pp, mp, STEPS, precision, [counter, setup_steps], schedule, v,
+                           guard=5 if "guard" in extra else 0,
                            compile="compile" in extra, zero=zero, sequence_parallel="sp" in extra,
                            accumulate_grad_batches=accumulate, reshard_after_forward="keep" not in extra,
                            # fp32: computed in float32 with float64 masters and float64 reductions
@@ -106,7 +125,7 @@ def run(dp: int, pp: int, mp: int, precision: str, out: str, spec: str) -> dict:
             "analytic_all_reduce": analytic["forward"]["all_reduce"] + analytic["backward"]["all_reduce"],
             "analytic": analytic,
             "grid": [strategy.grid.dp_rank, strategy.grid.pp_rank, strategy.grid.mp_rank],
-            "compiled_blocks": counter.compiled_blocks,
+            "compiled_blocks": counter.compiled_blocks, "setup_steps": setup_steps.count,
             "memory": counter.memory, "freed": strategy.pipeline.memory_freed() if strategy.pipeline else 0,
             "dense_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 

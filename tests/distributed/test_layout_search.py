@@ -51,6 +51,10 @@ def test_the_choice_is_one_layout_on_every_rank_printed_once_and_trains_right(la
         dp, pp, mp, zero = res["layout"]
         assert res["pending_before_fit"] and not res["pending"]
         assert res["grid"] == [dp, pp, mp] and res["sampler"] == dp
+        # issue 43 item 4: one dense run (trace, loss, gradients and, pp being "auto", the stage probe) and the
+        # estimator's profile (its own run: it stands in for attention), then the plan's verification when mp > 1;
+        # 3 (pp = 1) or 4 (pp > 1) runs before the record, plus the verification
+        assert res["setup_steps"] == 2 + (mp > 1), (case, res["setup_steps"])
         assert f"chose dp={dp}" in res["report"] and HEADER in res["report"]
         chosen = next(line for line in res["report"].splitlines() if line.lstrip().startswith("->"))
         assert chosen.split()[1:5] == [str(dp), str(pp), str(mp), str(zero)], chosen  # the first ranked row

@@ -155,6 +155,15 @@ def test_plan_printout_names_stages_and_bubble(runs):
         "plan_text"]
 
 
+@pytest.mark.slow
+def test_the_first_step_runs_once_at_setup(runs):
+    """Issue 43 item 4: the stage cut's probe rides on the plan's dense run (one record of the first step), so with
+    mp=1 (nothing to verify) every rank runs the step once at setup; it ran twice before (probe, then trace)."""
+    _, ranks = runs((1, 2, 1))
+    for rank in ranks:
+        assert {tag: res["setup_steps"] for tag, res in rank.items()} == {tag: 1 for tag in rank}
+
+
 def _fit_one_process(steps: int, ckpt=None, save=None) -> None:
     L.seed_everything(PW.SEED, workers=True)
     model, dataset = build("gpt")

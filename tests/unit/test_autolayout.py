@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lightning_dpmp import DPMPStrategy
-from lightning_dpmp.integration.autolayout import candidate_layouts, profile_module
+from lightning_dpmp.integration.autolayout import candidate_layouts
+from lightning_dpmp.integration.firststep import estimator_profile
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.cost import LayoutCost, Links, model_cost, predict_layout, rank_layouts, ring_s
 from lightning_dpmp.planner.layout_search import candidates, estimator_precision, measured_device, rank
@@ -52,7 +53,7 @@ def test_model_cost_follows_the_plan(costs):
 def test_two_figures_two_choices():
     model, ds = build("resmlp")
     batch = ds[0:2]
-    prof, per_rank = profile_module(model, lambda: model.training_step(batch, 0), batch)
+    prof, per_rank = estimator_profile(model, lambda: model.training_step(batch, 0), batch)
     specs, _ = candidates(prof, 4, per_rank, pp=1, zero=0)
     rows = {}
     for name, links in (("latency", SLOW_MESSAGES), ("bandwidth", SLOW_BYTES)):
@@ -122,9 +123,9 @@ def test_no_trace_falls_back_to_todays_rule(monkeypatch):
     import lightning_dpmp.integration.autolayout as autolayout
 
     monkeypatch.setattr(autolayout, "_trace", lambda *a: (None, None))
-    choice = autolayout.choose_layout(object(), None, None, torch.device("cpu"), 0, num_processes=4, num_nodes=1,
-                                      meta=False, plan_overrides=PlanOverrides())
+    choice = autolayout.choose_layout(object(), num_processes=4, num_nodes=1,
+                                      plan_overrides=PlanOverrides())
     assert choice.layout == Topology(dp=1, mp=4) and not choice.measured
     assert "fell back to dp = nodes, mp = devices per node" in choice.text
-    one = autolayout.choose_layout(None, None, None, torch.device("cpu"), 0, 1, 1, False, None)
+    one = autolayout.choose_layout(None, 1, 1, None)
     assert one.layout == Topology()

@@ -55,6 +55,25 @@ def test_disable_torch_function_subclass() -> None:
     assert calls and type(out) is torch.Tensor, "torch._C.DisableTorchFunctionSubclass no longer returns plain tensors"
 
 
+def test_unwatched_hides_calls_from_torch_function_modes() -> None:
+    """unwatched (torch._C.DisableTorchFunction): a pipeline probe's bookkeeping inside a trace of the same step."""
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[str] = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2, 3)
+    with Seen():
+        y = x + 1
+        with compat.unwatched():
+            assert tuple(y.shape) == (2, 3) and y.size(0) == 2 and torch.equal(y * 2, torch.full((2, 3), 4.0))
+    assert seen == ["add"], seen  # the addition only
+
+
 def test_tensor_version_counts_in_place_ops() -> None:
     x = torch.zeros(2)
     v = compat.tensor_version(x)

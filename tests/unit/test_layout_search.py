@@ -137,11 +137,11 @@ def test_without_a_trace_auto_sizes_fall_back(monkeypatch):
 
     monkeypatch.setattr(autolayout, "_trace", lambda *a: (None, None))
     req = autolayout.Request(dp="auto", mp="auto", pp="auto", zero="auto")
-    choice = autolayout.choose_layout(object(), None, None, torch.device("cpu"), 0, num_processes=4, num_nodes=1,
-                                      meta=False, plan_overrides=None, request=req)
+    choice = autolayout.choose_layout(object(), num_processes=4, num_nodes=1,
+                                      plan_overrides=None, request=req)
     assert choice.layout == Topology(dp=1, mp=4) and not choice.measured
     req = autolayout.Request(dp=2, mp="auto", pp=2, zero="auto", schedule="gpipe")
-    choice = autolayout.choose_layout(object(), None, None, torch.device("cpu"), 0, 4, 1, False, None, request=req)
+    choice = autolayout.choose_layout(object(), 4, 1, None, request=req)
     assert choice.layout == Topology(dp=2, pp=2, schedule="gpipe")
 
 

@@ -47,7 +47,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, dp: int, mp: int, zero: int, fn: Train
     plan = SimpleNamespace(conditional=conditional, text="plan")
     split = Split(applied_plan=plan, rng=None, partial_grads=[], split_params={id(module.weight)})  # type: ignore
     engine = _Engine(shard, zero)
-    grid = SimpleNamespace(dp=dp, mp=mp, pp=1, dp_group="dp", mp_group="mp",
+    grid = SimpleNamespace(dp=dp, mp=mp, pp=1, rank=0, dp_group="dp", mp_group="mp",
                            topology=Topology(dp=dp, mp=mp, zero=zero))
     optimizers: list[Any] = []
 
