@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 
 from lightning_dpmp import DPMPStrategy
 from lightning_dpmp.integration.autolayout import candidate_layouts
