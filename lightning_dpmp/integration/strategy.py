@@ -458,9 +458,7 @@ class DPMPStrategy(GridStrategy):
     def _leave_bridge(self) -> None:
         if self._parallel is None or self._parallel.bridge is None:
             return
-        bridge = self._parallel.bridge
-        if compat.current_function_mode() is bridge:
-            bridge.__exit__(None, None, None)
+        self._parallel.bridge.leave()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now: ``parameters``, ``gradients``, ``optimizer_state``, ``buffers``, counted from
@@ -596,8 +594,8 @@ class DPMPStrategy(GridStrategy):
     @override
     def teardown(self) -> None:
         if self._parallel is not None:
+            self._parallel.leave_reader()  # (innermost: the bridge is on top only once it is gone)
             self._leave_bridge()
-            self._parallel.leave_reader()
             self.optimizers = unparallelize(self.lightning_module, self.optimizers, self.lr_scheduler_configs,
                                             self.grid, self._parallel, self._consolidate_on_teardown, self._failed)
         optimizers = self.optimizers

@@ -69,6 +69,7 @@ def _check_logged(ranks: list[dict], reference: dict, spec: str) -> None:
             assert _max_diff(got["logged"][key], ref["logged"][key]) < 1e-8, (spec, key)
         assert abs(got["state_sq"] - ref["state_sq"]) < 1e-8 * ref["state_sq"]
         assert got["summary"] == ref["summary"]  # ModelSummary counts the dense model's parameters
+        assert got["mode_left"] is None  # no mode of the strategy outlives its teardown (the next fit would trace it)
         assert got["histograms"].keys() == ref["histograms"].keys()
         for name, histo in got["histograms"].items():
             assert max(abs(a - b) for a, b in zip(histo, ref["histograms"][name])) < 1e-8, name

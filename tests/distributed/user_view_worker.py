@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import grad_norm  # noqa: E402
 from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_dpmp import DPMPStrategy, PlanFallbackWarning  # noqa: E402
+from lightning_dpmp import DPMPStrategy, PlanFallbackWarning, compat  # noqa: E402
 from tests.support.models import LMModule, build, reference_loader  # noqa: E402
 
 GLOBAL_BATCH, STEPS, SEED, L2, CLIP = 8, 10, 0, 1e-3, 0.3
@@ -114,6 +114,7 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
             loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp)
         trainer.fit(model, loader)
         plan = trainer.strategy.applied_plan.text if dp * mp > 1 else ""
+    left = compat.current_function_mode()  # the strategy's modes are gone with its teardown
     weights = {}
     if trainer.global_rank == 0:  # consolidate_on_teardown="rank0": rank 0 holds the plain model
         weights = {k: v.double().reshape(-1).tolist() for k, v in model.state_dict().items()}
@@ -121,6 +122,7 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
         "logged": watch.logged, "histograms": watch.histograms, "state_sq": watch.state_sq, "weights": weights,
         "summary": watch.summary, "plan": plan,
         "fallback": [str(w.message) for w in caught if issubclass(w.category, PlanFallbackWarning)],
+        "mode_left": type(left).__name__ if left is not None else None,
     }
 
 
