@@ -233,7 +233,7 @@ class Parallelized:
         params = self.params
         engine = self.engine
         if engine is not None:  # the engine reduced them already; user code sees them when it reads them
-            if self.grads is not None and (engine.sync or engine.level == 3 and engine.reshard_after_forward):
+            if self.grads is not None and engine.reduces_now:
                 with self._bridge_aside():  # (our own views of the buffers: nothing to gather)
                     self.grads.attach()
             return
@@ -308,12 +308,7 @@ class Parallelized:
     def _grad_of(self, p: nn.Parameter, view: Tensor) -> Tensor:
         """The gradient user code reads of the engine's parameter ``p``, from a view of its values: a DTensor with
         the placements of ``p``'s DTensor form, or the view."""
-        if self.params is None:
-            return view
-        d = self.params.dtensor(p)
-        assert isinstance(d, DTensor)
-        return DTensor.from_local(view, d.device_mesh, d.placements, run_check=False, shape=d.shape,
-                                  stride=d.stride())
+        return view if self.params is None else self.params.like(p, view)
 
     @contextmanager
     def _current_values(self, tensors: list[Tensor]) -> Iterator[list[Tensor]]:
@@ -329,9 +324,7 @@ class Parallelized:
         assert self.engine is not None
         params = self.params
         if params is not None and params.owns(param):
-            if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-                grad = grad.redistribute(grad.device_mesh, param.placements)
-            param, grad = params.local(param), local_tensor(grad)
+            param, grad = params.local_grad(param, grad)
         self.engine.accumulate(param, grad)  # type: ignore[arg-type]  # (a module parameter)
 
     def _value_of(self, t: Tensor) -> Tensor:
@@ -339,10 +332,7 @@ class Parallelized:
         if params is None or not params.owns(t):
             return t.detach()
         loc = params.local(t)
-        if t is loc or not isinstance(t, DTensor):
-            return loc.detach()
-        return DTensor.from_local(loc.detach(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        return loc.detach() if t is loc or not isinstance(t, DTensor) else params.like(t, loc.detach())
 
     @contextmanager
     def optimizer_update(self, optimizer: Any) -> Iterator[None]:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_dpmp.parallel.modes import AsideMode
+from lightning_dpmp.parallel.modes import AsideMode, writes_in_place
 
 __all__ = ["DTensorBridge", "plain_value"]
 
@@ -46,8 +46,6 @@ _READS = {
     Tensor.item, Tensor.tolist, Tensor.numpy, Tensor.__float__, Tensor.__int__, Tensor.__bool__, Tensor.__index__,
     Tensor.__array__, Tensor.__complex__, Tensor.__format__,
 }
-_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-                       "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
 
 
@@ -128,7 +126,7 @@ class DTensorBridge(AsideMode):
         first = args[0] if args else None
         name = getattr(func, "__name__", "")
         if isinstance(first, Tensor) and not isinstance(first, DTensor) and (
-                name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_OPERATORS):
+                writes_in_place(name)):
             # an in-place op on a plain tensor: it stays plain and takes the full values
             return func(first, *_full(args[1:]), **{k: _full(v) for k, v in kwargs.items()})
         if _has_plain(args, kwargs):

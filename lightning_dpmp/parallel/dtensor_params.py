@@ -207,13 +207,7 @@ class DTensorParams:
         storage (the engine made it a view of a flat buffer). A gradient that reaches a DTensor parameter (user code
         read it outside the layers: an L2 term in ``training_step``) is handed to ``accumulate(local, grad)``."""
         self._on_locals = True
-        rebuilt = []
-        for loc, d in zip(self.locals, self.dtensors):
-            spec = d.data
-            placements = spec.placements if isinstance(spec, DTensor) else [Replicate()] * self.mesh.ndim
-            new = DTensor.from_local(loc.detach(), self.mesh, placements, run_check=False, shape=d.shape,
-                                     stride=d.stride())
-            rebuilt.append(nn.Parameter(new, requires_grad=loc.requires_grad))
+        rebuilt = [nn.Parameter(self.like(loc, loc.detach()), requires_grad=loc.requires_grad) for loc in self.locals]
         self._index = {k: v for k, v in self._index.items() if k in {id(p) for p in self.locals}}
         for i, d in enumerate(rebuilt):
             self._index[id(d)] = i
@@ -226,11 +220,26 @@ class DTensorParams:
         def hook(d: Tensor) -> None:
             g = d.grad
             d.grad = None
-            if isinstance(g, DTensor) and isinstance(d, DTensor) and tuple(g.placements) != tuple(d.placements):
-                g = g.redistribute(g.device_mesh, d.placements)  # (a Partial sum from a replicated term: settled)
             if g is not None:
-                accumulate(self.locals[i], local_tensor(g))
+                accumulate(*self.local_grad(d, g))
         return hook
+
+    def like(self, p: Tensor, local: Tensor) -> Tensor:
+        """A DTensor laid out as ``p``'s DTensor form (either form given: mesh, placements, shape, stride) over
+        ``local``, this rank's part: a value or a gradient of ``p`` built from local storage."""
+        d = self.dtensor(p)
+        spec = d.data
+        placements = spec.placements if isinstance(spec, DTensor) else [Replicate()] * self.mesh.ndim
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=d.shape, stride=d.stride())
+
+    def local_grad(self, p: Tensor, grad: Tensor) -> tuple[nn.Parameter, Tensor]:
+        """``p``'s local Parameter and this rank's part of ``grad``, a gradient of ``p``'s DTensor form (one in
+        other placements, a Partial sum from a replicated term, is settled into ``p``'s first)."""
+        d = self.dtensor(p)
+        spec = d.data
+        if isinstance(grad, DTensor) and isinstance(spec, DTensor) and tuple(grad.placements) != tuple(spec.placements):
+            grad = grad.redistribute(grad.device_mesh, spec.placements)
+        return self.local(p), local_tensor(grad)
 
     def set_modes(self, on_enter: Optional[Callable[[], object]], on_exit: Optional[Callable[[], object]]) -> None:
         """What the outermost module's forward calls when it starts and ends (the modes user code runs under step
@@ -371,10 +380,8 @@ class DTensorParams:
                 continue
             if isinstance(current, DTensor) and current._local_tensor is g:
                 continue  # (reduced in place: it wraps it already; reading d.data would build a DTensor each time)
-            spec = d.data
-            if isinstance(spec, DTensor):
-                d.grad = DTensor.from_local(g, spec.device_mesh, spec.placements, run_check=False, shape=d.shape,
-                                            stride=d.stride())
+            if isinstance(d.data, DTensor):
+                d.grad = self.like(d, g)
 
     def step_locals(self, optimizer: Any) -> None:
         """Point ``optimizer`` at the local parameters of the DTensor ones it was given (its param groups and any

@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_dpmp.parallel.modes import AsideMode
+from lightning_dpmp.parallel.modes import AsideMode, writes_in_place
 
 __all__ = ["GatherOnRead", "GradReads", "outermost_forward_hooks"]
 
@@ -123,11 +123,7 @@ class GradReads(Protocol):
 
 
 def _writes(name: str) -> bool:
-    return name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_OPERATORS
-
-
-_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-                       "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+    return writes_in_place(name) or name == "__setitem__"  # (``grad[mask] = 0`` writes too)
 
 
 class GatherOnRead(AsideMode):

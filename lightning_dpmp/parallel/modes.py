@@ -23,7 +23,22 @@ from torch.overrides import TorchFunctionMode
 
 import lightning_dpmp.compat as compat
 
-__all__ = ["AsideMode"]
+__all__ = ["AsideMode", "writes_in_place"]
+
+# Python's in-place operators, as a TorchFunctionMode sees them (``+=`` on a tensor)
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                       "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def writes_in_place(name: str) -> bool:
+    """Whether the torch call named ``name`` writes into its first argument: an ``op_`` method or an in-place
+    operator (what both modes user code runs under must tell apart from reads).
+
+    Example:
+        >>> writes_in_place("mul_"), writes_in_place("__iadd__"), writes_in_place("mul"), writes_in_place("__add__")
+        (True, True, False, False)
+    """
+    return name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_OPERATORS
 
 
 class AsideMode(TorchFunctionMode):

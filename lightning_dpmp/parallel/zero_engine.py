@@ -372,6 +372,12 @@ class ZeroEngine:
                 self._free(u)  # every backward use of these parameters has run
         return reached
 
+    @property
+    def reduces_now(self) -> bool:
+        """Whether a backward now ends with the gradients reduce-scattered into the shards (not a micro-batch that
+        accumulates locally, nor zero=3 keeping them whole to the synchronised end)."""
+        return self.sync or self.level == 3 and not self._holding()
+
     def _holding(self) -> bool:
         """zero=3 with ``reshard_after_forward=False`` while accumulating: units stay gathered, gradients whole."""
         return self.level == 3 and not self.reshard_after_forward and not self.sync

@@ -129,8 +129,3 @@ class ShardedGrads:
             lo, hi = b.layout.owned(b.rank)
             with torch.no_grad():
                 b.shard.grad.copy_(self._buffers[id(b)][lo:hi])
-
-    @property
-    def buckets_current(self) -> int:
-        """How many buckets were gathered since the last backward (what reads cost this step)."""
-        return len(self._current)

@@ -48,21 +48,15 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((abs(a[k] - b[k]) for k in a), default=math.inf)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
-def test_logged_values_equal_one_process_on_every_rank(ranks22, reference, case):
-    _check_logged(ranks22, reference, case)
+# (launch fixture, the case's key in its results): zero=0 in one launch, zero 1-3 in the other
+RUNS = [("ranks22", case) for case in CASES] + [("ranks22_zero", spec) for spec in ZEROS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ZEROS)
-def test_under_zero_logged_values_equal_one_process_on_every_rank(ranks22_zero, reference, spec):
-    _check_logged(ranks22_zero, reference, spec)
-
-
-def _check_logged(ranks: list[dict], reference: dict, spec: str) -> None:
+@pytest.mark.parametrize("launch,spec", RUNS)
+def test_logged_values_equal_one_process_on_every_rank(request, reference, launch, spec):
     ref = reference[spec.split(":")[0]]
-    for rank in ranks:
+    for rank in request.getfixturevalue(launch):
         got = rank[spec]
         for key in LOGGED:
             assert len(got["logged"][key]) == STEPS, (key, got["logged"][key])
@@ -76,19 +70,9 @@ def _check_logged(ranks: list[dict], reference: dict, spec: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
-def test_weights_equal_one_process(ranks22, reference, case):
-    _check_weights(ranks22, reference, case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", ZEROS)
-def test_under_zero_weights_equal_one_process(ranks22_zero, reference, spec):
-    _check_weights(ranks22_zero, reference, spec)
-
-
-def _check_weights(ranks: list[dict], reference: dict, spec: str) -> None:
-    got, ref = ranks[0][spec]["weights"], reference[spec.split(":")[0]]["weights"]
+@pytest.mark.parametrize("launch,spec", RUNS)
+def test_weights_equal_one_process(request, reference, launch, spec):
+    got, ref = request.getfixturevalue(launch)[0][spec]["weights"], reference[spec.split(":")[0]]["weights"]
     assert got.keys() == ref.keys()
     assert max(max(abs(a - b) for a, b in zip(got[k], ref[k])) for k in ref) < 1e-8
 
