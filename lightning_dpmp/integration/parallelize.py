@@ -104,6 +104,7 @@ from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.recompute import uncheckpoint_blocks
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
+from lightning_dpmp.parallel.staged_grads import StagedGrads
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine, find_units
 from lightning_dpmp.parallel.zero_grads import ShardedGrads, storage_key
@@ -175,6 +176,9 @@ class Parallelized:
     optimizers: Optional[list[Any]] = None
     # zero >= 1 without a pipeline: the engine's sharded gradients as the parameters' .grad, gathered on first read
     grads: Optional[ShardedGrads] = None
+    # a pipeline without ZeRO: the other stages' gradients as .grad, brought from their owner on first read
+    staged: Optional[StagedGrads] = None
+    _pipeline_reduced: bool = False  # finish_backward ran the pipeline's reductions of this step's closure
     _reader_hooks: list[Any] = field(default_factory=list)
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
     _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
@@ -187,7 +191,7 @@ class Parallelized:
         # a pipeline's PP and DP reductions (under ZeRO the engine's reduce-scatter), then the partial sums (a LoRA A
         # inside a column region): both linear
         if self.pipeline is not None:
-            closure = _then(closure, self.pipeline.reduce_grads)
+            closure = _then(closure, self._reduce_pipeline)
         if self.engine is not None:
             return then_finish_zero(closure, self.engine, self.mp_group)
         if not self.partial_grads:
@@ -195,6 +199,15 @@ class Parallelized:
         mine = {id(p) for p in stepped}
         partial = [p for p in self.partial_grads if id(p) in mine]
         return hooks.then_sum_partial(closure, partial, self.mp_group) if partial else closure
+
+    def _reduce_pipeline(self) -> None:
+        """The pipeline's PP and DP reductions after the closure, unless :meth:`finish_backward` ran them already
+        (before ``on_after_backward``, so that user code there reads reduced gradients)."""
+        if self._pipeline_reduced:
+            self._pipeline_reduced = False
+            return
+        assert self.pipeline is not None
+        self.pipeline.reduce_grads()
 
     def after_step(self) -> None:
         """After the optimizer step: ZeRO gathers the updated parameters (zero=1/2) or frees them (zero=3)."""
@@ -206,7 +219,7 @@ class Parallelized:
         ``None`` otherwise, where DDP's own ``no_sync`` applies."""
         if self.engine is not None:
             return self.engine.no_sync()
-        return self._no_dp_sync() if self.params is not None else None
+        return self._no_dp_sync() if self.params is not None or self.pipeline is not None else None
 
     @contextmanager
     def _no_dp_sync(self) -> Iterator[None]:
@@ -219,6 +232,8 @@ class Parallelized:
     def start_backward(self) -> None:
         """Before each backward: DTensor gradients whose local ones an optimizer's ``zero_grad`` cleared are
         cleared too, and under ZeRO the last step's gradient views go (the backward would accumulate into them)."""
+        if self.staged is not None:
+            self.staged.clear()
         if self.grads is not None:
             with self._bridge_aside():
                 self.grads.clear()
@@ -226,12 +241,34 @@ class Parallelized:
             with self._bridge_aside():
                 self.params.clear_stale_grads()
 
+    def start_schedule(self) -> None:
+        """Before a pipeline's schedule (forward and backward inside ``training_step``): the gradients user code was
+        shown go (the other stages' copies; the DTensor forms, into which the schedule's backward of a read outside
+        the layers, an L2 term, would otherwise accumulate), the local ones stay."""
+        if self.staged is not None:
+            self.staged.clear()
+        if self.params is not None:
+            self.params.forget_grads()
+
     def finish_backward(self) -> None:
         """After each backward, before Lightning's ``on_after_backward``: with DTensor parameters, the DP average of
         the gradients (one flat all-reduce per dtype; not while accumulating), and the local parameters the
         optimizer steps take the gradients (the same storage)."""
         params = self.params
         engine = self.engine
+        pipeline = self.pipeline
+        if pipeline is not None and engine is None:
+            # the schedule's gradients (added by the strategy's backward) reduced over PP and DP now, not after
+            # the closure; the other stages' gradients readable (brought from their owners on a read)
+            with self._bridge_aside():
+                if not self._accumulating:
+                    pipeline.reduce_grads()
+                    self._pipeline_reduced = True
+                if params is not None:
+                    params.grads_from_local()
+                if self.staged is not None and not self._accumulating:
+                    self.staged.attach()
+            return
         if engine is not None:  # the engine reduced them already; user code sees them when it reads them
             if self.grads is not None and engine.reduces_now:
                 with self._bridge_aside():  # (our own views of the buffers: nothing to gather)
@@ -287,8 +324,15 @@ class Parallelized:
         inside the schedule are refused with the reason."""
         engine, pipeline, params = self.engine, self.pipeline, self.params
         if pipeline is not None:  # another stage's parameter from its owner (the schedule refuses reads)
-            watched = {id(p) for p in module.parameters()}
-            reader = GatherOnRead(watched, pipeline.fetches, pipeline.values_of, pipeline.refused_read)
+            watched = {id(p) for p in module.parameters()} | (
+                {id(p) for p in params.locals} if params is not None else set())
+            if engine is None:
+                grid = pipeline.grid
+                self.staged = StagedGrads([p for p in pipeline.params if id(p) in pipeline.staged_ids],
+                                          pipeline.owner, grid.pp_rank, grid.pp_group,
+                                          params.dtensor if params is not None else _same, self._grad_of)
+            reader = GatherOnRead(watched, self._pipeline_fetches, self._pipeline_values, pipeline.refused_read,
+                                  grads=self.staged)
             pipeline.quiet = reader.aside
         elif engine is not None:
             # the engine's gradients, read on demand; at zero=3 its parameters too, watched by their buffers'
@@ -304,6 +348,24 @@ class Parallelized:
             params.set_modes(self._modes_aside, self._modes_back)
         else:
             self._reader_hooks = outermost_forward_hooks(module, reader.step_aside, reader.step_back)
+
+    def _local_of(self, t: Tensor) -> Tensor:
+        params = self.params
+        return params.local(t) if params is not None and params.owns(t) else t
+
+    def _pipeline_fetches(self, t: Tensor) -> bool:
+        assert self.pipeline is not None
+        return self.pipeline.fetches(self._local_of(t))
+
+    @contextmanager
+    def _pipeline_values(self, tensors: list[Tensor]) -> Iterator[list[Tensor]]:
+        """Another stage's parameters from their owner: each rank receives its own MP shard, a DTensor parameter's
+        value a DTensor over it (so a norm of it is the dense one)."""
+        assert self.pipeline is not None
+        params = self.params
+        with self.pipeline.values_of([self._local_of(t) for t in tensors]) as values:
+            yield [params.like(t, v) if params is not None and isinstance(t, DTensor) and params.owns(t) else v
+                   for t, v in zip(tensors, values)]
 
     def _grad_of(self, p: nn.Parameter, view: Tensor) -> Tensor:
         """The gradient user code reads of the engine's parameter ``p``, from a view of its values: a DTensor with
@@ -352,10 +414,14 @@ class Parallelized:
                 assert closure is not None
                 out = closure()
                 aside.append(reader.step_aside())
+                if self.staged is not None:  # (the other stages' gradients: read by user code, not stepped here)
+                    self.staged.clear()
                 return out
 
             if closure is None:  # (a plugin that ran the closure itself: GradScaler's step)
                 aside.append(reader.step_aside())
+                if self.staged is not None:
+                    self.staged.clear()
             return step(closure=run if closure is not None else None, **kwargs)
 
         inner.step = stepped  # this call only: the instance attribute shadows the class's step
@@ -402,6 +468,11 @@ def _same(p: nn.Parameter) -> nn.Parameter:
     return p
 
 
+def _add_grad(p: nn.Parameter, grad: Tensor) -> None:
+    with torch.no_grad():
+        p.grad = grad.clone() if p.grad is None else p.grad.add_(grad)
+
+
 def _freed(t: Tensor) -> bool:
     return storage_freed(local_tensor(t))
 
@@ -430,9 +501,9 @@ def plan_and_split(first: FirstStep, grid: Any, config: ParallelConfig, mesh: Ca
 
 def distributes_parameters(topology: Topology, fitting: bool) -> bool:
     """Whether the split parameters become DTensors (:mod:`lightning_dpmp.parallel.dtensor_params`): with mp > 1
-    (with mp = 1 every parameter is whole, as one process holds it). Not yet under a pipeline or while the ZeRO
-    engine shards over DP: there the parameters stay the plain MP shards."""
-    return topology.mp > 1 and topology.pp == 1
+    (with mp = 1 every parameter is whole, as one process holds it). Not yet under a pipeline with ZeRO (pp > 1
+    and zero >= 1): there the parameters stay the plain MP shards."""
+    return topology.mp > 1 and (topology.pp == 1 or topology.zero == 0)
 
 
 def route_metrics(module: nn.Module, dp_group: Any) -> None:
@@ -588,9 +659,14 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
     compiled = compile_model(module, config.compile)
     engine = pipeline = None
     optimizers: Optional[list[Any]] = None
-    if profile is not None:  # the stages, over the split model
-        pipeline = Pipeline(module, profile, grid, device, first.batch,
-                            sequence_parallel=split.applied_plan.plan.sequence is not None)
+    if profile is not None:  # the stages, over the split model's plain local parameters
+        with split.params.local() if split.params is not None else nullcontext():
+            pipeline = Pipeline(module, profile, grid, device, first.batch,
+                                sequence_parallel=split.applied_plan.plan.sequence is not None)
+        if split.params is not None:
+            # the stages compute on, send, free and sync the local Parameters themselves; a gradient user code's
+            # read of a DTensor parameter gives (an L2 term on the last stage) joins its local one
+            split.params.compute_on_locals(_add_grad)
         split.applied_plan.text += "\n" + pipeline.text()
         rank_zero_info(pipeline.text())
     if fitting and config.activation_checkpointing is not None:
@@ -616,7 +692,8 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
                             engine, compiled, pipeline, split.params, split.bridge, optimizers=optimizers)
-    if split.params is not None and grid.dp > 1 and engine is None:  # DP averaged by the strategy (DDP's buckets)
+    if split.params is not None and grid.dp > 1 and engine is None and pipeline is None:
+        # DP averaged by the strategy (DDP's buckets); a pipeline averages its own
         parallel.dp_group = grid.dp_group
         parallel.dp_bucket_bytes = int((ddp_kwargs.get("bucket_cap_mb") or 25) * 2**20)
     parallel.watch_freed_reads(module)
@@ -637,6 +714,9 @@ def unparallelize(module: Optional[nn.Module], optimizers: list[Any], scheduler_
     if parallel.grads is not None:
         parallel.grads.clear()
         parallel.grads = None
+    if parallel.staged is not None:
+        parallel.staged.clear()
+        parallel.staged = None
     if parallel.params is not None:  # the plain shards for good: what the rest of the teardown gathers
         parallel.params.release()
         parallel.params = parallel.bridge = None  # a save after fit reads the module as teardown leaves it

@@ -50,6 +50,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 import lightning_dpmp.compat as compat
+from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
@@ -304,6 +305,7 @@ class Pipeline:
                 else:
                     out = module.training_step(mb, *args[1:], **step_kwargs)
             loss = out.get("loss") if isinstance(out, Mapping) else out
+            loss = plain_value(loss)  # (a loss built from DTensor parameters: an L2 term)
             if loss is None:
                 raise TypeError("under pipeline parallelism training_step must return the loss (a tensor, or a dict "
                                 "with 'loss'); returning None to skip a batch is not supported")
@@ -410,7 +412,10 @@ class Pipeline:
         """Whether user code reading ``param`` reads it from elsewhere: a parameter some stage does not read (from
         the stage that owns it, alike on every rank), or at zero=3 one whose storage is freed (gathered over DP)."""
         engine = self.engine
-        return id(param) in self.staged_ids or (engine is not None and engine.level == 3 and storage_freed(param))
+        freed = engine is not None and engine.level == 3 and storage_freed(param)
+        if self._scheduling:  # (each rank runs its own stages' step: what they read is here; the rest is refused)
+            return freed or (id(param) in self.staged_ids and id(param) not in self.local)
+        return id(param) in self.staged_ids or freed
 
     @contextmanager
     def values_of(self, params: Sequence[Tensor]) -> Iterator[list[Tensor]]:

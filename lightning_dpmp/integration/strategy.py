@@ -477,8 +477,9 @@ class DPMPStrategy(GridStrategy):
             pipeline = self.pipeline
             if pipeline is None:  # a loss built from DTensor parameters (an L2 term) becomes the plain loss
                 return apply_to_collection(super().training_step(*args, **kwargs), DTensor, plain_value)
-            assert self.lightning_module is not None
+            assert self.lightning_module is not None and self._parallel is not None
             trainer = self.lightning_module.trainer
+            self._parallel.start_schedule()
             return pipeline.training_step(self.lightning_module, args, kwargs, trainer.accumulate_grad_batches,
                                           self.optimizers, self.precision_plugin.train_step_context)
 
@@ -486,7 +487,8 @@ class DPMPStrategy(GridStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
                  ) -> torch.Tensor:
         parallel = self._parallel
-        if parallel is not None and (parallel.params is not None or parallel.grads is not None):
+        pipeline = self.pipeline
+        if pipeline is None and parallel is not None and (parallel.params is not None or parallel.grads is not None):
             # Lightning's order, with the DP average of the gradients between the backward and on_after_backward
             assert self.lightning_module is not None
             parallel.start_backward()
@@ -497,14 +499,16 @@ class DPMPStrategy(GridStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
             return closure_loss
-        if self.pipeline is None:
+        if pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # the schedule ran every micro-batch's backward inside training_step; its gradients land here, between
-        # the hooks that surround a backward
-        assert self.lightning_module is not None
+        # the hooks that surround a backward (and are reduced over PP and DP before on_after_backward)
+        assert self.lightning_module is not None and parallel is not None
+        parallel.start_backward()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.pipeline.apply_grads()
+        pipeline.apply_grads()
+        parallel.finish_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -26,6 +26,7 @@ Modules, one line each:
 * ``zero_shard``: ZeRO-2/3 flat-shard buffers, their DP slices and the optimizer over the slices.
 * ``zero_engine``: ZeRO-1/2/3's schedule: when buckets reduce-scatter gradients and gather parameters.
 * ``zero_grads``: ZeRO's sharded gradients as the parameters' ``.grad``, gathered over DP when user code reads them.
+* ``staged_grads``: other pipeline stages' gradients as the parameters' ``.grad``, brought from their owner on read.
 
 May import: torch. Never Lightning, torchmetrics, or any other ``lightning_dpmp`` subpackage. Every process group
 is passed in explicitly; nothing here holds module-level parallel state.

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_dpmp.parallel.comm import all_reduce_sum
+from lightning_dpmp.parallel.zero_shard import storage_freed
 
 __all__ = ["clip_grad_norm_", "grad_norm", "sync_partial_grads"]
 
@@ -59,7 +60,9 @@ def clip_grad_norm_(
     """Scale gradients in place so that their dense 2-norm is at most ``max_norm``; returns the norm before.
     ``dp_group``: the gradients are DP shards (ZeRO-2/3); ``pp_group``/``counted``: pipeline stages
     (:func:`grad_norm`)."""
-    params = [p for p in params if p.grad is not None]
+    # (a pipeline's other stages' gradients that user code may read are copies, freed unless read: not scaled here,
+    # their owners scale theirs)
+    params = [p for p in params if p.grad is not None and not storage_freed(p.grad)]
     total = grad_norm(params, split, group, dp_group, pp_group=pp_group, counted=counted)
     # Same formula as torch.nn.utils.clip_grad_norm_, so single-process and sharded runs clip alike.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -405,6 +405,13 @@ class DTensorParams:
             if loc.grad is None and d.grad is not None:
                 d.grad = None
 
+    def forget_grads(self) -> None:
+        """Drop the DTensor parameters' gradients, keeping the local ones: after :meth:`compute_on_locals` they are
+        only user code's view of the local gradients, and a backward about to run (a pipeline's schedule, before
+        Lightning's ``zero_grad``) would add its gradients to last step's there."""
+        for d in self.dtensors:
+            d.grad = None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear both forms' gradients (an optimizer over the local parameters cleared theirs)."""
         for loc, d in zip(self.locals, self.dtensors):

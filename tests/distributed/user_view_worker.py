@@ -110,7 +110,7 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
             loader = reference_loader(dataset, GLOBAL_BATCH, SEED)
         else:
             strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=3), **strategy_kwargs)
-            trainer = L.Trainer(devices=dp * mp, strategy=strategy, **kwargs)
+            trainer = L.Trainer(devices=dp * mp * strategy_kwargs.get("pp", 1), strategy=strategy, **kwargs)
             loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp)
         trainer.fit(model, loader)
         plan = trainer.strategy.applied_plan.text if dp * mp > 1 else ""
