@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -38,24 +39,30 @@ __all__ = ["agree_found_inf", "install", "remove", "then_sum_partial"]
 
 
 def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = None, pp_group: Any = None,
-            counted: Optional[set[int]] = None) -> None:
+            counted: Optional[set[int]] = None,
+            own_work: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
     """Shadow the plugin's ``clip_grad_by_norm`` on this instance with the global-norm clip; ``dp_group`` when
     the gradients are DP shards (ZeRO-2/3); ``pp_group`` and ``counted`` (the parameters this rank counts) with a
-    pipeline."""
+    pipeline. ``own_work``: the context the clip and the unscale run in, outside the modes user code runs under
+    (under a pipeline a read of this rank's own gradient there would start a broadcast the other stages, which
+    count their own, never join)."""
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val), split_params, group, dp_group,
-                        pp_group=pp_group, counted=counted)
+        with own_work():
+            clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val), split_params, group, dp_group,
+                            pp_group=pp_group, counted=counted)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and hasattr(scaler, "unscale_"):
-        agree_found_inf(scaler, None)
+        agree_found_inf(scaler, None, own_work)
 
 
-def agree_found_inf(scaler: Any, group: Optional[Any]) -> None:
+def agree_found_inf(scaler: Any, group: Optional[Any],
+                    own_work: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
     """Shadow ``scaler.unscale_`` on the instance: after unscaling, the optimizer's ``found_inf`` is the MAX over
-    ``group`` (``None``: the world), in one all-reduce, so every rank skips or steps together.
+    ``group`` (``None``: the world), in one all-reduce, so every rank skips or steps together; the unscale runs
+    in ``own_work`` (see :func:`install`).
 
     Example:
         >>> scaler = torch.amp.GradScaler("cpu"); agree_found_inf(scaler, group)   # doctest: +SKIP
@@ -63,7 +70,8 @@ def agree_found_inf(scaler: Any, group: Optional[Any]) -> None:
     unscale = type(scaler).unscale_
 
     def unscale_(optimizer: Any) -> None:
-        unscale(scaler, optimizer)
+        with own_work():
+            unscale(scaler, optimizer)
         if not scaler.is_enabled():
             return
         found, device = compat.scaler_found_inf(scaler, optimizer)
@@ -80,13 +88,16 @@ def agree_found_inf(scaler: Any, group: Optional[Any]) -> None:
 
 
 def then_sum_partial(
-    closure: Callable[[], Any], params: Sequence[nn.Parameter], group: Any
+    closure: Callable[[], Any], params: Sequence[nn.Parameter], group: Any,
+    own_work: Callable[[], AbstractContextManager[None]] = nullcontext,
 ) -> Callable[[], Any]:
-    """``closure`` (the step's forward and backward), then the MP sum of ``params``' partial gradients."""
+    """``closure`` (the step's forward and backward), then the MP sum of ``params``' partial gradients, in
+    ``own_work`` (see :func:`install`)."""
 
     def run() -> Any:
         result = closure()
-        sync_partial_grads(list(params), group)
+        with own_work():
+            sync_partial_grads(list(params), group)
         return result
 
     return run

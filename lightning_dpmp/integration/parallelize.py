@@ -198,7 +198,15 @@ class Parallelized:
             return closure
         mine = {id(p) for p in stepped}
         partial = [p for p in self.partial_grads if id(p) in mine]
-        return hooks.then_sum_partial(closure, partial, self.mp_group) if partial else closure
+        if not partial:
+            return closure
+        closure = hooks.then_sum_partial(closure, partial, self.mp_group, own_work=self.modes_aside)
+        # (a copy of another stage's gradient read before the sum, in on_after_backward, is fetched again)
+        return _then(closure, self._staged_stale) if self.pipeline is not None else closure
+
+    def _staged_stale(self) -> None:
+        if self.staged is not None:
+            self.staged.stale()
 
     def _reduce_pipeline(self) -> None:
         """The pipeline's PP and DP reductions after the closure, unless :meth:`finish_backward` ran them already
@@ -235,10 +243,10 @@ class Parallelized:
         if self.staged is not None:
             self.staged.clear()
         if self.grads is not None:
-            with self._bridge_aside():
+            with self.modes_aside():
                 self.grads.clear()
         elif self.params is not None:
-            with self._bridge_aside():
+            with self.modes_aside():
                 self.params.clear_stale_grads()
 
     def start_schedule(self) -> None:
@@ -260,7 +268,7 @@ class Parallelized:
         if pipeline is not None and engine is None:
             # the schedule's gradients (added by the strategy's backward) reduced over PP and DP now, not after
             # the closure; the other stages' gradients readable (brought from their owners on a read)
-            with self._bridge_aside():
+            with self.modes_aside():
                 if not self._accumulating:
                     pipeline.reduce_grads()
                     self._pipeline_reduced = True
@@ -271,12 +279,12 @@ class Parallelized:
             return
         if engine is not None:  # the engine reduced them already; user code sees them when it reads them
             if self.grads is not None and engine.reduces_now:
-                with self._bridge_aside():  # (our own views of the buffers: nothing to gather)
+                with self.modes_aside():  # (our own views of the buffers: nothing to gather)
                     self.grads.attach()
             return
         if params is None:
             return
-        with self._bridge_aside():  # (our own work on the shards: no per-call pass through the bridge)
+        with self.modes_aside():  # (our own work on the shards: no per-call pass through the bridge)
             params.grads_to_local()
             if self.dp_group is not None and not self._accumulating:
                 # a parameter no DP rank used keeps None (an optimizer skips it, as on one process): one flag each;
@@ -286,7 +294,7 @@ class Parallelized:
                 params.grads_from_local()
 
     @contextmanager
-    def _bridge_aside(self) -> Iterator[None]:
+    def modes_aside(self) -> Iterator[None]:
         """The modes user code runs under stepped aside (the reader, innermost, first), for our own work."""
         self._modes_aside()
         try:
@@ -328,8 +336,10 @@ class Parallelized:
                 {id(p) for p in params.locals} if params is not None else set())
             if engine is None:
                 grid = pipeline.grid
-                self.staged = StagedGrads([p for p in pipeline.params if id(p) in pipeline.staged_ids],
-                                          pipeline.owner, grid.pp_rank, grid.pp_group,
+                staged = [p for p in pipeline.params if id(p) in pipeline.staged_ids]
+                self.staged = StagedGrads(staged, pipeline.owner,
+                                          {id(p) for p in staged if grid.pp_rank in pipeline.ranks[id(p)]},
+                                          grid.pp_rank, grid.pp_group,
                                           params.dtensor if params is not None else _same, self._grad_of)
             reader = GatherOnRead(watched, self._pipeline_fetches, self._pipeline_values, pipeline.refused_read,
                                   grads=self.staged)
@@ -625,7 +635,8 @@ def install_step_hooks(plugin: Any, parallel: Parallelized, dp_group: Any, pp_gr
     ``pp_group`` with a pipeline: each parameter counted on the rank that owns it) and ``found_inf`` agreed over
     the world, on the precision plugin's instance."""
     counted = parallel.pipeline.counted() if parallel.pipeline is not None else None
-    hooks.install(plugin, set(parallel.split_params), parallel.mp_group, dp_group, pp_group, counted)
+    hooks.install(plugin, set(parallel.split_params), parallel.mp_group, dp_group, pp_group, counted,
+                  own_work=parallel.modes_aside)
     parallel._hooked.append(plugin)
 
 

@@ -16,10 +16,12 @@ broadcast per (stage, dtype) and, for that step, the other stages' gradient byte
 
 An in-place write into such a copy (``clip_grad_norm_``) changes the copy only: the owner ran the same write on the
 same values into the gradient its optimizer steps. A parameter whose owner has no gradient (nothing reached it)
-reads as zeros elsewhere: its norm and its share of any sum are those of one process.
+reads as zeros on every rank (where one process shows ``None``): its norm and its share of any sum are those of one
+process. Those zeros are taken back before the optimizer steps, so it is not stepped, as one process would not.
 
 Example:
-    >>> grads = StagedGrads(staged, owner, pp_rank, pp_group, target=lambda p: p, wrap=lambda p, v: v)  # doctest: +SKIP
+    >>> grads = StagedGrads(staged, owner, held, pp_rank, pp_group, target=lambda p: p,  # doctest: +SKIP
+    ...                     wrap=lambda p, v: v)
     >>> grads.attach()       # after the PP/DP reduction: each parameter has a .grad (freed, here)  # doctest: +SKIP
     >>> grads.ensure([p.grad]); p.grad.norm()  # broadcast from its stage on the first read  # doctest: +SKIP
 """
@@ -57,6 +59,7 @@ class StagedGrads:
     Args:
         params: the parameters some PP rank does not read (plain local ones), in the same order on every PP rank.
         owner: ``id(param) -> `` the PP rank (group rank) that owns its trained gradient.
+        held: ``id`` of those of ``params`` this rank's stages read (their gradients are trained here).
         pp_rank: this rank's PP rank.
         pp_group: the PP process group.
         target: the parameter user code reads for one of ``params`` (its DTensor form, or itself).
@@ -64,32 +67,27 @@ class StagedGrads:
             the tensor itself).
     """
 
-    def __init__(self, params: list[nn.Parameter], owner: dict[int, int], pp_rank: int, pp_group: Any,
-                 target: Callable[[nn.Parameter], nn.Parameter],
+    def __init__(self, params: list[nn.Parameter], owner: dict[int, int], held: set[int], pp_rank: int,
+                 pp_group: Any, target: Callable[[nn.Parameter], nn.Parameter],
                  wrap: Callable[[nn.Parameter, Tensor], Tensor]) -> None:
         self.pp_rank, self.pp_group, self.target, self.wrap = pp_rank, pp_group, target, wrap
+        self.held = held | {id(p) for p in params if owner[id(p)] == pp_rank}
         by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
             if p.requires_grad:
                 by_key.setdefault((owner[id(p)], p.dtype), []).append(p)
         self.groups = [_Group(r, ps) for (r, _), ps in by_key.items()]
         self._by_storage: dict[int, _Group] = {}  # storage_key of a watched gradient -> its group
-        self._attached: list[tuple[nn.Parameter, Tensor]] = []  # (target, the gradient given to it) on non-owners
+        self._attached: list[tuple[nn.Parameter, Tensor]] = []  # (target, the gradient attach gave it)
 
     def attach(self) -> None:
-        """After a synchronised backward (the PP and DP reductions done): each parameter another rank owns gets a
-        ``.grad`` viewing its group's freed buffer, and this rank's own gradients of the groups are watched.
-        Collective-free."""
+        """After a synchronised backward (the PP and DP reductions done): each parameter this rank does not hold
+        gets a ``.grad`` viewing its group's freed buffer, and the gradients of those it holds (the owner's, and a
+        tied weight's on another stage that holds it too: equal after the PP sum) are watched. Collective-free."""
         self.clear()
         for g in self.groups:
-            if g.owner == self.pp_rank:
-                for p in g.params:
-                    grad = self.target(p).grad
-                    if grad is not None:
-                        self._by_storage[storage_key(grad)] = g
-                continue
-            if not g.grads:  # made once, while the buffer is allocated (no view of freed storage can be made)
-                p0 = g.params[0]
+            if g.owner != self.pp_rank and not g.grads:  # made once, while the buffer is allocated (no view of
+                p0 = g.params[0]                          # freed storage can be made)
                 buf = torch.empty(sum(p.numel() for p in g.params), dtype=p0.dtype, device=p0.device)
                 offsets, off = [], 0
                 for p in g.params:
@@ -98,12 +96,20 @@ class StagedGrads:
                 g.grads = [self.wrap(p, buf[o: o + p.numel()].view(p.shape)) for p, o in zip(g.params, offsets)]
                 buf.untyped_storage().resize_(0)
                 g.buffer = buf
-            assert g.buffer is not None
-            self._by_storage[storage_key(g.buffer)] = g
-            for p, grad in zip(g.params, g.grads):
+            if g.buffer is not None:
+                self._by_storage[storage_key(g.buffer)] = g
+            for i, p in enumerate(g.params):
                 t = self.target(p)
-                t.grad = grad
-                self._attached.append((t, grad))
+                if id(p) in self.held:  # its own gradient, which this rank steps
+                    if t.grad is None:
+                        # nothing reached it: zeros, as the ranks that do not hold it will read, so that a read
+                        # of it joins the broadcast they start (taken back before the optimizer steps)
+                        t.grad = self.wrap(p, torch.zeros(p.shape, dtype=p.dtype, device=p.device))
+                        self._attached.append((t, t.grad))
+                    self._by_storage[storage_key(t.grad)] = g
+                else:
+                    t.grad = g.grads[i]
+                    self._attached.append((t, t.grad))
 
     def clear(self) -> None:
         """Take back the gradients :meth:`attach` gave (those user code did not replace) and free the buffers."""
@@ -111,11 +117,16 @@ class StagedGrads:
             if t.grad is grad:
                 t.grad = None
         self._attached.clear()
+        self.stale()
+        self._by_storage.clear()
+
+    def stale(self) -> None:
+        """The owners' gradients changed after copies were read (the MP sum of partial gradients): the next read
+        of a group fetches it again. Collective-free; the same on every PP rank."""
         for g in self.groups:
             if g.buffer is not None and g.current:
                 g.buffer.untyped_storage().resize_(0)
             g.current = False
-        self._by_storage.clear()
 
     def owns(self, t: Tensor) -> bool:
         """Whether ``t`` views a gradient of these groups (a received one, or this rank's own that others receive)."""

@@ -4,7 +4,8 @@ TensorBoard histograms, ``state_dict()``, ``ModelSummary``, an L2 term in ``trai
 in ``on_before_optimizer_step`` see the dense model, in float64 against a single-process reference
 (``tests/distributed/user_view_worker.py``), at (2,2) with zero 0 (one launch) and zero 1, 2 and 3 (another: the
 ZeRO engine's sharded gradients are gathered when read, its freed parameters too, an L2 term's gradient goes into
-its update, a clip's write into the shards)."""
+its update, a clip's write into the shards), and at (1,2,2) with pp=2 (a third: the other stage's parameters and
+gradients are brought from the stage that owns them when read)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ import pytest
 from tests.distributed.user_view_worker import LOGGED, STEPS, fit_case
 
 CASES = ("watched", "l2", "clip")
+# "unused": a parameter nothing reaches (no gradient on one process, never stepped); under a pipeline the other
+# stage reads zeros for it, and the stage that owns it must join that read's broadcast without stepping it
+REFERENCE_CASES = (*CASES, "unused")
 ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES)
+PIPELINED = tuple(f"{case}:pp=2" for case in REFERENCE_CASES)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return json.loads(json.dumps({case: fit_case(case, 1, 1) for case in CASES}))  # JSON's keys, as the ranks' files
+    # (through JSON: its keys, as the ranks' files have them)
+    return json.loads(json.dumps({case: fit_case(case, 1, 1) for case in REFERENCE_CASES}))
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +50,25 @@ def ranks22_zero(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@pytest.fixture(scope="module")
+def ranks122(tmp_path_factory) -> list[dict]:
+    """(1,2,2) with pp=2 (zero=0): the other stage's parameters and gradients come from their owner when read."""
+    from tests.conftest import run_ranks
+
+    out = tmp_path_factory.mktemp("user_view122")
+    proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "1", "2", str(out), ",".join(PIPELINED),
+                         json.dumps({"pp": 2})], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
 def _max_diff(a: dict, b: dict) -> float:
     return max((abs(a[k] - b[k]) for k in a), default=math.inf)
 
 
-# (launch fixture, the case's key in its results): zero=0 in one launch, zero 1-3 in the other
-RUNS = [("ranks22", case) for case in CASES] + [("ranks22_zero", spec) for spec in ZEROS]
+# (launch fixture, the case's key in its results): zero=0 in one launch, zero 1-3 in another, pp=2 in a third
+RUNS = ([("ranks22", case) for case in CASES] + [("ranks22_zero", spec) for spec in ZEROS]
+        + [("ranks122", spec) for spec in PIPELINED])
 
 
 @pytest.mark.slow
@@ -85,9 +104,9 @@ def test_a_clip_by_hand_changes_the_step_as_on_one_process(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["l2", "l2:zero=3"])
-def test_an_l2_term_keeps_the_split_plan(ranks22, ranks22_zero, spec):
-    got = (ranks22 if spec == "l2" else ranks22_zero)[0][spec]
+@pytest.mark.parametrize("launch,spec", [("ranks22", "l2"), ("ranks22_zero", "l2:zero=3"), ("ranks122", "l2:pp=2")])
+def test_an_l2_term_keeps_the_split_plan(request, launch, spec):
+    got = request.getfixturevalue(launch)[0][spec]
     assert not got["fallback"]
     assert "verified against the dense step on the first batch: passed" in got["plan"]
     assert "fallback" not in got["plan"] and "verification failed" not in got["plan"]

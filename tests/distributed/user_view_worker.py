@@ -99,6 +99,8 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
     model = Watched(base.net)
     model.l2 = L2 if case == "l2" else 0.0
     model.clip = CLIP if case == "clip" else 0.0
+    if case == "unused":  # a parameter nothing reaches: no gradient on one process, so AdamW never steps it
+        base.net.register_parameter("unused", torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6, dtype=torch.float32)))
     watch = Watch()
     kwargs: dict[str, Any] = dict(accelerator="cpu", precision="64-true", max_steps=STEPS, logger=False,
                                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

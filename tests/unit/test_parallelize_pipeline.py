@@ -133,7 +133,7 @@ def test_mp1_without_zero_installs_no_step_hooks(monkeypatch: pytest.MonkeyPatch
 def test_step_closure_sums_only_the_stepped_partial_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     sums: list[list[nn.Parameter]] = []
     monkeypatch.setattr(pipeline.hooks, "then_sum_partial",
-                        lambda closure, params, group: sums.append(list(params)) or closure)
+                        lambda closure, params, group, own_work: sums.append(list(params)) or closure)
     a, b = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
     parallel = Parallelized(SimpleNamespace(), None, frozenset(), [a, b], "mp")  # type: ignore[arg-type]
     parallel.step_closure(lambda: None, [b])
