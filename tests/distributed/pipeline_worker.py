@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_dpmp import DPMPStrategy  # noqa: E402
 from lightning_dpmp.integration.accounting import CommCounter  # noqa: E402
 from lightning_dpmp.parallel.compiled import repeated_blocks  # noqa: E402
+from lightning_dpmp.parallel.dtensor_params import local_tensor  # noqa: E402
 from tests.distributed.checkpoint_worker import SaveAtTrainEnd  # noqa: E402
 from tests.distributed.parity_worker import CLIP, GLOBAL_BATCH, SEED, STEPS  # noqa: E402
 from tests.support.models import LMModule, build  # noqa: E402
@@ -303,12 +304,13 @@ class EvalRecorder(L.Callback):
         self.held: set = set()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        self.held.add(sum(p.untyped_storage().nbytes() for p in pl_module.parameters()))
+        # (a DTensor parameter's bytes on this rank: its local tensor's; the DTensor itself reads as the dense one)
+        self.held.add(sum(local_tensor(p).untyped_storage().nbytes() for p in pl_module.parameters()))
         if not trainer.sanity_checking:
             self.returned.append([float(outputs["loss"]), outputs["per_sample"].tolist()])
 
     def on_train_end(self, trainer, pl_module):  # (after SaveAtTrainEnd's saves: they gather nothing here)
-        self.held_after_save = sum(p.untyped_storage().nbytes() for p in pl_module.parameters())
+        self.held_after_save = sum(local_tensor(p).untyped_storage().nbytes() for p in pl_module.parameters())
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
