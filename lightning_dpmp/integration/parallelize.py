@@ -96,6 +96,7 @@ from lightning_dpmp.integration.split import Split, split_model, unsplit_model
 from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank0
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
 from lightning_dpmp.parallel.bridge import DTensorBridge
+from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import compile_blocks, repeated_blocks, uncompile_blocks
 from lightning_dpmp.parallel.dtensor_params import DTensorParams, local_tensor
@@ -179,6 +180,11 @@ class Parallelized:
     # a pipeline without ZeRO: the other stages' gradients as .grad, brought from their owner on first read
     staged: Optional[StagedGrads] = None
     _pipeline_reduced: bool = False  # finish_backward ran the pipeline's reductions of this step's closure
+    # automatic optimization (one backward per optimizer step, micro-batches before the last inside no_sync): the
+    # partial gradients' MP sum runs in finish_backward, before on_after_backward, not after the closure. Manual
+    # optimization may run several backwards into one step: a sum after each would count the first ones mp times.
+    partial_in_backward: bool = False
+    _partial_summed: bool = False  # finish_backward summed this step's partial gradients
     _reader_hooks: list[Any] = field(default_factory=list)
     _hooked: list[Any] = field(default_factory=list)  # the precision plugin the step hooks were installed on
     _accumulating: bool = False  # inside no_sync (a micro-batch before the last): gradients stay local
@@ -192,6 +198,8 @@ class Parallelized:
         # inside a column region): both linear
         if self.pipeline is not None:
             closure = _then(closure, self._reduce_pipeline)
+        if self.partial_in_backward:  # (summed in finish_backward, or else here)
+            return _then(closure, self._partial_after_closure)
         if self.engine is not None:
             return then_finish_zero(closure, self.engine, self.mp_group)
         if not self.partial_grads:
@@ -200,13 +208,28 @@ class Parallelized:
         partial = [p for p in self.partial_grads if id(p) in mine]
         if not partial:
             return closure
-        closure = hooks.then_sum_partial(closure, partial, self.mp_group, own_work=self.modes_aside)
-        # (a copy of another stage's gradient read before the sum, in on_after_backward, is fetched again)
-        return _then(closure, self._staged_stale) if self.pipeline is not None else closure
+        return hooks.then_sum_partial(closure, partial, self.mp_group, own_work=self.modes_aside)
 
-    def _staged_stale(self) -> None:
-        if self.staged is not None:
-            self.staged.stale()
+    def _partial_after_closure(self) -> None:
+        if not self._partial_summed:  # (a backward that did not pass through finish_backward)
+            with self.modes_aside():
+                self._sum_partial_now()
+        self._partial_summed = False
+
+    def _sum_partial(self) -> None:
+        """In finish_backward of the step's synchronised backward (see :attr:`partial_in_backward`): the MP sum of
+        the partial gradients, once per step."""
+        synced = self.engine.sync if self.engine is not None else not self._accumulating
+        if self.partial_in_backward and synced and not self._partial_summed:
+            self._sum_partial_now()
+            self._partial_summed = True
+
+    def _sum_partial_now(self) -> None:
+        # (collective over MP: every MP rank holds the same partial parameters; those without a gradient skipped)
+        if self.engine is not None:
+            sync_partial_grads(list[Any](self.engine.shard_params("partial")), self.mp_group)
+        elif self.partial_grads:
+            sync_partial_grads(list[Any](self.partial_grads), self.mp_group)
 
     def _reduce_pipeline(self) -> None:
         """The pipeline's PP and DP reductions after the closure, unless :meth:`finish_backward` ran them already
@@ -272,14 +295,16 @@ class Parallelized:
                 if not self._accumulating:
                     pipeline.reduce_grads()
                     self._pipeline_reduced = True
+                    self._sum_partial()
                 if params is not None:
                     params.grads_from_local()
                 if self.staged is not None and not self._accumulating:
                     self.staged.attach()
             return
         if engine is not None:  # the engine reduced them already; user code sees them when it reads them
-            if self.grads is not None and engine.reduces_now:
-                with self.modes_aside():  # (our own views of the buffers: nothing to gather)
+            with self.modes_aside():  # (our own views of the buffers: nothing to gather)
+                self._sum_partial()
+                if self.grads is not None and engine.reduces_now:
                     self.grads.attach()
             return
         if params is None:
@@ -292,6 +317,7 @@ class Parallelized:
                 all_reduce_grads([p for p in params.locals if p.requires_grad], self.dp_group, average=True,
                                  keep_unused=True, bucket_bytes=self.dp_bucket_bytes, in_place=True)
                 params.grads_from_local()
+            self._sum_partial()  # (in place: each DTensor gradient still wraps its local one)
 
     @contextmanager
     def modes_aside(self) -> Iterator[None]:
@@ -703,6 +729,7 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
         frozenset(id(p) for p in engine.shard_params("split")) if engine is not None else frozenset())
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
                             engine, compiled, pipeline, split.params, split.bridge, optimizers=optimizers)
+    parallel.partial_in_backward = bool(getattr(module, "automatic_optimization", False))
     if split.params is not None and grid.dp > 1 and engine is None and pipeline is None:
         # DP averaged by the strategy (DDP's buckets); a pipeline averages its own
         parallel.dp_group = grid.dp_group

@@ -117,16 +117,11 @@ class StagedGrads:
             if t.grad is grad:
                 t.grad = None
         self._attached.clear()
-        self.stale()
-        self._by_storage.clear()
-
-    def stale(self) -> None:
-        """The owners' gradients changed after copies were read (the MP sum of partial gradients): the next read
-        of a group fetches it again. Collective-free; the same on every PP rank."""
         for g in self.groups:
             if g.buffer is not None and g.current:
                 g.buffer.untyped_storage().resize_(0)
             g.current = False
+        self._by_storage.clear()
 
     def owns(self, t: Tensor) -> bool:
         """Whether ``t`` views a gradient of these groups (a received one, or this rank's own that others receive)."""

@@ -20,8 +20,11 @@ CASES = ("watched", "l2", "clip")
 # "unused": a parameter nothing reaches (no gradient on one process, never stepped); under a pipeline the other
 # stage reads zeros for it, and the stage that owns it must join that read's broadcast without stepping it
 REFERENCE_CASES = (*CASES, "unused")
-ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES)
-PIPELINED = tuple(f"{case}:pp=2" for case in REFERENCE_CASES)
+# sequence parallelism (sp=1): the norm weights' gradients are partial sums per MP rank until their MP sum, which
+# runs before on_after_backward (its logged grad_sq equals one process), once per step
+SEQUENCE = "watched:sp=1"
+ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES) + ("watched:zero=2;sp=1",)
+PIPELINED = tuple(f"{case}:pp=2" for case in REFERENCE_CASES) + ("watched:pp=2;sp=1",)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,8 @@ def ranks22(tmp_path_factory) -> list[dict]:
     from tests.conftest import run_ranks
 
     out = tmp_path_factory.mktemp("user_view22")
-    proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "2", "2", str(out), ",".join(CASES)], timeout=600)
+    proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "2", "2", str(out),
+                         ",".join((*CASES, SEQUENCE))], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -67,7 +71,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 # (launch fixture, the case's key in its results): zero=0 in one launch, zero 1-3 in another, pp=2 in a third
-RUNS = ([("ranks22", case) for case in CASES] + [("ranks22_zero", spec) for spec in ZEROS]
+RUNS = ([("ranks22", case) for case in (*CASES, SEQUENCE)] + [("ranks22_zero", spec) for spec in ZEROS]
         + [("ranks122", spec) for spec in PIPELINED])
 
 

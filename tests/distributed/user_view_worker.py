@@ -132,11 +132,13 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dp, mp, out, cases = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
     extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-    # a case may name its own strategy arguments: "l2:zero=3" (integers)
+    # a case may name its own strategy arguments: "l2:zero=3" (integers; sp=1: sequence_parallel=True)
     result = {}
     for spec in cases:
         case, _, opts = spec.partition(":")
-        own = {k: int(v) for k, v in (o.split("=") for o in opts.split(";") if o)}
+        own: dict[str, Any] = {k: int(v) for k, v in (o.split("=") for o in opts.split(";") if o)}
+        if "sp" in own:
+            own["sequence_parallel"] = bool(own.pop("sp"))
         result[spec] = fit_case(case, dp, mp, **{**extra, **own})
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
