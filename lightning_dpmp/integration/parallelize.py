@@ -303,7 +303,8 @@ class Parallelized:
             return
         if engine is not None:  # the engine reduced them already; user code sees them when it reads them
             with self.modes_aside():  # (our own views of the buffers: nothing to gather)
-                self._sum_partial()
+                if pipeline is None:  # (under a pipeline the engine reduces after the closure: the sum follows it)
+                    self._sum_partial()
                 if self.grads is not None and engine.reduces_now:
                     self.grads.attach()
             return

@@ -19,12 +19,13 @@ from tests.distributed.user_view_worker import LOGGED, STEPS, fit_case
 CASES = ("watched", "l2", "clip")
 # "unused": a parameter nothing reaches (no gradient on one process, never stepped); under a pipeline the other
 # stage reads zeros for it, and the stage that owns it must join that read's broadcast without stepping it
-REFERENCE_CASES = (*CASES, "unused")
-# sequence parallelism (sp=1): the norm weights' gradients are partial sums per MP rank until their MP sum, which
-# runs before on_after_backward (its logged grad_sq equals one process), once per step
-SEQUENCE = "watched:sp=1"
-ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES) + ("watched:zero=2;sp=1",)
-PIPELINED = tuple(f"{case}:pp=2" for case in REFERENCE_CASES) + ("watched:pp=2;sp=1",)
+REFERENCE_CASES = (*CASES, "unused", "gpt")
+# sequence parallelism (sp=1) on "gpt" (the watched model on GPT): the norm weights' gradients are partial sums per
+# MP rank until their MP sum, which runs before on_after_backward (its logged grad_sq equals one process), once per
+# step
+SEQUENCE = "gpt:sp=1"
+ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES) + ("gpt:zero=2;sp=1",)
+PIPELINED = tuple(f"{case}:pp=2" for case in (*CASES, "unused")) + ("gpt:pp=2;sp=1",)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,12 @@ def test_logged_values_equal_one_process_on_every_rank(request, reference, launc
         assert got["mode_left"] is None  # no mode of the strategy outlives its teardown (the next fit would trace it)
         assert got["histograms"].keys() == ref["histograms"].keys()
         for name, histo in got["histograms"].items():
-            assert max(abs(a - b) for a, b in zip(histo, ref["histograms"][name])) < 1e-8, name
+            want = ref["histograms"][name]
+            if max(abs(want[0]), abs(want[1])) < 1e-8:
+                # rounding residue (GPT's key bias: its gradient is zero in exact arithmetic, so it stays ~1e-15):
+                # which bucket each value falls in is noise; test_weights_equal_one_process bounds its values
+                continue
+            assert max(abs(a - b) for a, b in zip(histo, want)) < 1e-8, name
 
 
 @pytest.mark.slow

@@ -95,7 +95,9 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
     """Train the case's model for ``STEPS`` steps at ``dp x mp`` (one process: ``dp = mp = 1``, the sampler's
     permutation drawn as Lightning draws it for many) and return what its user code saw."""
     L.seed_everything(SEED, workers=True)
-    base, dataset = build("llama")
+    # "gpt": the watched model on GPT (tied table and head, LayerNorm weights and biases), which sequence
+    # parallelism takes (the Llama's attention reads the sequence length inline)
+    base, dataset = build("gpt" if case == "gpt" else "llama")
     model = Watched(base.net)
     model.l2 = L2 if case == "l2" else 0.0
     model.clip = CLIP if case == "clip" else 0.0
