@@ -1,4 +1,4 @@
-"""What DPMPStrategy changes in Lightning's optimizer step: global-norm clipping, sequence-parallel gradient sums.
+"""What DPMPStrategy changes in Lightning's optimizer step: global-norm clipping, fp16's ``found_inf``.
 
 * ``clip_grad_by_norm``: Lightning clips through the precision plugin, which a strategy cannot subclass (the
   Trainer picks it from ``precision=``), so this public method is shadowed on the plugin *instance* and removed at
@@ -9,33 +9,29 @@
   skip its step and lower its scale, and the replicas would part. The scaler's ``unscale_`` is shadowed on the
   instance so that ``found_inf`` is all-reduced (MAX) over the world after each unscale, as Megatron agrees it
   over the model-parallel group: every rank skips or steps together and keeps one scale.
-* Partial gradients (parameters that saw 1/mp of the tokens under sequence parallelism, whole layers inside a
-  column layer's region such as a LoRA ``A``) are summed over MP once per optimizer step, after all accumulated
-  micro-batches and before clipping. ``DPMPStrategy.optimizer_step`` (public Strategy API) wraps
-  the closure with :func:`then_sum_partial`: the precision plugin runs the closure (backward) inside
-  ``optimizer.step`` and clips right after it.
+
+(The MP sum of partial gradients, once per optimizer step before clipping, is
+:class:`~lightning_dpmp.integration.parallelize.Parallelized`'s: in the step's synchronised backward, or after the
+closure.)
 
 Example:
     >>> install(trainer.precision_plugin, split_params, grid.mp_group)                  # doctest: +SKIP
-    >>> closure = then_sum_partial(closure, partial_grads, grid.mp_group)   # doctest: +SKIP
     >>> remove(trainer.precision_plugin)                                                 # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.optim import Optimizer
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
+from lightning_dpmp.parallel.clipping import clip_grad_norm_
 
-__all__ = ["agree_found_inf", "install", "remove", "then_sum_partial"]
+__all__ = ["agree_found_inf", "install", "remove"]
 
 
 def install(plugin: Any, split_params: set[int], group: Any, dp_group: Any = None, pp_group: Any = None,
@@ -85,22 +81,6 @@ def agree_found_inf(scaler: Any, group: Optional[Any],
         found.update(agreed)
 
     scaler.unscale_ = unscale_
-
-
-def then_sum_partial(
-    closure: Callable[[], Any], params: Sequence[nn.Parameter], group: Any,
-    own_work: Callable[[], AbstractContextManager[None]] = nullcontext,
-) -> Callable[[], Any]:
-    """``closure`` (the step's forward and backward), then the MP sum of ``params``' partial gradients, in
-    ``own_work`` (see :func:`install`)."""
-
-    def run() -> Any:
-        result = closure()
-        with own_work():
-            sync_partial_grads(list(params), group)
-        return result
-
-    return run
 
 
 def remove(plugin: Any) -> None:

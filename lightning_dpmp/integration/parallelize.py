@@ -94,7 +94,7 @@ from lightning_dpmp.integration.pipeline import (
 )
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
 from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank0
-from lightning_dpmp.integration.zero import release_engine, shard_optimizers, then_finish_zero
+from lightning_dpmp.integration.zero import release_engine, shard_optimizers
 from lightning_dpmp.parallel.bridge import DTensorBridge
 from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.comm import all_reduce_grads
@@ -200,20 +200,15 @@ class Parallelized:
             closure = _then(closure, self._reduce_pipeline)
         if self.partial_in_backward:  # (summed in finish_backward, or else here)
             return _then(closure, self._partial_after_closure)
-        if self.engine is not None:
-            return then_finish_zero(closure, self.engine, self.mp_group)
-        if not self.partial_grads:
+        if self.engine is None and not self.partial_grads:
             return closure
-        mine = {id(p) for p in stepped}
-        partial = [p for p in self.partial_grads if id(p) in mine]
-        if not partial:
-            return closure
-        return hooks.then_sum_partial(closure, partial, self.mp_group, own_work=self.modes_aside)
+        # manual optimization: each optimizer's step sums those it steps (the engine's shards: all of them)
+        mine = {id(p) for p in stepped} if self.engine is None else None
+        return _then(closure, lambda: self._sum_partial_now(mine))
 
     def _partial_after_closure(self) -> None:
         if not self._partial_summed:  # (a backward that did not pass through finish_backward)
-            with self.modes_aside():
-                self._sum_partial_now()
+            self._sum_partial_now()
         self._partial_summed = False
 
     def _sum_partial(self) -> None:
@@ -224,12 +219,17 @@ class Parallelized:
             self._sum_partial_now()
             self._partial_summed = True
 
-    def _sum_partial_now(self) -> None:
-        # (collective over MP: every MP rank holds the same partial parameters; those without a gradient skipped)
+    def _sum_partial_now(self, only: Optional[set[int]] = None) -> None:
+        """The MP sum of the partial gradients (the engine's partial shards under ZeRO; else those ``only`` names,
+        when given), one flat all-reduce outside the modes user code runs under (collective over MP: every MP rank
+        holds the same partial parameters; those without a gradient are skipped)."""
         if self.engine is not None:
-            sync_partial_grads(list[Any](self.engine.shard_params("partial")), self.mp_group)
-        elif self.partial_grads:
-            sync_partial_grads(list[Any](self.partial_grads), self.mp_group)
+            partial = list[Any](self.engine.shard_params("partial"))
+        else:
+            partial = [p for p in self.partial_grads if only is None or id(p) in only]
+        if partial:
+            with self.modes_aside():
+                sync_partial_grads(partial, self.mp_group)
 
     def _reduce_pipeline(self) -> None:
         """The pipeline's PP and DP reductions after the closure, unless :meth:`finish_backward` ran them already

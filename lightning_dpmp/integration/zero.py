@@ -17,17 +17,16 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from torch import nn
 
 import lightning_dpmp.compat as compat
-from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.zero_engine import ZeroEngine
 from lightning_dpmp.parallel.zero_shard import storage_bytes
 from lightning_dpmp.planner.plan_types import PlanResult
 
-__all__ = ["build_engine", "memory_report", "optimizer_state_bytes", "repoint_schedulers", "then_finish_zero"]
+__all__ = ["build_engine", "memory_report", "optimizer_state_bytes", "repoint_schedulers"]
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
@@ -89,18 +88,6 @@ def memory_line(report: dict[str, int], level: int) -> str:
     """The plan printout's line of :func:`memory_report`'s figures."""
     held = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in report.items())
     return f"  bytes held per rank (rank 0, zero={level}): {held}"
-
-
-def then_finish_zero(closure: Callable[[], Any], engine: ZeroEngine, mp_group: Any) -> Callable[[], Any]:
-    """``closure`` (forward and backward; the engine's end-of-backward already waited for the reduce-scatters),
-    then the MP sum of the sequence-parallel partial shards' gradients, before the clip and the step."""
-
-    def run() -> Any:
-        result = closure()
-        sync_partial_grads(list[Any](engine.shard_params("partial")), mp_group)
-        return result
-
-    return run
 
 
 def memory_report(

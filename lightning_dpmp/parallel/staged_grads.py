@@ -59,7 +59,8 @@ class StagedGrads:
     Args:
         params: the parameters some PP rank does not read (plain local ones), in the same order on every PP rank.
         owner: ``id(param) -> `` the PP rank (group rank) that owns its trained gradient.
-        held: ``id`` of those of ``params`` this rank's stages read (their gradients are trained here).
+        held: ``id`` of those of ``params`` this rank's stages read (their gradients are trained here; the ones it
+            owns among them).
         pp_rank: this rank's PP rank.
         pp_group: the PP process group.
         target: the parameter user code reads for one of ``params`` (its DTensor form, or itself).
@@ -71,7 +72,7 @@ class StagedGrads:
                  pp_group: Any, target: Callable[[nn.Parameter], nn.Parameter],
                  wrap: Callable[[nn.Parameter, Tensor], Tensor]) -> None:
         self.pp_rank, self.pp_group, self.target, self.wrap = pp_rank, pp_group, target, wrap
-        self.held = held | {id(p) for p in params if owner[id(p)] == pp_rank}
+        self.held = held
         by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
             if p.requires_grad:

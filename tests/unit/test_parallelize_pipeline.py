@@ -132,11 +132,10 @@ def test_mp1_without_zero_installs_no_step_hooks(monkeypatch: pytest.MonkeyPatch
 
 def test_step_closure_sums_only_the_stepped_partial_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     sums: list[list[nn.Parameter]] = []
-    monkeypatch.setattr(pipeline.hooks, "then_sum_partial",
-                        lambda closure, params, group, own_work: sums.append(list(params)) or closure)
+    monkeypatch.setattr(pipeline, "sync_partial_grads", lambda params, group: sums.append(list(params)))
     a, b = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
     parallel = Parallelized(SimpleNamespace(), None, frozenset(), [a, b], "mp")  # type: ignore[arg-type]
-    parallel.step_closure(lambda: None, [b])
+    parallel.step_closure(lambda: None, [b])()  # (the sum runs after the closure)
     assert sums == [[b]]
     assert parallel.step_closure(lambda: 1, [])() == 1  # nothing partial stepped: the closure as it is
     assert sums == [[b]]
