@@ -175,9 +175,11 @@ class Parallelized:
     reader: Optional[GatherOnRead] = None
     # when fitting: the optimizers the strategy steps (over the ZeRO engine's shards at zero >= 1); None otherwise
     optimizers: Optional[list[Any]] = None
-    # zero >= 1 without a pipeline: the engine's sharded gradients as the parameters' .grad, gathered on first read
+    # zero >= 1: the engine's sharded gradients as the parameters' .grad, gathered on first read (under a pipeline,
+    # this rank's stages' buckets)
     grads: Optional[ShardedGrads] = None
-    # a pipeline without ZeRO: the other stages' gradients as .grad, brought from their owner on first read
+    # a pipeline: the other stages' gradients as .grad, brought from their owner on first read (the reader's one
+    # GradReads, answering for `grads` too)
     staged: Optional[StagedGrads] = None
     _pipeline_reduced: bool = False  # finish_backward ran the pipeline's reductions of this step's closure
     # automatic optimization (one backward per optimizer step, micro-batches before the last inside no_sync): the
@@ -278,6 +280,9 @@ class Parallelized:
         the layers, an L2 term, would otherwise accumulate), the local ones stay."""
         if self.staged is not None:
             self.staged.clear()
+        if self.grads is not None:  # (views of freed buffers: the schedule's backward must not accumulate there)
+            with self.modes_aside():
+                self.grads.clear()
         if self.params is not None:
             self.params.forget_grads()
 
@@ -288,23 +293,27 @@ class Parallelized:
         params = self.params
         engine = self.engine
         pipeline = self.pipeline
-        if pipeline is not None and engine is None:
-            # the schedule's gradients (added by the strategy's backward) reduced over PP and DP now, not after
-            # the closure; the other stages' gradients readable (brought from their owners on a read)
+        if pipeline is not None:
+            # the schedule's gradients (added by the strategy's backward) reduced over PP and DP now (under ZeRO:
+            # reduce-scattered into the shards), not after the closure; then the MP sum of partial ones; the other
+            # stages' gradients readable (brought from their owners on a read)
+            synced = engine.sync if engine is not None else not self._accumulating
             with self.modes_aside():
-                if not self._accumulating:
+                if synced:
                     pipeline.reduce_grads()
                     self._pipeline_reduced = True
                     self._sum_partial()
-                if params is not None:
+                if params is not None and engine is None:
                     params.grads_from_local()
-                if self.staged is not None and not self._accumulating:
-                    self.staged.attach()
+                if synced:
+                    if self.grads is not None:
+                        self.grads.attach()
+                    if self.staged is not None:
+                        self.staged.attach()
             return
         if engine is not None:  # the engine reduced them already; user code sees them when it reads them
             with self.modes_aside():  # (our own views of the buffers: nothing to gather)
-                if pipeline is None:  # (under a pipeline the engine reduces after the closure: the sum follows it)
-                    self._sum_partial()
+                self._sum_partial()
                 if self.grads is not None and engine.reduces_now:
                     self.grads.attach()
             return
@@ -358,23 +367,28 @@ class Parallelized:
         that owns it (whether it is freed here differs by rank, so the rule is the same on every rank), and reads
         inside the schedule are refused with the reason."""
         engine, pipeline, params = self.engine, self.pipeline, self.params
+        target = params.dtensor if params is not None else _same
         if pipeline is not None:  # another stage's parameter from its owner (the schedule refuses reads)
             watched = {id(p) for p in module.parameters()} | (
                 {id(p) for p in params.locals} if params is not None else set())
-            if engine is None:
-                grid = pipeline.grid
-                staged = [p for p in pipeline.params if id(p) in pipeline.staged_ids]
-                self.staged = StagedGrads(staged, pipeline.owner,
-                                          {id(p) for p in staged if grid.pp_rank in pipeline.ranks[id(p)]},
-                                          grid.pp_rank, grid.pp_group,
-                                          params.dtensor if params is not None else _same, self._grad_of)
-            reader = GatherOnRead(watched, self._pipeline_fetches, self._pipeline_values, pipeline.refused_read,
-                                  grads=self.staged)
+            grid = pipeline.grid
+            # under ZeRO this rank's own gradients are its stages' buckets' shards, gathered over DP when read
+            # (the engine's live buckets are this rank's stages' while it trains), and those are what the owner
+            # sends to the other stages
+            self.grads = ShardedGrads(engine, target, self._grad_of) if engine is not None else None
+            staged = [p for p in pipeline.params if id(p) in pipeline.staged_ids]
+            self.staged = StagedGrads(staged, pipeline.owner,
+                                      {id(p) for p in staged if grid.pp_rank in pipeline.ranks[id(p)]},
+                                      grid.pp_rank, grid.pp_group, target, self._grad_of, source=self.grads)
+            # an L2 term at zero=3 reads its stage's freed parameters inside the schedule: its gradient goes into
+            # the engine's accumulator, as without a pipeline
+            reader = GatherOnRead(watched, self._pipeline_fetches, self._pipeline_values, self._pipeline_refusal,
+                                  grads=self.staged, sink=self._pipeline_sink if engine is not None else None)
             pipeline.quiet = reader.aside
         elif engine is not None:
             # the engine's gradients, read on demand; at zero=3 its parameters too, watched by their buffers'
             # storage (a DTensor parameter's, a view's and a .data alias's alike)
-            self.grads = ShardedGrads(engine, params.dtensor if params is not None else _same, self._grad_of)
+            self.grads = ShardedGrads(engine, target, self._grad_of)
             watched = {storage_key(b.full) for b in engine.buckets} if engine.level == 3 else set()
             reader = GatherOnRead(watched, _freed, self._current_values, key=storage_key, grads=self.grads,
                                   sink=self._sink)
@@ -393,6 +407,21 @@ class Parallelized:
     def _pipeline_fetches(self, t: Tensor) -> bool:
         assert self.pipeline is not None
         return self.pipeline.fetches(self._local_of(t))
+
+    def _pipeline_refusal(self, tensors: list[Tensor]) -> Optional[str]:
+        assert self.pipeline is not None
+        return self.pipeline.refused_read([self._local_of(t) for t in tensors])
+
+    def _pipeline_sink(self, param: Tensor, grad: Tensor) -> None:
+        """The gradient of a freed parameter read with gradients enabled under a pipeline with ZeRO: into the
+        engine's accumulator when this rank's stages train it (an L2 term at zero=3), else refused."""
+        assert self.pipeline is not None
+        if id(self._local_of(param)) not in self.pipeline.local:
+            raise RuntimeError(
+                "A gradient reached another pipeline stage's parameter, read outside its layers and outside the "
+                "pipelined training_step: this rank does not train it. Use the optimizer's weight_decay, or read it "
+                "inside training_step.")
+        self._sink(param, grad)
 
     @contextmanager
     def _pipeline_values(self, tensors: list[Tensor]) -> Iterator[list[Tensor]]:
@@ -538,9 +567,8 @@ def plan_and_split(first: FirstStep, grid: Any, config: ParallelConfig, mesh: Ca
 
 def distributes_parameters(topology: Topology, fitting: bool) -> bool:
     """Whether the split parameters become DTensors (:mod:`lightning_dpmp.parallel.dtensor_params`): with mp > 1
-    (with mp = 1 every parameter is whole, as one process holds it). Not yet under a pipeline with ZeRO (pp > 1
-    and zero >= 1): there the parameters stay the plain MP shards."""
-    return topology.mp > 1 and (topology.pp == 1 or topology.zero == 0)
+    (with mp = 1 every parameter is whole, as one process holds it), at every zero level and under a pipeline."""
+    return topology.mp > 1
 
 
 def route_metrics(module: nn.Module, dp_group: Any) -> None:

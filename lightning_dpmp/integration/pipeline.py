@@ -399,9 +399,11 @@ class Pipeline:
         finally:
             self._scheduling -= 1
 
-    def refused_read(self) -> Optional[str]:
-        """Why a read of another stage's parameter cannot be made now (``None``: it can): inside the schedule."""
-        if not self._scheduling:
+    def refused_read(self, params: Sequence[Tensor]) -> Optional[str]:
+        """Why a read of ``params`` cannot be made now (``None``: it can): another stage's parameter inside the
+        schedule. (This rank's own, freed at zero=3, is gathered over its stage's DP group, whose ranks run the same
+        micro-batches in the same order.)"""
+        if not self._scheduling or all(id(p) in self.local for p in params):
             return None
         return ("that another pipeline stage owns, inside the pipelined step (training_step, validation_step, ...): "
                 "the stages run each micro-batch's step at different times, so its values cannot be brought there "
@@ -424,7 +426,9 @@ class Pipeline:
         PP rank that owns it (one broadcast each); what a rank reads is its own MP shard, as inside a step."""
         values = []
         for p in params:
-            owner = self.owner[id(p)] if id(p) in self.staged_ids else None
+            # (inside the schedule a rank reads only its own stages' parameters, whatever stage owns them)
+            staged = id(p) in self.staged_ids and not (self._scheduling and id(p) in self.local)
+            owner = self.owner[id(p)] if staged else None
             if owner is None or owner == self.grid.pp_rank:
                 value = self._own_value(p)
             else:

@@ -9,8 +9,8 @@ memory: measured on torch 2.13, ``p.pow(2).sum()`` of such a view dies of SIGSEG
 its values current for the duration of the op (``make_current``: ZeRO-3 gathers its buckets over DP and frees them
 again after; a pipeline broadcasts another stage's parameter from the stage that owns it), and copies any output
 that still shares the parameter's storage (a ``detach()``, a view), so nothing kept afterwards points at freed
-memory. Where no collective can run (inside a pipeline's schedule, where the ranks run user code at different
-times), ``refusal`` names why and the read raises at once.
+memory. Where no collective can run (another stage's parameter inside a pipeline's schedule, where the ranks run user
+code at different times), ``refusal`` names why and the read raises at once.
 What the op sees is this rank's parameter as it would be inside a step: the one-process tensor at ``mp=1``, the MP
 shard otherwise.
 
@@ -136,9 +136,9 @@ class GatherOnRead(AsideMode):
         make_current: a context in which the given parameters' values can be read: it yields ``None`` when the
             parameters themselves hold them for its duration (ZeRO-3 gathers their buckets), or one tensor of values
             per parameter (another pipeline stage's parameter, received from the stage that owns it).
-        refusal: called before a read is made current; a message refuses it (raised as a ``RuntimeError``), e.g.
-            inside a pipeline's schedule, where the ranks run user code at different times and no collective can
-            bring a value.
+        refusal: called with the freed parameters before a read makes them current; a message refuses it (raised
+            as a ``RuntimeError``), e.g. another stage's parameter inside a pipeline's schedule, where the ranks run
+            user code at different times and no collective can bring its value.
         key: what ``watched`` holds of a tensor (``id``; a storage identity also catches views and ``.data``
             aliases of a watched parameter).
         grads: gradients brought on first read (:class:`GradReads`): an op reading one makes it current first,
@@ -149,7 +149,7 @@ class GatherOnRead(AsideMode):
 
     def __init__(self, watched: set[int], is_freed: Callable[[Tensor], bool],
                  make_current: Callable[[list[Tensor]], AbstractContextManager[Optional[list[Tensor]]]],
-                 refusal: Optional[Callable[[], Optional[str]]] = None, key: Callable[[Tensor], int] = id,
+                 refusal: Optional[Callable[[list[Tensor]], Optional[str]]] = None, key: Callable[[Tensor], int] = id,
                  grads: Optional[GradReads] = None, sink: Optional[Callable[[Tensor, Tensor], None]] = None
                  ) -> None:
         super().__init__()
@@ -190,7 +190,7 @@ class GatherOnRead(AsideMode):
                 f"'{name}' writes into a parameter whose storage is freed between uses (ZeRO-3 or another pipeline"
                 " stage's); the write would be lost. Change parameters inside a step, or use zero <= 2 and pp=1."
             )
-        refused = self.refusal() if self.refusal is not None else None
+        refused = self.refusal(freed) if self.refusal is not None else None
         if refused:
             raise RuntimeError(f"'{name}' reads a parameter {refused}")
         with self.make_current(freed) as values:

@@ -19,6 +19,12 @@ same values into the gradient its optimizer steps. A parameter whose owner has n
 reads as zeros on every rank (where one process shows ``None``): its norm and its share of any sum are those of one
 process. Those zeros are taken back before the optimizer steps, so it is not stepped, as one process would not.
 
+Under ZeRO (``source``: the engine's :class:`~lightning_dpmp.parallel.zero_grads.ShardedGrads`) the owner's own
+gradients are themselves views of freed buffers, gathered over its DP group on first read: the owner gathers them
+(over DP, every DP rank of the owning stage alike) before it broadcasts them over PP, and a gradient of a parameter
+every stage reads (a tied weight at pp=2) is the source's alone. :class:`StagedGrads` then answers for both, as
+the one :class:`~lightning_dpmp.parallel.freed_reads.GradReads` of the reader.
+
 Example:
     >>> grads = StagedGrads(staged, owner, held, pp_rank, pp_group, target=lambda p: p,  # doctest: +SKIP
     ...                     wrap=lambda p, v: v)
@@ -28,13 +34,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_dpmp.parallel.dtensor_params import local_tensor
+from lightning_dpmp.parallel.freed_reads import GradReads
 from lightning_dpmp.parallel.zero_grads import storage_key
 
 __all__ = ["StagedGrads"]
@@ -66,13 +73,15 @@ class StagedGrads:
         target: the parameter user code reads for one of ``params`` (its DTensor form, or itself).
         wrap: the gradient to give ``target(p)`` from a tensor of ``p``'s shape (a DTensor with its placements, or
             the tensor itself).
+        source: where this rank's own gradients are brought from on first read (ZeRO's sharded gradients), or
+            ``None`` (they hold their values).
     """
 
     def __init__(self, params: list[nn.Parameter], owner: dict[int, int], held: set[int], pp_rank: int,
                  pp_group: Any, target: Callable[[nn.Parameter], nn.Parameter],
-                 wrap: Callable[[nn.Parameter, Tensor], Tensor]) -> None:
+                 wrap: Callable[[nn.Parameter, Tensor], Tensor], source: Optional[GradReads] = None) -> None:
         self.pp_rank, self.pp_group, self.target, self.wrap = pp_rank, pp_group, target, wrap
-        self.held = held
+        self.held, self.source = held, source
         by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
             if p.requires_grad:
@@ -124,20 +133,33 @@ class StagedGrads:
             g.current = False
         self._by_storage.clear()
 
-    def owns(self, t: Tensor) -> bool:
-        """Whether ``t`` views a gradient of these groups (a received one, or this rank's own that others receive)."""
+    def _staged(self, t: Tensor) -> bool:
         return bool(self._by_storage) and storage_key(t) in self._by_storage
+
+    def owns(self, t: Tensor) -> bool:
+        """Whether ``t`` views a gradient of these groups (a received one, or this rank's own that others receive),
+        or one of :attr:`source`'s."""
+        return self._staged(t) or (self.source is not None and self.source.owns(t))
 
     def ensure(self, tensors: list[Tensor]) -> None:
         """Each group that ``tensors`` belong to broadcast from its owner over PP, once per step (collective: every
-        rank of the PP group reads the same gradients in the same order)."""
+        rank of the PP group reads the same gradients in the same order), after :attr:`source` brought this rank's
+        own among them (collective over this stage's DP group; the owner's too, before it sends them)."""
+        if self.source is not None:  # this rank's own gradients first (a tied weight another stage owns included)
+            mine = [t for t in tensors if self.source.owns(t)]
+            if mine:
+                self.source.ensure(mine)
         for t in tensors:
+            if not self._staged(t):
+                continue
             g = self._by_storage[storage_key(t)]
             if g.current:
                 continue
             with torch.no_grad():
                 if g.owner == self.pp_rank:
                     own = [self.target(p).grad for p in g.params]
+                    if self.source is not None:  # (gathered over the owning stage's DP group first)
+                        self.source.ensure([x for x in own if x is not None and self.source.owns(x)])
                     flat = torch.cat([(local_tensor(x).reshape(-1) if x is not None else
                                        torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
                                       for p, x in zip(g.params, own)])
@@ -149,5 +171,8 @@ class StagedGrads:
             g.current = True
 
     def written(self, tensors: list[Tensor]) -> None:
-        """An in-place write into a received copy: nothing to keep in step (the owner wrote its own alike)."""
+        """An in-place write into a received copy: nothing to keep in step (the owner wrote its own alike); into
+        one of :attr:`source`'s (this rank's own gradients under ZeRO): reported to it."""
+        if self.source is not None:
+            self.source.written([t for t in tensors if self.source.owns(t)])
 

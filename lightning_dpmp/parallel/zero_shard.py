@@ -210,7 +210,9 @@ class Bucket:
         the values already."""
         if self.gathered:
             return False
-        self.full.untyped_storage().resize_(self.layout.total * self.full.element_size())
+        storage, size = self.full.untyped_storage(), self.layout.total * self.full.element_size()
+        if storage.nbytes() != size:  # (a stale buffer held whole keeps its storage, which user code may have pinned:
+            storage.resize_(size)     # a histogram's .numpy() of a parameter makes it not resizable)
         self.gathered = True
         return True
 

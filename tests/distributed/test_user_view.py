@@ -4,8 +4,9 @@ TensorBoard histograms, ``state_dict()``, ``ModelSummary``, an L2 term in ``trai
 in ``on_before_optimizer_step`` see the dense model, in float64 against a single-process reference
 (``tests/distributed/user_view_worker.py``), at (2,2) with zero 0 (one launch) and zero 1, 2 and 3 (another: the
 ZeRO engine's sharded gradients are gathered when read, its freed parameters too, an L2 term's gradient goes into
-its update, a clip's write into the shards), and at (1,2,2) with pp=2 (a third: the other stage's parameters and
-gradients are brought from the stage that owns them when read)."""
+its update, a clip's write into the shards), at (1,2,2) with pp=2 (a third: the other stage's parameters and
+gradients are brought from the stage that owns them when read), and with pp=2 and ZeRO at (2,2,1) and (2,2,2) (a
+fourth and fifth: both at once, the owner gathering its shards' gradients over DP before it sends them)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ REFERENCE_CASES = (*CASES, "unused", "gpt")
 SEQUENCE = "gpt:sp=1"
 ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES) + ("gpt:zero=2;sp=1",)
 PIPELINED = tuple(f"{case}:pp=2" for case in (*CASES, "unused")) + ("gpt:pp=2;sp=1",)
+# a pipeline with ZeRO (each stage's gradients are its buckets' DP shards, gathered over the stage's DP group when
+# read and then sent over PP to the stages that read them; an L2 term at zero=3 gathers its stage's freed parameters
+# inside the schedule): at (2,2,1) with plain parameters, at (2,2,2) with DTensor ones (and sequence parallelism)
+STAGED_ZERO = ("watched:zero=1", "clip:zero=3", "l2:zero=2", "unused:zero=3")
+STAGED_ZERO_MP = ("watched:zero=3", "clip:zero=1", "l2:zero=3", "gpt:zero=2;sp=1")
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +73,38 @@ def ranks122(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+def _pipelined_zero(tmp_path_factory, name: str, mp: int, cases: tuple[str, ...]) -> list[dict]:
+    from tests.conftest import run_ranks
+
+    out = tmp_path_factory.mktemp(name)
+    world = 2 * 2 * mp
+    proc = run_ranks(world, ["tests/distributed/user_view_worker.py", "2", str(mp), str(out), ",".join(cases),
+                             json.dumps({"pp": 2})], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ranks221_zero(tmp_path_factory) -> list[dict]:
+    """(2,2,1) with pp=2 and ZeRO 1-3: plain parameters, their gradients from the stages' DP shards."""
+    return _pipelined_zero(tmp_path_factory, "user_view221_zero", 1, STAGED_ZERO)
+
+
+@pytest.fixture(scope="module")
+def ranks222_zero(tmp_path_factory) -> list[dict]:
+    """(2,2,2) with pp=2 and ZeRO 1-3: DTensor parameters over the stages' ZeRO buckets."""
+    return _pipelined_zero(tmp_path_factory, "user_view222_zero", 2, STAGED_ZERO_MP)
+
+
 def _max_diff(a: dict, b: dict) -> float:
     return max((abs(a[k] - b[k]) for k in a), default=math.inf)
 
 
-# (launch fixture, the case's key in its results): zero=0 in one launch, zero 1-3 in another, pp=2 in a third
+# (launch fixture, the case's key in its results): zero=0 in one launch, zero 1-3 in another, pp=2 in a third, pp=2
+# with ZeRO in two more
 RUNS = ([("ranks22", case) for case in (*CASES, SEQUENCE)] + [("ranks22_zero", spec) for spec in ZEROS]
-        + [("ranks122", spec) for spec in PIPELINED])
+        + [("ranks122", spec) for spec in PIPELINED] + [("ranks221_zero", spec) for spec in STAGED_ZERO]
+        + [("ranks222_zero", spec) for spec in STAGED_ZERO_MP])
 
 
 @pytest.mark.slow
@@ -114,7 +145,8 @@ def test_a_clip_by_hand_changes_the_step_as_on_one_process(reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch,spec", [("ranks22", "l2"), ("ranks22_zero", "l2:zero=3"), ("ranks122", "l2:pp=2")])
+@pytest.mark.parametrize("launch,spec", [("ranks22", "l2"), ("ranks22_zero", "l2:zero=3"), ("ranks122", "l2:pp=2"),
+                                         ("ranks222_zero", "l2:zero=3")])
 def test_an_l2_term_keeps_the_split_plan(request, launch, spec):
     got = request.getfixturevalue(launch)[0][spec]
     assert not got["fallback"]
