@@ -1,9 +1,8 @@
 """A parameter read outside the layers at zero=3 or under a pipeline gives its values and never crashes (issue 41):
 a weight-norm callback in ``on_train_batch_end`` (gradients enabled) and ``on_validation_epoch_end``, and the model
 after fit, in float64 against one process (``tests/distributed/freed_reads_worker.py``). Before, such a read of a
-freed ZeRO-3 view, or of another stage's parameter, died of SIGSEGV. At mp=1, and at mp=2 without a pipeline (DTensor
-parameters), the values are one process's; under a pipeline at mp=2 each rank reads its MP shards, alike on the
-stages of its MP rank."""
+freed ZeRO-3 view, or of another stage's parameter, died of SIGSEGV. At mp=1, and at mp=2 with and without a
+pipeline (DTensor parameters), the values are one process's on every rank."""
 
 from __future__ import annotations
 
@@ -50,10 +49,7 @@ def test_zero3_reads_at_mp2_equal_one_process(ranks, reference):
 
 
 @pytest.mark.slow
-def test_pipeline_reads_at_mp2_are_the_shards_alike_on_both_stages(ranks, reference):
-    by_rank = [rank["1,2,2,1"] for rank in ranks]  # rank = pp_rank * 2 + mp_rank
-    for mp_rank in (0, 1):
-        a, b = by_rank[mp_rank], by_rank[2 + mp_rank]  # stage 0 and stage 1: the same model, each its MP shards
-        assert a["train"] == b["train"] and a["val"] == b["val"] and len(a["val"]) == 2
-    assert by_rank[0]["train"] != by_rank[1]["train"]
-    assert abs(by_rank[0]["after"] - reference["after"]) < 1e-8
+def test_pipeline_zero_reads_at_mp2_equal_one_process(ranks, reference):
+    # under a pipeline with ZeRO the parameters are DTensors too: every rank reads the dense model, the other
+    # stage's parameters brought from the stage that owns them (they were each rank's MP shards before)
+    test_reads_at_mp1_equal_one_process(ranks, reference, "1,2,2,1")

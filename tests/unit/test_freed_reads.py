@@ -91,7 +91,7 @@ def test_values_given_by_make_current_are_read_and_a_refusal_is_raised_before_an
         fetched.append(len(params))
         yield [torch.full((2, 2), 3.0, dtype=torch.float64) for _ in params]
 
-    mode = GatherOnRead({id(param)}, lambda t: True, values_of, lambda: refusal[0] if refusal else None)
+    mode = GatherOnRead({id(param)}, lambda t: True, values_of, lambda ps: refusal[0] if refusal else None)
     with mode:
         total = (param * param).sum()  # one parameter read twice by one op: fetched once
         refusal.append("that another pipeline stage owns, inside the pipelined step")

@@ -151,7 +151,7 @@ def test_the_recompute_runs_outside_the_modes_of_user_code(backward: str) -> Non
     net = nn.Sequential(_Scaled(), _Scaled())
     net.load_state_dict(plain.state_dict())
     reader = GatherOnRead({id(p) for p in net.parameters()}, lambda t: True, lambda ps: nullcontext(),
-                          lambda: "refused here")
+                          lambda ps: "refused here")
     outermost_forward_hooks(net, reader.step_aside, reader.step_back)
     checkpoint_blocks(find_units(net))
     x = torch.randn(4, 3)
