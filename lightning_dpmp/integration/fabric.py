@@ -22,6 +22,12 @@ writes, its MP group gathers), which load into the plain model or into any (dp, 
 for this rank (before the first call too: the optimizer's state is sliced when the model is split).
 ``fabric.all_reduce``/``all_gather`` default to the DP group (the ranks of an MP group hold the same values).
 
+What user code reads (``mp > 1``): the split parameters are DTensors on the grid's mesh, as under the Trainer
+strategy, and from the first call to teardown user code runs under the
+:class:`~lightning_dpmp.parallel.bridge.DTensorBridge`: norms over ``model.parameters()``, ``model.state_dict()``
+and an L2 term in the loss (``fabric.backward`` takes a DTensor loss's plain value) are the dense model's. The
+layers compute on, and the optimizers step, the plain local shards; checkpoints are cut from them.
+
 ``activation_checkpointing="blocks"`` recomputes every repeated block in the backward, applied right after the split
 (:mod:`lightning_dpmp.parallel.recompute`), as the Trainer strategy applies it.
 
@@ -66,9 +72,10 @@ from lightning_dpmp.integration.activations import apply_recompute, describe
 from lightning_dpmp.integration.mp_batch import broadcast_batch
 from lightning_dpmp.integration.split import Split, split_module
 from lightning_dpmp.integration.stepdata import real_tensors_on_meta, to_meta
+from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
 from lightning_dpmp.parallel.comm import all_reduce_grads
-from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT, Grid, build_grid
+from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT, Grid, build_grid, device_mesh
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_blocks, shard_dims
 from lightning_dpmp.parallel.topology import Topology, check_parallel_size
@@ -99,6 +106,8 @@ class _ModelState:
 
     def owns(self, optimizer: Optimizer) -> bool:
         ids = {id(p) for p in self.module.parameters()}
+        if self.split is not None and self.split.params is not None:  # (its optimizers step the local shards)
+            ids |= {id(p) for p in self.split.params.locals}
         return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
 
 
@@ -307,9 +316,12 @@ class FabricDPMPStrategy(FabricDDPStrategy):
             return {"loss": _surrogate_loss(out), "output": out}  # the output is returned: it stays whole
 
         precision = str(getattr(self.precision, "precision", "32-true"))
+        mesh = device_mesh(grid, self.root_device.type) if grid.mp > 1 else None
         state.split = split_module(module, grid, self.root_device, run, self._overrides, self._verify,
-                                   self._sequence_parallel, precision, training, meta)
+                                   self._sequence_parallel, precision, training, meta, mesh=mesh)
         self._repoint_optimizers(state, names_before)
+        if state.split.bridge is not None:  # user code from here to teardown reads the DTensor parameters
+            state.split.bridge.__enter__()
         plan = state.split.applied_plan
         if self._recompute == "blocks":  # after the split: the recompute runs the split layers
             names = apply_recompute(module, None, state.split.rng, state.split.params)
@@ -321,21 +333,29 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     def _repoint_optimizers(self, state: _ModelState, names_before: dict[int, str]) -> None:
         """The optimizers held the dense parameters: give them the split ones (same names, same order), and slice
         any state they already hold (a ``fabric.load`` before the first call)."""
-        now = dict(state.module.named_parameters(remove_duplicate=False))
-        for opt in state.optimizers:
-            saved = opt.state_dict() if opt.state else None
-            for group in opt.param_groups:
-                group["params"] = [now[names_before[id(p)]] if id(p) in names_before else p for p in group["params"]]
-            if saved is not None:
-                opt.state.clear()
-                opt.load_state_dict(shard_optimizer_state(saved, optimizer_param_dims(opt, state.module),
-                                                          self.grid.mp_group,
-                                                          optimizer_param_blocks(opt, state.module)))
+        assert state.split is not None
+        params = state.split.params
+        with params.local() if params is not None else nullcontext():  # (the shards: what the state is sliced for)
+            now = dict(state.module.named_parameters(remove_duplicate=False))
+            for opt in state.optimizers:
+                saved = opt.state_dict() if opt.state else None
+                for group in opt.param_groups:
+                    group["params"] = [now[names_before[id(p)]] if id(p) in names_before else p
+                                       for p in group["params"]]
+                if saved is not None:
+                    opt.state.clear()
+                    opt.load_state_dict(shard_optimizer_state(saved, optimizer_param_dims(opt, state.module),
+                                                              self.grid.mp_group,
+                                                              optimizer_param_blocks(opt, state.module)))
 
     # ------------------------------------------------------------------ gradients
     @override
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        super().backward(tensor, module, *args, **kwargs)
+        for state in self._models:  # an optimizer's zero_grad cleared the local gradients: the DTensors' go too
+            if state.split is not None and state.split.params is not None:
+                state.split.params.clear_stale_grads()
+        # a loss built from DTensor parameters (an L2 term) is the plain loss one process computes
+        super().backward(plain_value(tensor), module, *args, **kwargs)
         for state in self._models:
             state.pending = state.split is not None
 
@@ -348,15 +368,19 @@ class FabricDPMPStrategy(FabricDDPStrategy):
             return state
         state.pending = False
         grid = self.grid
+        dtensors = state.split.params
+        if dtensors is not None:  # the backward reached the DTensor parameters: their local gradients are reduced
+            dtensors.grads_to_local()
         partial: list[Tensor] = list(state.split.partial_grads)
         if partial:
             sync_partial_grads(partial, grid.mp_group)
-        if grid.dp == 1:
-            return state
-        params = {id(p): p for opt in state.optimizers for g in opt.param_groups for p in g["params"]
-                  if p.requires_grad}
-        # a parameter no DP rank used keeps None, as on one process
-        all_reduce_grads(params.values(), grid.dp_group, average=True, keep_unused=True)
+        if grid.dp > 1:
+            params = {id(p): p for opt in state.optimizers for g in opt.param_groups for p in g["params"]
+                      if p.requires_grad}
+            # a parameter no DP rank used keeps None, as on one process
+            all_reduce_grads(params.values(), grid.dp_group, average=True, keep_unused=True)
+        if dtensors is not None:  # user code reads the reduced gradients (clipped in place later: the same storage)
+            dtensors.grads_from_local()
         return state
 
     @override
@@ -406,8 +430,9 @@ class FabricDPMPStrategy(FabricDDPStrategy):
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """Dense, under the dense names, on the ranks of DP row 0 (global rank 0 writes); local shards elsewhere."""
         module = _unwrap(module)  # fabric.save hands over the module setup_module returned
-        state = module.state_dict()
-        dims = shard_dims(module)
+        with self._local(module):
+            state = module.state_dict()
+            dims = shard_dims(module)
         if not dims or self.grid.dp_rank != 0:
             return state
         return gather_state_dict(state, dims, self.grid.mp_group, shard_blocks(module))
@@ -418,16 +443,25 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         module = self.module_of(optimizer)
         if module is None or self.grid.dp_rank != 0:
             return state
-        return consolidate_optimizer_state(state, optimizer_param_dims(optimizer, module), self.grid.mp_group,
-                                           optimizer_param_blocks(optimizer, module))
+        with self._local(module):
+            dims, blocks = optimizer_param_dims(optimizer, module), optimizer_param_blocks(optimizer, module)
+        return consolidate_optimizer_state(state, dims, self.grid.mp_group, blocks)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         module = _unwrap(module)
-        dims = shard_dims(module)
-        if dims:
-            state_dict = shard_state_dict(state_dict, dims, self.grid.mp_group, shard_blocks(module))
-        module.load_state_dict(state_dict, strict=strict)
+        with self._local(module):
+            dims = shard_dims(module)
+            if dims:
+                state_dict = shard_state_dict(state_dict, dims, self.grid.mp_group, shard_blocks(module))
+            module.load_state_dict(state_dict, strict=strict)
+
+    def _local(self, module: nn.Module) -> AbstractContextManager:
+        """A context in which ``module``'s registered parameters are its plain local shards (what checkpoints are
+        cut from), when they are DTensors."""
+        state = next((m for m in self._models if m.module is module), None)
+        params = state.split.params if state is not None and state.split is not None else None
+        return params.local() if params is not None else nullcontext()
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -449,6 +483,12 @@ class FabricDPMPStrategy(FabricDDPStrategy):
 
     @override
     def teardown(self) -> None:
+        for state in reversed(self._models):  # the plain local shards registered again, the bridge left
+            split = state.split
+            if split is not None and split.bridge is not None:
+                split.bridge.leave()
+            if split is not None and split.params is not None:
+                split.params.release()
         self._models = []
         super().teardown()
 
@@ -470,7 +510,9 @@ class _SlicedOnLoad:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         module = self.strategy.module_of(self.optimizer)
         if module is not None:
-            state = shard_optimizer_state(state, optimizer_param_dims(self.optimizer, module),
-                                          self.strategy.grid.mp_group, optimizer_param_blocks(self.optimizer, module))
+            with self.strategy._local(module):
+                dims = optimizer_param_dims(self.optimizer, module)
+                blocks = optimizer_param_blocks(self.optimizer, module)
+            state = shard_optimizer_state(state, dims, self.strategy.grid.mp_group, blocks)
         self.optimizer.load_state_dict(state)
 

@@ -30,6 +30,7 @@ from tests.support.models import make_lm_dataset  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, LR, CLIP, SEED = 64, 16, 8, 3e-3, 0.5, 0
 COUNTED_STEP = 2
+WATCHED_STEPS, L2 = 4, 1e-3
 
 
 def llama() -> torch.nn.Module:
@@ -52,8 +53,34 @@ def batches(fabric, micro: int):
         yield from loader
 
 
+def one_step(fabric, model, optimizer, data, micro: int = 1, l2: float = 0.0, watch=None) -> None:
+    """One optimizer step of ``micro`` accumulated micro-batches from ``data``, clipped; with ``l2`` the loss adds
+    ``l2`` times every parameter's sum of squares; ``watch`` (a dict) gets what user code reads of the model: the
+    clip's total norm, the gradients' and the weights' sums of squares over ``model.parameters()`` and over
+    ``model.state_dict()`` (one value per step each)."""
+    for m in range(micro):
+        with fabric.no_backward_sync(model, enabled=m < micro - 1):
+            loss = loss_of(model, next(data)[0]) / micro
+            if l2:
+                loss = loss + l2 * sum(p.pow(2).sum() for p in model.parameters())
+            fabric.backward(loss)
+    total = fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+    if watch is not None:
+        watch.setdefault("clip_total", []).append(float(total))
+        with torch.no_grad():
+            watch.setdefault("grad_sq", []).append(
+                float(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None)))
+    optimizer.step()
+    optimizer.zero_grad()
+    if watch is not None:
+        with torch.no_grad():
+            watch.setdefault("weight_sq", []).append(float(sum(p.pow(2).sum() for p in model.parameters())))
+            watch.setdefault("state_sq", []).append(
+                float(sum(v.pow(2).sum() for v in model.state_dict().values())))
+
+
 def train(fabric, steps: int, micro: int = 1, load: str = "", save: str = "", skip: int = 0, record=None,
-          net=None):
+          net=None, l2: float = 0.0, watch=None):
     net = net if net is not None else llama()
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.01)
     model, optimizer = fabric.setup(net, optimizer)
@@ -65,12 +92,7 @@ def train(fabric, steps: int, micro: int = 1, load: str = "", save: str = "", sk
     for step in range(steps):
         counter = CommCounter({"mp": fabric.strategy.grid.mp_group, "dp": fabric.strategy.grid.dp_group})
         with counter if (record is not None and step == COUNTED_STEP) else open(os.devnull):
-            for m in range(micro):
-                with fabric.no_backward_sync(model, enabled=m < micro - 1):
-                    fabric.backward(loss_of(model, next(data)[0]) / micro)
-            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
+            one_step(fabric, model, optimizer, data, micro, l2, watch)
         if record is not None and step == COUNTED_STEP:
             record["counts"] = {f"{g}/{op}": n for (g, op), n in counter.counts.items()}
     if save:
@@ -94,6 +116,9 @@ def main(dp: int, mp: int, out: str) -> None:
     train(fabric, 6, save=os.path.join(out, "half.ckpt"))
     train(fabric, 4, load=os.path.join(out, "half.ckpt"), save=os.path.join(out, "resumed.ckpt"), skip=6)
     train(fabric, 5, micro=2, save=os.path.join(out, "accumulated.ckpt"))
+    # what user code reads of the model (DTensor parameters at mp > 1): norms, gradients, state_dict, an L2 term
+    record["watched"] = {}
+    train(fabric, WATCHED_STEPS, l2=L2, watch=record["watched"], save=os.path.join(out, "watched.ckpt"))
     # a pretrained folder read lazily: built on meta, each rank reads its slices at the first call
     from transformers import LlamaForCausalLM
 

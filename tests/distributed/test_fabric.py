@@ -11,7 +11,9 @@ One launch per layout (``fabric_worker.py``) trains three runs; each is compared
   until its first call, then each rank reads only its slices): the 10-step weights;
 - the collectives of one training step, counted: the plan's MP all-reduces, one for the clipping norm, the batch's
   broadcast, and exactly one DP all-reduce for the gradients;
-- ``fabric.all_gather`` / ``all_reduce`` default to the DP group.
+- ``fabric.all_gather`` / ``all_reduce`` default to the DP group;
+- 4 steps with an L2 term in the loss, reading the weight and gradient norms and ``state_dict()`` each step (the
+  parameters are DTensors at mp > 1): the single-process values on every rank and its weights.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ pytest.importorskip("transformers")
 LAYOUTS = [(2, 2), (1, 2), (2, 1)]
 
 
-def _reference(steps: int, micro: int = 1) -> dict:
+def _reference(steps: int, micro: int = 1, l2: float = 0.0, watch=None) -> dict:
     """The same loop on one process: Fabric on one device, "64-true" (its forward context makes float64 the
     default dtype, which transformers' rotary embedding follows)."""
     from lightning.fabric import Fabric
@@ -40,17 +42,15 @@ def _reference(steps: int, micro: int = 1) -> dict:
     model, optimizer = fabric.setup(net, optimizer)
     data = iter(DataLoader(make_lm_dataset(vocab=W.VOCAB, seq=W.SEQ), batch_size=W.GLOBAL_BATCH // micro))
     for _ in range(steps):
-        for _ in range(micro):
-            fabric.backward(W.loss_of(model, next(data)[0]) / micro)
-        fabric.clip_gradients(model, optimizer, max_norm=W.CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
+        W.one_step(fabric, model, optimizer, data, micro, l2, watch)
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {"straight": _reference(10), "accumulated": _reference(5, micro=2)}
+    watched: dict = {}
+    return {"straight": _reference(10), "accumulated": _reference(5, micro=2),
+            "watched": _reference(W.WATCHED_STEPS, l2=W.L2, watch=watched), "watched_values": watched}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: f"dp{layout[0]}_mp{layout[1]}")
@@ -69,12 +69,29 @@ def _worst(path, ref) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ref", [("straight", "straight"), ("resumed", "straight"),
-                                      ("accumulated", "accumulated"), ("pretrained", "straight")])
+                                      ("accumulated", "accumulated"), ("pretrained", "straight"),
+                                      ("watched", "watched")])
 def test_fabric_training_matches_one_process(run, references, name, ref):
     dp, mp, out, _ = run
     worst = _worst(out / f"{name}.ckpt", references[ref])
     print(f"fabric parity {name} dp={dp} mp={mp} float64: {worst:.2e}")
     assert worst <= 1e-8, f"{name} at dp={dp} mp={mp}: {worst:.3e}"
+
+
+@pytest.mark.slow
+def test_user_code_reads_the_dense_model(run, references):
+    """At mp > 1 the parameters are DTensors: ``model.parameters()``' weight and gradient norms (read after
+    ``fabric.clip_gradients``, which reduces the gradients), ``model.state_dict()`` and an L2 term in the loss see
+    one process's model on every rank (before: each rank's MP shards, the L2 term a partial sum)."""
+    dp, mp, _, ranks = run
+    want = references["watched_values"]
+    for rank in ranks:
+        got = rank["watched"]
+        assert got.keys() == want.keys()
+        for key, values in want.items():
+            assert len(got[key]) == W.WATCHED_STEPS, key
+            worst = max(abs(a - b) / max(abs(b), 1.0) for a, b in zip(got[key], values))
+            assert worst < 1e-10, (dp, mp, key, got[key], values)
 
 
 @pytest.mark.slow
