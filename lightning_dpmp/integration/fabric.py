@@ -358,6 +358,10 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         super().backward(plain_value(tensor), module, *args, **kwargs)
         for state in self._models:
             state.pending = state.split is not None
+            if state.split is not None and state.split.params is not None:
+                # the local parameters hold them too (the same storage): a micro-batch's gradients are not taken
+                # for stale ones at the next backward (only an optimizer's zero_grad clears the local ones)
+                state.split.params.grads_to_local()
 
     def _reduce_gradients(self, optimizer: Optimizer) -> Optional[_ModelState]:
         """Once per step, before clipping or stepping: the partial gradients of ``optimizer``'s module summed over
