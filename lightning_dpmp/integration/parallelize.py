@@ -270,6 +270,10 @@ class Parallelized:
         if self.grads is not None:
             with self.modes_aside():
                 self.grads.clear()
+                if self.params is not None:
+                    # (views of the local accumulation after an accumulating micro-batch: the gradient of a read
+                    # outside the layers, an L2 term, would be added into them, and then handed on with them)
+                    self.params.forget_grads()
         elif self.params is not None:
             with self.modes_aside():
                 self.params.clear_stale_grads()
@@ -316,6 +320,10 @@ class Parallelized:
                 self._sum_partial()
                 if self.grads is not None and engine.reduces_now:
                     self.grads.attach()
+                elif params is not None:
+                    # a micro-batch that accumulates locally (zero 1/2 until the last one): each rank's local
+                    # accumulation, as DDP shows inside no_sync (at mp = 1 the parameters hold it themselves)
+                    params.grads_from_local()
             return
         if params is None:
             return

@@ -6,7 +6,9 @@ in ``on_before_optimizer_step`` see the dense model, in float64 against a single
 ZeRO engine's sharded gradients are gathered when read, its freed parameters too, an L2 term's gradient goes into
 its update, a clip's write into the shards), at (1,2,2) with pp=2 (a third: the other stage's parameters and
 gradients are brought from the stage that owns them when read), and with pp=2 and ZeRO at (2,2,1) and (2,2,2) (a
-fourth and fifth: both at once, the owner gathering its shards' gradients over DP before it sends them)."""
+fourth and fifth: both at once, the owner gathering its shards' gradients over DP before it sends them). Under
+gradient accumulation (``acc``) the micro-batches before the last read each rank's local sum at zero 0-2, as DDP
+shows it, and one process's partial sum at zero=3."""
 
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ from tests.distributed.user_view_worker import LOGGED, STEPS, fit_case
 CASES = ("watched", "l2", "clip")
 # "unused": a parameter nothing reaches (no gradient on one process, never stepped); under a pipeline the other
 # stage reads zeros for it, and the stage that owns it must join that read's broadcast without stepping it
-REFERENCE_CASES = (*CASES, "unused", "gpt")
+REFERENCE_CASES = (*CASES, "unused", "gpt", "acc")
+# "acc": 2 accumulated micro-batches per step: on the last one every rank reads one process's gradients; before it,
+# zero 0-2 show each rank's local accumulation (as DDP inside no_sync), zero=3 (reduce-scattered every micro-batch)
+# one process's partial sum
+ACCUMULATED = ("acc:zero=2", "acc:zero=3")
 # sequence parallelism (sp=1) on "gpt" (the watched model on GPT): the norm weights' gradients are partial sums per
 # MP rank until their MP sum, which runs before on_after_backward (its logged grad_sq equals one process), once per
 # step
@@ -46,7 +52,7 @@ def ranks22(tmp_path_factory) -> list[dict]:
 
     out = tmp_path_factory.mktemp("user_view22")
     proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "2", "2", str(out),
-                         ",".join((*CASES, SEQUENCE))], timeout=600)
+                         ",".join((*CASES, SEQUENCE, "acc"))], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -56,7 +62,8 @@ def ranks22_zero(tmp_path_factory) -> list[dict]:
     from tests.conftest import run_ranks
 
     out = tmp_path_factory.mktemp("user_view22_zero")
-    proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "2", "2", str(out), ",".join(ZEROS)], timeout=900)
+    proc = run_ranks(4, ["tests/distributed/user_view_worker.py", "2", "2", str(out), ",".join((*ZEROS, *ACCUMULATED))],
+                     timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -154,3 +161,21 @@ def test_an_l2_term_keeps_the_split_plan(request, launch, spec):
     assert "fallback" not in got["plan"] and "verification failed" not in got["plan"]
     held = got["plan"].split("parameters per rank: ")[1].split(";")[0]  # e.g. "7,360 of 13,504 (54.5%)"
     assert float(held.split("(")[1].rstrip("%)")) < 60.0, held
+
+
+@pytest.mark.slow
+def test_accumulating_micro_batches_read_what_ddp_reads(reference, ranks22, ranks22_zero):
+    ref = reference["acc"]
+    micro = ref["micro_sq"]
+    assert len(micro) == 2 * STEPS
+    assert max(abs(a - b) for a, b in zip(micro[0::2], micro[1::2])) > 1e-2  # the first micro-batch's sum is partial
+    for local, zeros in zip(ranks22, ranks22_zero):
+        ddp = local["acc"]["micro_sq"]
+        assert max(abs(a - b) for a, b in zip(ddp[1::2], micro[1::2])) < 1e-8  # the last: one process's
+        # zero=2 accumulates locally until the last micro-batch: each rank reads its local sum, as zero=0 (and
+        # DDP) show it (before: no gradient at all, a sum of 0.0)
+        assert max(abs(a - b) for a, b in zip(zeros["acc:zero=2"]["micro_sq"], ddp)) < 1e-12
+        # zero=3 reduce-scatters every micro-batch: one process's partial sum at each
+        assert max(abs(a - b) for a, b in zip(zeros["acc:zero=3"]["micro_sq"], micro)) < 1e-8
+    for got in (ranks22[0]["acc"], ranks22_zero[0]["acc:zero=2"], ranks22_zero[0]["acc:zero=3"]):
+        assert max(max(abs(a - b) for a, b in zip(got["weights"][k], ref["weights"][k])) for k in ref["weights"]) < 1e-8

@@ -41,6 +41,10 @@ class Watched(LMModule):
     l2 = 0.0
     clip = 0.0
 
+    def __init__(self, net: Any) -> None:
+        super().__init__(net)
+        self.micro_sq: list[float] = []
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
@@ -56,7 +60,9 @@ class Watched(LMModule):
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip)
 
     def on_after_backward(self) -> None:
-        self.log("grad_sq", sum(p.grad.pow(2).sum() for p in self.parameters() if p.grad is not None))
+        grad_sq = sum(p.grad.pow(2).sum() for p in self.parameters() if p.grad is not None)
+        self.log("grad_sq", grad_sq)
+        self.micro_sq.append(float(grad_sq))  # every backward's, micro-batches under accumulation included
 
 
 class Watch(L.Callback):
@@ -95,9 +101,13 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
     """Train the case's model for ``STEPS`` steps at ``dp x mp`` (one process: ``dp = mp = 1``, the sampler's
     permutation drawn as Lightning draws it for many) and return what its user code saw."""
     L.seed_everything(SEED, workers=True)
+    # "acc": 2 accumulated micro-batches per step (the same global batch): before the last one user code reads each
+    # rank's local accumulation, as DDP shows inside no_sync, at every zero level
+    accumulate = 2 if case == "acc" else 1
     # "gpt": the watched model on GPT (tied table and head, LayerNorm weights and biases), which sequence
     # parallelism takes (the Llama's attention reads the sequence length inline)
     base, dataset = build("gpt" if case == "gpt" else "llama")
+    global_batch = GLOBAL_BATCH // accumulate
     model = Watched(base.net)
     model.l2 = L2 if case == "l2" else 0.0
     model.clip = CLIP if case == "clip" else 0.0
@@ -106,16 +116,16 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
     watch = Watch()
     kwargs: dict[str, Any] = dict(accelerator="cpu", precision="64-true", max_steps=STEPS, logger=False,
                                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                  callbacks=[watch])
+                                  callbacks=[watch], accumulate_grad_batches=accumulate)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PlanFallbackWarning)
         if dp * mp == 1:
             trainer = L.Trainer(devices=1, **kwargs)
-            loader = reference_loader(dataset, GLOBAL_BATCH, SEED)
+            loader = reference_loader(dataset, global_batch, SEED)
         else:
             strategy = DPMPStrategy(dp=dp, mp=mp, timeout=timedelta(minutes=3), **strategy_kwargs)
             trainer = L.Trainer(devices=dp * mp * strategy_kwargs.get("pp", 1), strategy=strategy, **kwargs)
-            loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dp)
+            loader = DataLoader(dataset, batch_size=global_batch // dp)
         trainer.fit(model, loader)
         plan = trainer.strategy.applied_plan.text if dp * mp > 1 else ""
     left = compat.current_function_mode()  # the strategy's modes are gone with its teardown
@@ -124,7 +134,7 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
         weights = {k: v.double().reshape(-1).tolist() for k, v in model.state_dict().items()}
     return {
         "logged": watch.logged, "histograms": watch.histograms, "state_sq": watch.state_sq, "weights": weights,
-        "summary": watch.summary, "plan": plan,
+        "summary": watch.summary, "plan": plan, "micro_sq": model.micro_sq,
         "fallback": [str(w.message) for w in caught if issubclass(w.category, PlanFallbackWarning)],
         "mode_left": type(left).__name__ if left is not None else None,
     }
