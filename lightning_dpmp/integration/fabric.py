@@ -23,8 +23,9 @@ for this rank (before the first call too: the optimizer's state is sliced when t
 ``fabric.all_reduce``/``all_gather`` default to the DP group (the ranks of an MP group hold the same values).
 
 What user code reads (``mp > 1``): the split parameters are DTensors on the grid's mesh, as under the Trainer
-strategy, and from the first call to teardown user code runs under the
-:class:`~lightning_dpmp.parallel.bridge.DTensorBridge`: norms over ``model.parameters()``, ``model.state_dict()``
+strategy, and from the first call on user code runs under the strategy's one
+:class:`~lightning_dpmp.parallel.bridge.DTensorBridge` (Fabric has no end of run: it stays until the strategy's
+``teardown`` or the process ends): norms over ``model.parameters()``, ``model.state_dict()``
 and an L2 term in the loss (``fabric.backward`` takes a DTensor loss's plain value) are the dense model's. The
 layers compute on, and the optimizers step, the plain local shards; checkpoints are cut from them.
 
@@ -72,7 +73,7 @@ from lightning_dpmp.integration.activations import apply_recompute, describe
 from lightning_dpmp.integration.mp_batch import broadcast_batch
 from lightning_dpmp.integration.split import Split, split_module
 from lightning_dpmp.integration.stepdata import real_tensors_on_meta, to_meta
-from lightning_dpmp.parallel.bridge import plain_value
+from lightning_dpmp.parallel.bridge import DTensorBridge, plain_value
 from lightning_dpmp.parallel.clipping import clip_grad_norm_, sync_partial_grads
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.grid import DEFAULT_TIMEOUT, Grid, build_grid, device_mesh
@@ -205,6 +206,11 @@ class FabricDPMPStrategy(FabricDDPStrategy):
         self._sequence_parallel, self._verify = bool(sequence_parallel), bool(verify_plan)
         self._grid: Optional[Grid] = None
         self._models: list[_ModelState] = []  # every module given to fabric.setup, latest last
+        # (mp > 1) the bridge user code runs under from the first module's split: one for all of them, so that a
+        # second module's forward steps aside the same one (Fabric has no end of run: it stays until teardown or
+        # the process ends)
+        self._bridge: Optional[DTensorBridge] = None
+        self._bridge_entered = False
         compat.set_backward_sync_control(self, _NoSyncNeeded())  # fabric.no_backward_sync: a no-op, no warning
         note_deferring_strategy(self)  # from_pretrained from now on leaves its weights to the split
 
@@ -316,12 +322,19 @@ class FabricDPMPStrategy(FabricDDPStrategy):
             return {"loss": _surrogate_loss(out), "output": out}  # the output is returned: it stays whole
 
         precision = str(getattr(self.precision, "precision", "32-true"))
-        mesh = device_mesh(grid, self.root_device.type) if grid.mp > 1 else None
-        state.split = split_module(module, grid, self.root_device, run, self._overrides, self._verify,
-                                   self._sequence_parallel, precision, training, meta, mesh=mesh)
-        self._repoint_optimizers(state, names_before)
-        if state.split.bridge is not None:  # user code from here to teardown reads the DTensor parameters
-            state.split.bridge.__enter__()
+        if grid.mp > 1 and self._bridge is None:  # one mesh and one bridge for every module split here
+            self._bridge = DTensorBridge(device_mesh(grid, self.root_device.type))
+        bridge = self._bridge
+        entered = bridge is not None and self._bridge_entered
+        # (a later module splits while user code runs under the bridge: our own work runs outside it)
+        with bridge.aside() if entered and bridge is not None else nullcontext():
+            state.split = split_module(module, grid, self.root_device, run, self._overrides, self._verify,
+                                       self._sequence_parallel, precision, training, meta,
+                                       mesh=bridge.mesh if bridge is not None else None, bridge=bridge)
+            self._repoint_optimizers(state, names_before)
+        if bridge is not None and not entered:  # user code from here on reads the DTensor parameters
+            bridge.__enter__()
+            self._bridge_entered = True
         plan = state.split.applied_plan
         if self._recompute == "blocks":  # after the split: the recompute runs the split layers
             names = apply_recompute(module, None, state.split.rng, state.split.params)
@@ -487,12 +500,12 @@ class FabricDPMPStrategy(FabricDDPStrategy):
 
     @override
     def teardown(self) -> None:
-        for state in reversed(self._models):  # the plain local shards registered again, the bridge left
-            split = state.split
-            if split is not None and split.bridge is not None:
-                split.bridge.leave()
-            if split is not None and split.params is not None:
-                split.params.release()
+        if self._bridge is not None:  # the bridge left, the plain local shards registered again
+            self._bridge.leave()
+            self._bridge, self._bridge_entered = None, False
+        for state in self._models:
+            if state.split is not None and state.split.params is not None:
+                state.split.params.release()
         self._models = []
         super().teardown()
 

@@ -108,6 +108,7 @@ def split_module(
     mesh: Optional[Any] = None,
     recorded: Optional[DenseStep] = None,
     synced: bool = False,
+    bridge: Optional[DTensorBridge] = None,
 ) -> Split:
     """Plan ``module`` from ``run`` (one step, or ``None`` when there is no batch) and split it in place over
     ``grid`` (collective over the world): every rank starts from rank 0's dense weights, the split regions get
@@ -115,13 +116,15 @@ def split_module(
     ``mesh`` (the grid's ``("dp", "pp", "mp")``) and ``mp > 1``, the split parameters become DTensors on it
     (:mod:`lightning_dpmp.parallel.dtensor_params`), the plan is verified on them, and the :class:`Split` carries
     them and the bridge user code runs under. ``recorded``: the dense run of ``run`` made already, after every rank
-    took rank 0's weights (``synced``). The one core of the Trainer strategy's setup (:func:`split_model`) and of
+    took rank 0's weights (``synced``). ``bridge``: the one to use (Fabric's, shared by every module it splits
+    on ``mesh``); else a new one. The one core of the Trainer strategy's setup (:func:`split_model`) and of
     Fabric's first call."""
     if not synced:
         broadcast_dense(module)  # unseeded runs agree (meta tensors are skipped)
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     rng = RNGTracker(seed, grid.mp_rank, device, active=has_dropout(module)) if grid.mp > 1 else None
-    bridge = DTensorBridge(mesh) if mesh is not None and grid.mp > 1 else None
+    if bridge is None and mesh is not None and grid.mp > 1:
+        bridge = DTensorBridge(mesh)
 
     def distribute(m: nn.Module) -> DTensorParams:
         assert bridge is not None

@@ -119,6 +119,8 @@ def main(dp: int, mp: int, out: str) -> None:
     # what user code reads of the model (DTensor parameters at mp > 1): norms, gradients, state_dict, an L2 term
     record["watched"] = {}
     train(fabric, WATCHED_STEPS, l2=L2, watch=record["watched"], save=os.path.join(out, "watched.ckpt"))
+    # one bridge for every module this strategy split (the runs above each set up a model): not one per module
+    record["modes"] = torch._C._len_torch_function_stack()
     # a pretrained folder read lazily: built on meta, each rank reads its slices at the first call
     from transformers import LlamaForCausalLM
 

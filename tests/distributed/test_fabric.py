@@ -86,6 +86,7 @@ def test_user_code_reads_the_dense_model(run, references):
     dp, mp, _, ranks = run
     want = references["watched_values"]
     for rank in ranks:
+        assert rank["modes"] == (1 if mp > 1 else 0)  # one bridge for the 5 models split, none at mp=1
         got = rank["watched"]
         assert got.keys() == want.keys()
         for key, values in want.items():

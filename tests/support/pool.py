@@ -11,7 +11,7 @@ Each case starts from fresh state:
 
 - a new ``MASTER_PORT`` (the previous case's TCP store may still be closing), its own environment overrides, and
   the environment, ``sys.argv``, ``sys.path``, working directory, warning filters and registries, default dtype,
-  thread count and Dynamo caches restored afterwards;
+  thread count and Dynamo caches restored afterwards, and any ``TorchFunctionMode`` it left entered popped;
 - any process group the case left is destroyed;
 - its stdout and stderr are captured at the file-descriptor level (C++ output and Lightning's log handlers
   included), rank by rank, and concatenated in rank order.

@@ -125,6 +125,10 @@ def _reset_state() -> None:
         torch._dynamo.reset()
     except Exception:
         pass
+    # a TorchFunctionMode a case left entered (Fabric's DTensor bridge stays until the process ends): a new process
+    # starts with none
+    while torch._C._len_torch_function_stack() > 0:
+        torch._C._pop_torch_function_stack()
     torch.set_default_dtype(torch.float32)
     torch.set_num_threads(1)
     torch.set_grad_enabled(True)
