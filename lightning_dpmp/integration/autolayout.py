@@ -67,12 +67,13 @@ from lightning_dpmp.planner.trace import Trace
 from lightning_dpmp.planner.user_plan import PlanOverrides
 
 __all__ = ["PROFILE_ABOVE", "Choice", "Request", "candidate_layouts", "check_memory", "choose_layout", "device_memory",
-           "measure_links", "states_bytes"]
+           "link_figures", "measure_links", "states_bytes"]
 
 SMALL, LARGE = 4 * 1024, 4 * 2**20  # bytes of the latency and the bandwidth probes
 #: A given layout's step is profiled for the memory check only where its states alone exceed this share of memory.
 PROFILE_ABOVE = 0.5
 REPEATS = 5
+FLOP_REPS = 16  # back-to-back 512^3 matmuls per rank for the FLOP/s figure (~0.1 s on a shared CPU core)
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,8 @@ def candidate_layouts(world: int, mp_one_only: bool = False) -> list[Topology]:
             if world % mp == 0 and (mp == 1 or not mp_one_only)]
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
-    """Median seconds of ``fn`` over :data:`REPEATS` runs after one warm-up."""
+def _timed(fn: Callable[[], Any], device: torch.device, best: bool = False) -> float:
+    """Median (``best``: least) seconds of ``fn`` over :data:`REPEATS` runs after one warm-up."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
@@ -129,26 +130,58 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times) if best else statistics.median(times)
+
+
+def _together(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Seconds per call of ``fn`` run ``reps`` times back to back on every rank at once (collective: a barrier
+    starts them together), after one warm-up: what a rank sustains while the others work too, as in training.
+    (Timing single short calls instead let some ranks run alone on a shared CPU: the figure swung 1.6x between two
+    setups of the same run.)"""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def link_figures(t_small: float, t_large: float, n: int) -> tuple[float, float]:
+    """``(bandwidth, latency)`` of a ring of ``n`` ranks from the times of an all-reduce of :data:`SMALL` and of
+    :data:`LARGE` bytes. The large one's transfer is taken as at least a tenth of its time: where noise makes the
+    two times nearly equal, the difference alone would give any bandwidth (6e6 GB/s was seen on a loaded CPU).
+
+    Example:
+        >>> bw, lat = link_figures(6e-3, 18e-3, 4)   # 6 ring steps of 1 ms, 12 ms to move 4 MiB
+        >>> round(bw / 1e9, 2), round(lat * 1e3, 2)
+        (0.52, 1.0)
+        >>> round(link_figures(7.7e-3, 7.6e-3, 4)[0] / 1e9, 1)  # unresolved: bounded by the large one's time
+        8.3
+    """
+    latency = t_small / (2 * (n - 1))
+    bw = 2 * (n - 1) / n * (LARGE - SMALL) / max(t_large - t_small, t_large / 10, 1e-9)
+    return bw, latency
 
 
 def _link(group: Any, n: int, device: torch.device) -> tuple[float, float]:
-    """``(bandwidth, latency)`` of ``group`` (``n`` ranks) from a 4 KiB and a 4 MiB all-reduce (collective)."""
+    """``(bandwidth, latency)`` of ``group`` (``n`` ranks) from a 4 KiB and a 4 MiB all-reduce (collective), each
+    its least time of :data:`REPEATS` (a link's own cost; the longer times are other work on a shared machine)."""
     small = torch.zeros(SMALL // 4, dtype=torch.float32, device=device)
     large = torch.zeros(LARGE // 4, dtype=torch.float32, device=device)
-    t_small = _timed(lambda: dist.all_reduce(small, group=group), device)
-    t_large = _timed(lambda: dist.all_reduce(large, group=group), device)
-    latency = t_small / (2 * (n - 1))
-    bw = 2 * (n - 1) / n * (LARGE - SMALL) / max(t_large - t_small, 1e-9)
-    return bw, latency
+    t_small = _timed(lambda: dist.all_reduce(small, group=group), device, best=True)
+    t_large = _timed(lambda: dist.all_reduce(large, group=group), device, best=True)
+    return link_figures(t_small, t_large, n)
 
 
 def measure_links(device: torch.device, devices_per_node: int, num_nodes: int, dtype: torch.dtype) -> Links:
     """Measure this machine (collective over the world): returns rank 0's figures on every rank.
 
     The intra-node link is measured on each node's ranks (the whole world on one node), the inter-node one on the
-    world; FLOP/s from a 512 x 512 matmul in ``dtype`` (every rank at once, as they will train), memory bandwidth
-    from a 16 MiB copy; the memory per rank from :func:`device_memory`.
+    world; FLOP/s from 512 x 512 matmuls in ``dtype`` (every rank at once, as they will train: :func:`_together`),
+    memory bandwidth from a 16 MiB copy; the memory per rank from :func:`device_memory`.
     """
     world, rank_ = dist.get_world_size(), dist.get_rank()
     if num_nodes > 1:
@@ -162,7 +195,7 @@ def measure_links(device: torch.device, devices_per_node: int, num_nodes: int, d
     else:
         intra, inter = _link(None, world, device), None
     a = torch.randn(512, 512, device=device, dtype=dtype)
-    flops = 2 * 512**3 / max(_timed(lambda: a @ a, device), 1e-9)
+    flops = 2 * 512**3 / max(_together(lambda: a @ a, device, FLOP_REPS), 1e-9)
     src = torch.zeros(4 * 2**20, device=device)
     dst = torch.empty_like(src)
     mem_bw = 2 * src.numel() * 4 / max(_timed(lambda: dst.copy_(src), device), 1e-9)
@@ -288,6 +321,14 @@ def choose_layout(first: FirstStep, num_processes: int, num_nodes: int, plan_ove
     return Choice(request.layout(dp, pp, mp, zero), table, links, text, measured=True)
 
 
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity where the platform tells it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _given(request: Request) -> str:
     return (f"DPMPStrategy(dp={request.dp!r}, pp={request.pp!r}, mp={request.mp!r}, zero={request.zero!r})")
 
@@ -314,7 +355,8 @@ def _rank_on_rank_zero(module: nn.Module, trace: Trace, prof: ModelProfile, link
     if not _memory_check_on():
         memory = float("inf")
     dev = measured_device(links.intra_bw, links.intra_latency, links.flops, links.mem_bw, per_node, memory,
-                          cpu=device.type == "cpu", inter_bw=links.inter_bw, inter_latency=links.inter_latency)
+                          cpu=device.type == "cpu", inter_bw=links.inter_bw, inter_latency=links.inter_latency,
+                          processes_per_core=per_node / _cores())
     ranking = rank(prof, dev, kept, world, per_rank, precision)
     text = "\n".join("    " + line for line in format_ranking(ranking).splitlines())
     text += "".join(f"\n    not a candidate: {r}" for r in out)

@@ -20,8 +20,9 @@ pipeline stage:
   the device's calibrated fraction of its dense peak; MP collectives per block (ring formula of
   :func:`lightning_dpmp.planner.cost.ring_s`; on the intra-node link when an MP group fits in a node);
   the DP gradient reduction (all-reduce, or reduce-scatter + all-gather, zero=3 gathering parameters for forward
-  and backward), exposed where it exceeds the last micro-batch's backward; stage-to-stage sends; the pipeline
-  bubble ``(pp-1)/(v M)`` of the stage time; and the AdamW step at the memory bandwidth.
+  and backward), exposed where it exceeds the last micro-batch's backward; stage-to-stage sends and the schedule's
+  own work per micro-batch (:attr:`Device.micro_overhead_s`: milliseconds on CPU); the pipeline bubble
+  ``(pp-1)/(v M)`` of the stage time; and the AdamW step at the memory bandwidth.
 
 MFU is Megatron's: model FLOPs (no recomputation) / (step time x devices x dense peak).
 
@@ -64,6 +65,10 @@ class Device:
         efficiency_width: matmuls narrower than this lose efficiency: the sustained fraction is
             ``efficiency * hidden / (hidden + efficiency_width)`` (0 = constant).
         overhead_s: fixed seconds per block per micro-batch, forward and backward (kernel launches, Python).
+        micro_overhead_s: fixed seconds per micro-batch on each pipeline stage, forward and backward: the schedule's
+            own work (its Python, the send and receive calls, detaching a stage's input, one autograd call per
+            micro-batch), beside the message time. Measured on CPU (where it is several milliseconds); ``0`` on
+            the GPU presets (hidden under the kernels).
         overlap_dp: the DP gradient reduction runs during the backward pass (devices with their own copy
             engines); ``False`` where it competes for the same cores (gloo on CPU).
         idle_bubble: a stage waiting in the pipeline bubble idles its device; ``False`` where processes share
@@ -82,6 +87,7 @@ class Device:
     devices_per_node: int = 8
     efficiency_width: float = 0.0
     overhead_s: float = 30e-6
+    micro_overhead_s: float = 0.0
     overlap_dp: bool = True
     idle_bubble: bool = True
 
@@ -114,10 +120,12 @@ DEVICES: dict[str, Device] = {
     "b200": _nvidia("b200", 180, 8.0e12, {"bf16": 2.25e15, "fp32": 75e12, "fp64": 37e12}, 720e9, 45e9),
     # This machine (2 cores of an AVX-512 Xeon, 23 GiB, 4 gloo processes): peak = half a core's (2 FMA units x 16
     # float32 lanes x 2 FLOPs at an assumed 2.0 GHz: 128 GFLOP/s per core); memory = 23 GiB / 4 processes less the
-    # runtime; efficiency and link bandwidth fitted on 3 measured layouts (benchmarks/estimator_check.py).
+    # runtime; efficiency and link bandwidth fitted on 3 measured layouts (benchmarks/estimator_check.py); a
+    # pipeline micro-batch's schedule work, layout_search.CPU_MICRO_OVERHEAD_S x 2 processes per core.
     "cpu": Device("cpu", memory_gib=4.0, peak_flops={"bf16": 64e9, "fp32": 64e9, "fp64": 32e9}, efficiency=0.58,
                   mem_bw=5e9, intra_bw=0.5e9, inter_bw=0.5e9, intra_latency=100e-6, inter_latency=100e-6,
-                  devices_per_node=64, overhead_s=0.0, overlap_dp=False, idle_bubble=False),
+                  devices_per_node=64, overhead_s=0.0, overlap_dp=False, idle_bubble=False,
+                  micro_overhead_s=10e-3),
 }
 
 # precision -> (compute dtype, bytes per parameter, per gradient, optimizer state per parameter (AdamW + master))
@@ -350,7 +358,7 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     if pp > 1:
         inter = pp * mp > dev.devices_per_node                          # neighbouring stages lie mp apart
         bw, lat = (dev.inter_bw, dev.inter_latency) if inter else (dev.intra_bw, dev.intra_latency)
-        pp_s = 2 * (msg / bw + lat)                                     # activation forward, its gradient backward
+        pp_s = 2 * (msg / bw + lat) + dev.micro_overhead_s            # activation forward, its gradient backward
         micro_s += pp_s
     bubble = (pp - 1) / v * micro_s if pp > 1 and dev.idle_bubble else 0.0
     pipe_s = m * micro_s + bubble + (m * head_s if pp > 1 else 0.0)

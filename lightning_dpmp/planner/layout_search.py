@@ -41,11 +41,17 @@ from typing import Optional, Sequence, Union
 from lightning_dpmp.planner.estimate import PRECISIONS, Device, Estimate, LayoutSpec, predict
 from lightning_dpmp.planner.profile import ModelProfile
 
-__all__ = ["ZERO_MARGIN", "Ranking", "candidates", "estimator_precision", "format_ranking", "measured_device",
-           "rank", "refusal"]
+__all__ = ["CPU_MICRO_OVERHEAD_S", "ZERO_MARGIN", "Ranking", "candidates", "estimator_precision", "format_ranking",
+           "measured_device", "rank", "refusal"]
 
 #: A higher zero level is chosen over a lower one that fits only when predicted at least this much faster.
 ZERO_MARGIN = 0.05
+
+#: CPU seconds a pipeline stage spends per micro-batch on the schedule itself (forward and backward: its Python,
+#: the send and receive calls, detaching the stage input, one autograd call), on one core. Fitted on this 2-core
+#: machine (benchmarks/results/auto_layout/run4: the CPU time per step of (1,4,1) and (2,2,1) against (4,1,1) leaves
+#: 4.8 ms per micro-batch and stage beside the blocks' own work).
+CPU_MICRO_OVERHEAD_S = 5e-3
 
 SizeArg = Union[int, str]
 
@@ -56,22 +62,26 @@ def _divisors(n: int) -> list[int]:
 
 def measured_device(intra_bw: float, intra_latency: float, flops: float, mem_bw: float, devices_per_node: int,
                     memory_bytes: float, cpu: bool, inter_bw: Optional[float] = None,
-                    inter_latency: Optional[float] = None) -> Device:
+                    inter_latency: Optional[float] = None, processes_per_core: float = 1.0) -> Device:
     """The :class:`~lightning_dpmp.planner.estimate.Device` of measured figures: ``flops`` is what one process
-    sustained on a matmul in the training dtype (so efficiency 1), the links as measured; on CPU the DP
-    all-reduce competes for the same cores (no overlap) and a stage waiting in the bubble gives its core to
-    another (no idle bubble), as the ``cpu`` preset says.
+    sustained on a matmul in the training dtype while every rank ran one (so efficiency 1), the links as measured.
+    On CPU the DP all-reduce competes for the same cores (no overlap), a stage waiting in the bubble gives its core
+    to another (no idle bubble), as the ``cpu`` preset says, and each pipeline micro-batch costs a stage
+    :data:`CPU_MICRO_OVERHEAD_S` of CPU, stretched by ``processes_per_core`` (the ranks sharing a core).
 
     Example:
         >>> measured_device(1e9, 1e-5, 2e10, 5e9, 4, 2**31, cpu=True).memory_gib
         2.0
+        >>> measured_device(1e9, 1e-5, 2e10, 5e9, 4, 2**31, cpu=True, processes_per_core=2).micro_overhead_s
+        0.01
     """
     return Device("measured", memory_gib=memory_bytes / 2**30,
                   peak_flops={"bf16": flops, "fp32": flops, "fp64": flops}, efficiency=1.0, mem_bw=mem_bw,
                   intra_bw=intra_bw, inter_bw=inter_bw if inter_bw is not None else intra_bw,
                   intra_latency=intra_latency,
                   inter_latency=inter_latency if inter_latency is not None else intra_latency,
-                  devices_per_node=devices_per_node, overhead_s=0.0, overlap_dp=not cpu, idle_bubble=not cpu)
+                  devices_per_node=devices_per_node, overhead_s=0.0, overlap_dp=not cpu, idle_bubble=not cpu,
+                  micro_overhead_s=CPU_MICRO_OVERHEAD_S * max(1.0, processes_per_core) if cpu else 0.0)
 
 
 def estimator_precision(precision: str) -> str:

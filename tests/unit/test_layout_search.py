@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from lightning_dpmp import DPMPStrategy
+from lightning_dpmp.integration.autolayout import link_figures
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.planner.estimate import LayoutSpec, predict
 from lightning_dpmp.planner.gpt_shape import GPTShape
 from lightning_dpmp.planner.layout_search import (
+    CPU_MICRO_OVERHEAD_S,
     ZERO_MARGIN,
     candidates,
     format_ranking,
@@ -72,6 +74,32 @@ def test_ranking_is_by_tokens_per_second_fitting_first():
     assert bandwidth.dp < 4
     text = format_ranking(rank(PROF, device(), specs, 4, 4, "32-true"))
     assert text.splitlines()[1].startswith("->") and text.count("->") == 1
+
+
+def test_a_pipeline_micro_batch_costs_its_schedule_work_on_a_shared_cpu():
+    # one micro-batch's schedule work per stage, forward and backward, CPU seconds stretched by the ranks per core
+    spec = LayoutSpec(1, 4, 1, microbatches=4, schedule="1f1b")
+    shared = measured_device(1e9, 1e-5, 1e10, 1e10, 4, 2**32, cpu=True, processes_per_core=2)
+    base = predict(PROF, replace(shared, micro_overhead_s=0.0), 4, 4, spec, "32-true")
+    assert shared.micro_overhead_s == pytest.approx(2 * CPU_MICRO_OVERHEAD_S)
+    slow = predict(PROF, shared, 4, 4, spec, "32-true")
+    assert slow.step_s - base.step_s == pytest.approx(4 * 2 * CPU_MICRO_OVERHEAD_S)  # 4 micro-batches, no bubble
+    assert slow.time["pp"] - base.time["pp"] == pytest.approx(4 * 2 * CPU_MICRO_OVERHEAD_S)
+    flat = LayoutSpec(4, 1, 1)
+    assert predict(PROF, shared, 4, 16, flat, "32-true").step_s == pytest.approx(
+        predict(PROF, replace(shared, micro_overhead_s=0.0), 4, 16, flat, "32-true").step_s)  # no pipeline
+    # a GPU's launches hide it; an oversubscribed count below one core per rank never shrinks it
+    assert measured_device(1e9, 1e-5, 1e10, 1e10, 4, 2**32, cpu=False, processes_per_core=2).micro_overhead_s == 0
+    assert measured_device(1e9, 1e-5, 1e10, 1e10, 4, 2**32, cpu=True, processes_per_core=0.25).micro_overhead_s \
+        == pytest.approx(CPU_MICRO_OVERHEAD_S)
+
+
+def test_link_figures_stay_finite_when_noise_hides_the_transfer():
+    bw, lat = link_figures(6e-3, 18e-3, 4)  # 6 ring steps of 1 ms; 12 ms more for 4 MiB
+    assert lat == pytest.approx(1e-3) and bw == pytest.approx(1.5 * (4 * 2**20 - 4096) / 12e-3)
+    # the large all-reduce measured no slower than the small one (seen on a loaded CPU: 6e6 GB/s came out)
+    bw, _ = link_figures(7.7e-3, 7.6e-3, 4)
+    assert bw == pytest.approx(1.5 * (4 * 2**20 - 4096) / 0.76e-3)
 
 
 def test_zero_auto_takes_the_lowest_level_that_fits_unless_a_higher_one_is_clearly_faster():
