@@ -1,16 +1,19 @@
 """The layout estimator (``python -m lightning_dpmp.plan``) against what ``benchmarks/gpt_bench.py`` measured on
 this machine: transformers' Llama of the benchmark (hidden 256, 8 heads / 4 kv heads, SwiGLU 1024, vocab 256,
-sequence 128, global batch 8, float32, AdamW) at world 4 on CPU (gloo, 2 shared cores).
+sequence 128, float32, AdamW) at world 4 and 8 on CPU (gloo, 2 shared cores).
 
 * memory: the predicted peak tensor bytes per rank of the worst stage against ``peak_mb`` of the runs
   (what was held when the step began + the highest running total of torch.profiler's allocation events in it);
-* step time: the ``cpu`` preset's compute efficiency, link bandwidth, latency and per-block overhead are fitted
-  (grid search, squared log error) on the calibration layouts only; every other layout is held out. The ranking
-  check: is the measured fastest layout predicted first, or within 5% of the predicted first?
+* step time: the ``cpu`` preset's compute efficiency and link bandwidth are fitted (grid search, squared log error)
+  on the calibration layouts only; every other layout is held out. The ranking check, within each run: is the
+  measured fastest layout (per sequence) predicted first, or within 5% of the predicted first?
 
-Measured rows come from ``benchmarks/results/{pipeline,pipeline_zero,hf_llama_zero}/results.json`` (8 layers at
-(dp, pp, mp) = (1,2,2) (1,1,4) (2,1,2) (4,1,1) (1,4,1), (2,2,1) at zero 0/1/3, (4,1,1) at zero 3; 4 layers at
-(2,1,2) zero 0..3); one process with and without recomputation is measured by this script itself::
+Measured rows come from ``benchmarks/results/<run>/results.json`` for each run of :data:`RUNS`: ``pipeline``,
+``pipeline_zero`` (8 layers, world 4, global batch 8: (dp, pp, mp) = (1,2,2) (1,1,4) (2,1,2) (4,1,1) (1,4,1), (2,2,1)
+at zero 0/1/3, (4,1,1) at zero 3), ``hf_llama_zero`` (4 layers, (2,1,2) zero 0..3), ``recompute`` (4 layers,
+(2,1,2) and (1,2,2) with and without every block recomputed) and ``estimator_w8`` (8 layers, world 8, 4 sequences
+per DP rank: every (dp, pp, mp) the heads allow, zero levels, recomputation); one process with and without
+recomputation is measured by this script itself::
 
     python benchmarks/estimator_check.py            # writes benchmarks/results/estimator/results.md
 """
@@ -47,25 +50,37 @@ def bench_profile(layers: int) -> ModelProfile:
 
 
 def parse(config: str, microbatches: int) -> LayoutSpec:
-    """gpt_bench's names: ``dpmp_<dp>x<mp>[_pp<k>][_zero<z>]``."""
-    m = re.fullmatch(r"dpmp_(\d+)x(\d+)(?:_pp(\d+))?(?:_zero(\d))?", config)
+    """gpt_bench's names: ``dpmp_<dp>x<mp>[_pp<k>][_zero<z>][_ac]`` (``_ac``: every block recomputed)."""
+    m = re.fullmatch(r"dpmp_(\d+)x(\d+)(?:_pp(\d+))?(?:_zero(\d))?(_ac)?", config)
     if m is None:
         raise ValueError(config)
     dp, mp, pp, zero = int(m[1]), int(m[2]), int(m[3] or 1), int(m[4] or 0)
-    return LayoutSpec(dp, pp, mp, zero, False, microbatches if pp > 1 else 1, "1f1b" if pp > 1 else "none", False)
+    return LayoutSpec(dp, pp, mp, zero, False, microbatches if pp > 1 else 1, "1f1b" if pp > 1 else "none",
+                      bool(m[5]))
+
+
+#: gpt_bench runs whose peaks are compared (their step times are compared within each run only)
+RUNS = ("pipeline", "pipeline_zero", "hf_llama_zero", "recompute", "estimator_w8")
 
 
 def measured() -> list[dict[str, Any]]:
     out = []
-    for folder in ("pipeline", "pipeline_zero", "hf_llama_zero"):
-        res = json.loads((ROOT / "benchmarks" / "results" / folder / "results.json").read_text())
+    for folder in RUNS:
+        path = ROOT / "benchmarks" / "results" / folder / "results.json"
+        if not path.exists():
+            continue
+        res = json.loads(path.read_text())
         args = res["args"]
         for name, row in res["rows"].items():
             if not name.startswith("dpmp"):
                 continue
-            out.append(dict(folder=folder, config=name, layers=args["layers"],
-                            spec=parse(name, args.get("pp_microbatches", 4)), peak_mib=row["peak_mb"],
-                            step_s=row["step_s"], calibration=(folder, name) in CALIBRATION))
+            spec = parse(name, args.get("pp_microbatches", 4))
+            per_rank = args.get("per_rank_batch") or 0
+            world = spec.dp * spec.pp * spec.mp
+            out.append(dict(folder=folder, config=name, layers=args["layers"], spec=spec, world=world,
+                            global_batch=per_rank * spec.dp if per_rank else args["global_batch"],
+                            peak_mib=row["peak_mb"], step_s=row["step_s"],
+                            calibration=(folder, name) in CALIBRATION))
     return out
 
 
@@ -120,8 +135,8 @@ def fit_cpu(rows: list[dict[str, Any]], profiles: dict[int, ModelProfile]) -> An
     for eff, bw, lat, over in grid:
         dev = replace(base, efficiency=eff, intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat,
                       overhead_s=over)
-        err = sum(math.log(predict(profiles[r["layers"]], dev, 4, 8, r["spec"], "32-true").step_s / r["step_s"])
-                  ** 2 for r in cal)
+        err = sum(math.log(predict(profiles[r["layers"]], dev, r["world"], r["global_batch"], r["spec"],
+                                   "32-true").step_s / r["step_s"]) ** 2 for r in cal)
         if err < best_err:
             best, best_err = dev, err
     return best
@@ -137,21 +152,22 @@ def main() -> None:
     lines = [f"cpu preset fitted on {sorted(c for _, c in CALIBRATION)} (8 layers): efficiency {dev.efficiency}, "
              f"link {dev.intra_bw / 1e9:g} GB/s, latency {dev.intra_latency * 1e6:g} us, overhead "
              f"{dev.overhead_s * 1e3:g} ms per block per micro-batch", "",
-             "| run | layers | (dp, pp, mp) | zero | micro | measured peak MiB | predicted MiB | error | "
-             "measured step s | "
-             "predicted s | error | |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| run | layers | world | (dp, pp, mp) | zero | micro | recompute | measured peak MiB | predicted MiB |"
+             " error | measured step s | predicted s | error | |",
+             "|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     out = []
     for r in rows:
-        e = predict(profiles[r["layers"]], dev, 4, 8, r["spec"], "32-true")
+        e = predict(profiles[r["layers"]], dev, r["world"], r["global_batch"], r["spec"], "32-true")
         s = r["spec"]
         pm = e.peak_mem_gib * 1024
-        rec = dict(folder=r["folder"], layers=r["layers"], dp=s.dp, pp=s.pp, mp=s.mp, zero=s.zero,
-                   microbatches=s.microbatches,
+        rec = dict(folder=r["folder"], layers=r["layers"], world=r["world"], dp=s.dp, pp=s.pp, mp=s.mp, zero=s.zero,
+                   microbatches=s.microbatches, recompute=s.recompute, global_batch=r["global_batch"],
                    measured_peak_mib=r["peak_mib"], predicted_peak_mib=pm, measured_step_s=r["step_s"],
                    predicted_step_s=e.step_s, calibration=r["calibration"],
                    memory_mib={k: v / 2**20 for k, v in (e.memory or {}).items()})
         out.append(rec)
-        lines.append(f"| {r['folder']} | {r['layers']} | ({s.dp}, {s.pp}, {s.mp}) | {s.zero} | {s.microbatches} | "
+        lines.append(f"| {r['folder']} | {r['layers']} | {r['world']} | ({s.dp}, {s.pp}, {s.mp}) | {s.zero} | "
+                     f"{s.microbatches} | {'yes' if s.recompute else 'no'} | "
                      f"{r['peak_mib']:.1f} | {pm:.1f} | {pm / r['peak_mib'] - 1:+.1%} | {r['step_s']:.3f} | "
                      f"{e.step_s:.3f} | "
                      f"{e.step_s / r['step_s'] - 1:+.1%} | {'calibration' if r['calibration'] else 'held out'} |")
@@ -159,17 +175,21 @@ def main() -> None:
     lines.append("")
     lines.append(f"- peak memory: {sum(x <= 0.10 for x in mem_err)} of {len(mem_err)} layouts within 10% "
                  f"(largest error {max(mem_err):.1%}, median {sorted(mem_err)[len(mem_err) // 2]:.1%})")
-    for folder in ("pipeline", "pipeline_zero", "hf_llama_zero"):  # step times compare within one run only
+    for folder in RUNS:  # step times compare within one run only
         group = [o for o, r in zip(out, rows) if r["folder"] == folder]
+        if not group:
+            continue
         layers = group[0]["layers"]
-        fastest = min(group, key=lambda o: o["measured_step_s"])
-        first = min(group, key=lambda o: o["predicted_step_s"])
-        ratio = first["measured_step_s"] / fastest["measured_step_s"]
-        lines.append(f"- {folder} ({layers} layers, one run), step-time ranking: measured fastest "
-                     f"({fastest['dp']}, {fastest['pp']}, "
-                     f"{fastest['mp']}) zero={fastest['zero']} at {fastest['measured_step_s']:.3f} s; predicted "
-                     f"first ({first['dp']}, {first['pp']}, {first['mp']}) zero={first['zero']}, measured "
-                     f"{first['measured_step_s']:.3f} s = {ratio:.3f}x the fastest "
+        # per sequence: a run with a per-rank batch gives each layout the global batch its dp implies
+        fastest = min(group, key=lambda o: o["measured_step_s"] / o["global_batch"])
+        first = min(group, key=lambda o: o["predicted_step_s"] / o["global_batch"])
+        ratio = (first["measured_step_s"] / first["global_batch"]) / (fastest["measured_step_s"]
+                                                                      / fastest["global_batch"])
+        lines.append(f"- {folder} ({layers} layers, one run), step time per sequence, ranking: measured fastest "
+                     f"({fastest['dp']}, {fastest['pp']}, {fastest['mp']}) zero={fastest['zero']}"
+                     f"{' recompute' if fastest['recompute'] else ''}; predicted first ({first['dp']}, {first['pp']},"
+                     f" {first['mp']}) zero={first['zero']}{' recompute' if first['recompute'] else ''}, measured "
+                     f"{ratio:.3f}x the fastest's time per sequence "
                      f"({'within 5%' if ratio <= 1.05 else 'NOT within 5%'})")
     lines += ["", "One process, 2 sequences, measured here by this script (with and without recomputation):", "",
               "| layers | (dp, pp, mp) | recompute | measured peak MiB | predicted MiB | error |",

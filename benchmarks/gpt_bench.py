@@ -476,6 +476,7 @@ def worker(args: argparse.Namespace) -> None:
                                      compile="_compiled" in flags, async_grad_allreduce="_async" in flags,
                                      zero="auto" if args.config == "dpmp_auto" else int(zero.group(1)) if zero else 0,
                                      reshard_after_forward="_noreshard" not in flags,
+                                     activation_checkpointing="blocks" if "_ac" in flags else None,
                                      # FSDP2's DTensors are not gathered back by our teardown: leave them
                                      consolidate_on_teardown="_fsdp2" not in flags and "rank0")
     elif kind == "mps":

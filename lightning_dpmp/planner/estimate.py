@@ -8,8 +8,9 @@ pipeline stage:
 * **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all local;
   1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp, the full gradients transiently
   before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter and one gathered
-  block), the DP gradient buffer at zero=0 (DDP's buckets, or the flat all-reduce under a pipeline), the activations
-  the profile saves (split ones /mp, token-wise ones /mp with sequence parallelism; with recomputation only each
+  block, or under a pipeline the whole stage gathered for the step), the DP gradient buffer at zero=0 (DDP's
+  buckets, or the flat all-reduce under a pipeline), the activations the profile saves (split ones /mp, token-wise
+  ones /mp with sequence parallelism; with recomputation only each
   recomputed block's input: the first ``k`` of a stage's ``N`` blocks, :attr:`LayoutSpec.recompute_blocks`, plus one
   block's activations while it is recomputed when ``k = N``), times the micro-batches a stage holds in flight (1F1B:
   ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``), the logits and loss on
@@ -323,7 +324,9 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
             if zero in (1, 2):
                 extra = 0.0
             elif zero == 3:
-                extra = block_params * pb * 2
+                # the schedule keeps the stage's units gathered from their first use to the step's one
+                # reduce-scatter (ZeroEngine under a pipeline): its parameters whole beside their shards
+                extra = n * pb
             elif dp > 1:
                 extra = n * gb                                        # the flat all-reduce's copy of the gradients
         buffers = 2 * msg if pp > 1 else 0.0                         # the stage's send and receive buffers
