@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -35,6 +35,27 @@ GLOBAL_BATCH, STEPS, SEED, L2, CLIP = 8, 10, 0, 1e-3, 0.3
 LOGGED = ("grad_2.0_norm_total", "grad_sq", "weight_norm", "train_loss")
 
 
+class Recording(torch.optim.AdamW):
+    """AdamW noting the innermost ``TorchFunctionMode`` of its update (after the closure, which runs the step and
+    the hooks of user code) and of its ``zero_grad``: the strategy's modes of user code step aside for both, as
+    the optimizer holds the plain local parameters."""
+
+    seen: list[Optional[str]] = []  # the running case's list (the strategy may rebuild the optimizer as type(opt))
+
+    def _note(self) -> None:
+        mode = compat.current_function_mode()
+        Recording.seen.append(type(mode).__name__ if mode is not None else None)
+
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        self._note()
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._note()
+        super().zero_grad(set_to_none)
+
+
 class Watched(LMModule):
     """An LM whose user code reads its parameters the ways Lightning users do."""
 
@@ -44,6 +65,14 @@ class Watched(LMModule):
     def __init__(self, net: Any) -> None:
         super().__init__(net)
         self.micro_sq: list[float] = []
+        self.in_optimizer: list[Optional[str]] = []
+
+    def configure_optimizers(self) -> Any:
+        # LMModule's optimizer and warm-up, noting the modes (torch's schedule wraps opt.step on the instance)
+        Recording.seen = self.in_optimizer
+        opt = Recording(self.parameters(), lr=self.lr, weight_decay=0.01)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -137,6 +166,8 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
         "summary": watch.summary, "plan": plan, "micro_sq": model.micro_sq,
         "fallback": [str(w.message) for w in caught if issubclass(w.category, PlanFallbackWarning)],
         "mode_left": type(left).__name__ if left is not None else None,
+        "in_optimizer": sorted(set(map(str, model.in_optimizer))),
+        "schedule_wraps_step": hasattr(trainer.optimizers[0].step, "_wrapped_by_lr_sched"),
     }
 
 
