@@ -476,7 +476,7 @@ class Parallelized:
         the hooks of user code before it) runs with the modes of user code aside (:meth:`modes_aside`), and so does
         the optimizer's ``zero_grad`` while the step runs. The optimizer holds the plain local parameters
         (:meth:`DTensorParams.step_locals`, the ZeRO shards), so the bridge has nothing to translate there, yet
-        each of AdamW's per-tensor ops passed through it: 4% of the CPU time per step at (2,2) before. Under a
+        each of AdamW's per-tensor ops passed through it (about 9,000 calls in 13 steps of rank 0 at (2,2)). Under a
         pipeline each rank updates its own stages' parameters and must not fetch them from their owners (the
         reader). A closure the optimizer calls again (LBFGS) runs with the modes back."""
         if self.reader is None and self.bridge is None:

@@ -127,7 +127,7 @@ def test_logged_values_equal_one_process_on_every_rank(request, reference, launc
         assert got["summary"] == ref["summary"]  # ModelSummary counts the dense model's parameters
         assert got["mode_left"] is None  # no mode of the strategy outlives its teardown (the next fit would trace it)
         # the optimizer's update and zero_grad ran with the modes of user code aside (it holds the plain locals:
-        # before, each AdamW op passed through the bridge, 4% of the CPU per step), and the schedule's wrapper of
+        # before, each of AdamW's ops passed through the bridge), and the schedule's wrapper of
         # opt.step survives the strategy's own wrapping of each step (under ZeRO the optimizer is a new one, built
         # over the shards before the schedule is repointed to it)
         assert got["in_optimizer"] == ref["in_optimizer"] == ["None"], (spec, got["in_optimizer"])
