@@ -46,8 +46,8 @@ from typing import Any, Iterable, Optional
 from lightning_dpmp.planner.cost import BUCKET_BYTES, ring_s
 from lightning_dpmp.planner.profile import ModelProfile
 
-__all__ = ["DEVICES", "PRECISIONS", "Device", "Estimate", "LayoutSpec", "estimate", "fewest_recomputed", "layouts",
-           "predict", "recomputed_per_stage"]
+__all__ = ["CPU_MICRO_OVERHEAD_S", "DEVICES", "PRECISIONS", "Device", "Estimate", "LayoutSpec", "estimate",
+           "fewest_recomputed", "layouts", "predict", "recomputed_per_stage"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,12 @@ class Device:
         return self.peak_flops[dtype] * self.efficiency * shape
 
 
+#: CPU seconds a pipeline stage spends per micro-batch on the schedule itself (forward and backward: its Python,
+#: the send and receive calls, detaching the stage input, one autograd call), on one core. Fitted on this 2-core
+#: machine (benchmarks/results/auto_layout/run4: the CPU time per step of (1,4,1) and (2,2,1) against (4,1,1) leaves
+#: 4.8 ms per micro-batch and stage beside the blocks' own work).
+CPU_MICRO_OVERHEAD_S = 5e-3
+
 # Figures: vendor datasheets for peaks, memory and HBM bandwidth (dense, no sparsity); link figures are NCCL
 # bus bandwidths commonly achieved (NVLink3 ~230 GB/s, NVLink4 ~360 GB/s, NVLink5 ~720 GB/s; 200/400 Gb/s
 # InfiniBand per GPU ~22/45 GB/s). efficiency and efficiency_width of the NVIDIA presets are calibrated on
@@ -122,11 +128,11 @@ DEVICES: dict[str, Device] = {
     # This machine (2 cores of an AVX-512 Xeon, 23 GiB, 4 gloo processes): peak = half a core's (2 FMA units x 16
     # float32 lanes x 2 FLOPs at an assumed 2.0 GHz: 128 GFLOP/s per core); memory = 23 GiB / 4 processes less the
     # runtime; efficiency and link bandwidth fitted on 3 measured layouts (benchmarks/estimator_check.py); a
-    # pipeline micro-batch's schedule work, layout_search.CPU_MICRO_OVERHEAD_S x 2 processes per core.
+    # pipeline micro-batch's schedule work, CPU_MICRO_OVERHEAD_S x 2 processes per core.
     "cpu": Device("cpu", memory_gib=4.0, peak_flops={"bf16": 64e9, "fp32": 64e9, "fp64": 32e9}, efficiency=0.58,
                   mem_bw=5e9, intra_bw=0.5e9, inter_bw=0.5e9, intra_latency=100e-6, inter_latency=100e-6,
                   devices_per_node=64, overhead_s=0.0, overlap_dp=False, idle_bubble=False,
-                  micro_overhead_s=10e-3),
+                  micro_overhead_s=2 * CPU_MICRO_OVERHEAD_S),
 }
 
 # precision -> (compute dtype, bytes per parameter, per gradient, optimizer state per parameter (AdamW + master))

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
-from lightning_dpmp.planner.estimate import PRECISIONS, Device, Estimate, LayoutSpec, predict
+from lightning_dpmp.planner.estimate import CPU_MICRO_OVERHEAD_S, PRECISIONS, Device, Estimate, LayoutSpec, predict
 from lightning_dpmp.planner.profile import ModelProfile
 
 __all__ = ["CPU_MICRO_OVERHEAD_S", "ZERO_MARGIN", "Ranking", "candidates", "estimator_precision", "format_ranking",
@@ -46,12 +46,6 @@ __all__ = ["CPU_MICRO_OVERHEAD_S", "ZERO_MARGIN", "Ranking", "candidates", "esti
 
 #: A higher zero level is chosen over a lower one that fits only when predicted at least this much faster.
 ZERO_MARGIN = 0.05
-
-#: CPU seconds a pipeline stage spends per micro-batch on the schedule itself (forward and backward: its Python,
-#: the send and receive calls, detaching the stage input, one autograd call), on one core. Fitted on this 2-core
-#: machine (benchmarks/results/auto_layout/run4: the CPU time per step of (1,4,1) and (2,2,1) against (4,1,1) leaves
-#: 4.8 ms per micro-batch and stage beside the blocks' own work).
-CPU_MICRO_OVERHEAD_S = 5e-3
 
 SizeArg = Union[int, str]
 
