@@ -87,10 +87,11 @@ def measured() -> list[dict[str, Any]]:
 def measure_one_process(recompute: bool, layers: int = 8, seqs: int = 2) -> float:
     """Peak tensor MiB of one training step of the benchmark Llama in this process (float32, AdamW), measured as
     gpt_bench does: parameters + gradients + AdamW state held at the step's start + the highest running total of
-    torch.profiler's allocation events during it (forward, ``zero_grad`` where Lightning calls it, backward, step);
+    torch.profiler's allocation events during it (forward, ``zero_grad`` where Lightning calls it, backward, step;
+    the profiler runs from a step earlier, as in gpt_bench, so that it sees the last step's gradients freed);
     ``recompute``: transformers' ``gradient_checkpointing_enable`` (non-reentrant) on every block."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -113,13 +114,24 @@ def measure_one_process(recompute: bool, layers: int = 8, seqs: int = 2) -> floa
     step()
     held = 2 * sum(p.numel() * p.element_size() for p in net.parameters()) + sum(
         v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0)
+    # the profiler reports no free of a block allocated before it started: it runs from one step earlier, so that
+    # the last step's gradients freed by zero_grad are among its events, and the measured step is marked
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    running = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
+        with record_function("estimator_check.measured_step"):
+            step()
+    events = list(prof.profiler.kineto_results.events())
+    mark = next(e for e in events if e.name() == "estimator_check.measured_step")
+    lo, hi = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+    running = base = peak = 0
+    for t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        if t > hi:
+            break
         running += nbytes
-        peak = max(peak, running)
+        if t < lo:
+            base = running
+        else:
+            peak = max(peak, running - base)
     return (held + peak) / 2**20
 
 

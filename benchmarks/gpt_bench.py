@@ -13,15 +13,17 @@ global batch, AdamW, no gradient clipping (ModelParallelStrategy cannot clip by 
 * step time: time between successive ``on_train_batch_start`` on rank 0 (forward, backward, DP and MP
   communication, optimizer); the median over steps after ``--warmup``; tokens/s = global batch tokens / that.
 * per-rank parameter, gradient and optimizer-state bytes (local shards; DTensors counted by their local part);
-  peak RSS of every rank (``ru_maxrss``, mostly the Python runtime). Memory of the tensors, measured on one extra,
-  untimed step: *held* = parameters + gradients + optimizer state (+ DDP's gradient buckets, added as one more
-  gradient's bytes where DDP wraps the model) when the step ends; *peak* = what was held when the step began plus
-  the highest running total of allocations minus frees during it (``torch.profiler`` memory events: activations,
-  gathered parameters, communication buffers, the optimizer's temporaries).
-* MP and DP bytes per step: the collectives one extra (untimed) step issues from Python/autograd, by group, sized
-  as the full tensor of the collective (all-reduce: the tensor; all-gather: the output; reduce-scatter: the input);
-  DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient bytes;
-  under a pipeline, without DDP, the flat all-reduce's copy of the stage's gradients).
+  peak RSS of every rank (``ru_maxrss``, mostly the Python runtime). Memory of the tensors, measured on the second of
+  two extra, untimed steps: *held* = parameters + gradients + optimizer state (+ DDP's gradient buckets, added as one
+  more gradient's bytes where DDP wraps the model) when the step ends; *peak* = what was held when the step began
+  plus the highest running total of allocations minus frees during it (``torch.profiler`` memory events:
+  activations, gathered parameters, communication buffers, the optimizer's temporaries). The profiler starts with
+  the first extra step, so that the frees of the last step's gradients are among its events (it reports none for a
+  block allocated before it started).
+* MP and DP bytes per step: the collectives that second extra (untimed) step issues from Python/autograd, by group,
+  sized as the full tensor of the collective (all-reduce: the tensor; all-gather: the output; reduce-scatter: the
+  input); DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient
+  bytes; under a pipeline, without DDP, the flat all-reduce's copy of the stage's gradients).
 
 Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy, eager, ``async_grad_allreduce=False``), ``..._sp`` (sequence
 parallel), ``..._async`` (``async_grad_allreduce=True``: the input-gradient all-reduce overlapped with the
@@ -202,27 +204,52 @@ def _held(trainer: Any, pl_module: Any, kind: str) -> dict[str, int]:
 
 
 class _AllocationPeak:
-    """The highest running total of CPU/GPU allocations minus frees inside the ``with`` block, from the profiler's
-    memory events (``profile_memory=True``; it sees every allocation through torch's allocators, whoever makes it)."""
+    """The highest running total of CPU/GPU allocations minus frees inside the measured step, from the profiler's
+    memory events (``profile_memory=True``; it sees every allocation through torch's allocators, whoever makes it).
+
+    The profiler reports no free of a block allocated before it started ("allocated before the profiling started,
+    profiler results will not include the deallocation event"), so a step profiled alone would never see the last
+    step's gradients go (``zero_grad(set_to_none=True)``) while its own grow: wherever the peak comes after that
+    (recomputation, the end of the backward) it counted the gradients twice. The profiler therefore starts a step
+    early (:meth:`start`); the measured step is marked (:meth:`begin`, :meth:`end`) and its peak is the highest
+    running total inside the mark less the total when the mark began."""
 
     def __init__(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self.peak = 0
+        self._mark: Any = None
 
-    def __enter__(self) -> "_AllocationPeak":
+    def start(self) -> None:
         self.prof.__enter__()
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
-        running = 0
-        for _, nbytes in events:
+    def begin(self) -> None:
+        from torch.profiler import record_function
+
+        self._mark = record_function(_MEASURED_STEP)
+        self._mark.__enter__()
+
+    def end(self) -> None:
+        self._mark.__exit__(None, None, None)
+        self.prof.__exit__(None, None, None)
+        events = list(self.prof.profiler.kineto_results.events())
+        mark = next(e for e in events if e.name() == _MEASURED_STEP)
+        lo, hi = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+        running = base = 0
+        self.peak = 0
+        for t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+            if t > hi:
+                break
+            if t < lo:
+                base = running = running + nbytes
+                continue
             running += nbytes
-            self.peak = max(self.peak, running)
+            self.peak = max(self.peak, running - base)
+
+
+#: the name of the profiler range around the measured step
+_MEASURED_STEP = "gpt_bench.measured_step"
 
 
 def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
@@ -249,17 +276,19 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
             self.starts.append(time.perf_counter())
             self.cpu.append(time.process_time())
-            if batch_idx == args.steps:  # the extra, untimed step: count its collectives and its memory
-                self.held_start = _held(trainer, pl_module, kind)
+            if batch_idx == args.steps:  # the first untimed step: the allocation events start (see _AllocationPeak)
                 self.profiler = _AllocationPeak()
-                self.profiler.__enter__()
+                self.profiler.start()
+            if batch_idx == args.steps + 1:  # the second untimed step: count its collectives and its memory
+                self.held_start = _held(trainer, pl_module, kind)
+                self.profiler.begin()
                 self.counter = _CollectiveBytes(self._groups(trainer))
                 self.counter.mode.__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
             if self.counter is not None:
                 self.counter.mode.__exit__(None, None, None)
-                self.profiler.__exit__(None, None, None)
+                self.profiler.end()
                 held = _held(trainer, pl_module, kind)
                 local_numel = sum(_local(p).numel() for p in pl_module.parameters())
                 # Peak during the step = what was held when it began + the highest running sum of the allocations
@@ -276,14 +305,14 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
             return trainer.strategy.dp if kind == "dpmp" else trainer.world_size
 
         def _write(self, trainer: Any) -> None:
-            steps = [b - a for a, b in zip(self.starts, self.starts[1:])]
+            steps = [b - a for a, b in zip(self.starts, self.starts[1:])][:args.steps]  # (not the profiled ones)
             s = trainer.strategy
             rec = {
                 "rank": trainer.global_rank,
                 "layout": [s.dp, s.pp, s.mp, s.zero] if kind == "dpmp" else [self._dp_size(trainer), 1, 1, 0],
                 "layout_report": getattr(s, "layout_report", ""),
                 "step_times": steps,
-                "step_cpu": [b - a for a, b in zip(self.cpu, self.cpu[1:])],
+                "step_cpu": [b - a for a, b in zip(self.cpu, self.cpu[1:])][:args.steps],
                 "comm_calls": self.counter.calls,
                 "comm_bytes": self.counter.bytes,
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -490,7 +519,7 @@ def worker(args: argparse.Namespace) -> None:
     if "_compiled" in flags and kind != "dpmp":
         raise SystemExit(f"{name}: _compiled is DPMPStrategy(compile=True); not offered for {kind}")
     per_dp = args.per_rank_batch or args.global_batch // dp  # --per-rank-batch: the global batch is dp times it
-    n_steps = args.steps + 1  # + the untimed counting step
+    n_steps = args.steps + 2  # + the untimed steps: the profiler's start, then counting and memory
     ds = make_lm_dataset(n=per_dp * world * n_steps, vocab=args.vocab, seq=args.seq, seed=1)
     loader = DataLoader(ds, batch_size=per_dp, shuffle=False, drop_last=True)
     L.seed_everything(0, verbose=False)
@@ -746,7 +775,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated layouts (see the module docstring)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (every config once per round)")
-    p.add_argument("--steps", type=int, default=12, help="timed steps per run (one more, untimed, counts collectives)")
+    p.add_argument("--steps", type=int, default=12,
+                   help="timed steps per run (two more, untimed, count collectives and memory)")
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the median")
     p.add_argument("--model", choices=("gpt", "hf_llama"), default="gpt", help="the example GPT or transformers' Llama")
     p.add_argument("--kv-heads", type=int, default=4, help="hf_llama: key/value heads (grouped-query attention)")
