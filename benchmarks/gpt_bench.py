@@ -194,12 +194,13 @@ def _held(trainer: Any, pl_module: Any, kind: str) -> dict[str, int]:
             "optimizer_state": sum(_nbytes(v) for st in opt.state.values() for v in st.values()
                                    if isinstance(v, torch.Tensor) and v.dim() > 0),
         }
+    from torch.nn.parallel import DistributedDataParallel
+
     s = trainer.strategy
-    pipelined = kind == "dpmp" and getattr(s, "pp", 1) > 1
-    ddp = kind == "ddp" or (kind == "dpmp" and s.dp > 1 and s.zero < 1 and not pipelined)
+    # DPMPStrategy wraps DDP only at zero=0 with dp > 1 where no parameter is split (mp = 1); elsewhere the strategy
+    # all-reduces a flat copy of the gradients after the backward, which the profiler sees allocated and freed
+    ddp = isinstance(s.model, DistributedDataParallel)
     out["ddp_buckets"] = sum(_nbytes(p) for p in params if p.requires_grad) if ddp else 0
-    if pipelined and s.dp > 1 and s.zero < 1:  # no DDP: one flat all-reduce copies the stage's gradients
-        out["ddp_buckets"] = out["gradients"]
     return out
 
 
