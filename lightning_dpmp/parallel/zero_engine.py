@@ -5,8 +5,10 @@
   :func:`~lightning_dpmp.parallel.zero_shard.reduce_scatter_buckets`): one DP round trip per unit and direction.
 * **zero=1 and zero=2** (one schedule). Parameters stay whole. A unit's gradients are reduce-scattered (SUM, then
   ``/dp``, as DDP averages) as soon as all its parameters' gradients have accumulated
-  (``register_post_accumulate_grad_hook``), so the reduce-scatters overlap the rest of the backward; the full
-  gradients are freed; the end of the backward waits for them. Under gradient accumulation
+  (``register_post_accumulate_grad_hook``), so the reduce-scatters overlap the rest of the backward; the gradients
+  are freed as they are flattened for it, and that flat copy when the next unit's reduce-scatter is issued, which
+  waits for this one (the last unit's at the end of the backward), so one unit's gradients are held whole at a
+  time, beside the one in flight. Under gradient accumulation
   (:meth:`ZeroEngine.no_sync`) gradients accumulate locally and are reduce-scattered once, on the last micro-batch.
   After the optimizer steps the shards, each bucket is all-gathered back into the parameters, all in one collective
   (:meth:`ZeroEngine.after_step`).
@@ -193,6 +195,8 @@ class ZeroEngine:
         # set once the backward reached a unit (zero=3, conditional): a unit's forward now is a recompute (activation
         # checkpointing), which must neither prefetch nor count as a call whose backward is still to come
         self._in_backward = False
+        # the units whose reduce-scatter was issued last (see _grad_hook): waited for when the next unit's is issued
+        self._in_flight: list[list[Bucket]] = []
         opt_of: dict[int, tuple[int, int]] = {}
         for i, opt in enumerate(optimizers):
             for j, g in enumerate(opt.param_groups):
@@ -312,11 +316,22 @@ class ZeroEngine:
             b.fired.add(id(p))
             unit = self._trainable_by_unit.get(b.unit, [])
             if len(b.fired) == len(b.params) and all(len(x.fired) == len(x.params) for x in unit):
+                # The last unit's reduce-scatter had this unit's backward to run in: wait for it now, so that its
+                # flat copy of the gradients goes, as FSDP2 waits for the previous reduce-scatter before the next.
+                # Left to the end of the backward, every unit's copy was held at once: the full gradients again.
+                self._finish_in_flight()
                 reduce_scatter_buckets(unit, self.group)  # the unit's buckets in one collective
+                self._in_flight.append(unit)
                 if self.level == 3 and b.unit >= 0:
                     for x in unit:
                         x.free()  # every backward use of these parameters has run
         return hook
+
+    def _finish_in_flight(self) -> None:
+        for unit in self._in_flight:
+            for x in unit:
+                x.finish_reduce_scatter()
+        self._in_flight.clear()
 
     def accumulate(self, param: nn.Parameter, grad: Tensor) -> None:
         """Add ``grad`` into ``param``'s gradient as autograd's accumulation would, and run what the engine runs
@@ -385,6 +400,7 @@ class ZeroEngine:
     def _end_of_backward(self) -> None:
         self._queued, self._in_backward = False, False
         self._calls.clear()
+        self._in_flight.clear()  # (waited for below, with every bucket)
         if self._holding():
             return  # the units stay gathered, the gradients accumulate: the synchronised end reduce-scatters
         if self.sync or self.level == 3:
