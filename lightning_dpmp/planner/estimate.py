@@ -6,17 +6,21 @@ analytic GPT); the cluster a :class:`Device` preset and a device count. For each
 pipeline stage:
 
 * **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all local;
-  1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp, the full gradients transiently
-  before their reduce-scatter; 3: everything 1/dp, plus the full gradients before the reduce-scatter and one gathered
-  block, or under a pipeline the whole stage gathered for the step), the DP gradient buffer at zero=0 (DDP's
-  buckets, or the flat all-reduce under a pipeline), the activations the profile saves (split ones /mp, token-wise
-  ones /mp with sequence parallelism; with recomputation only each
+  1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp; 3: everything 1/dp, plus the
+  root unit gathered for the step and two blocks, the gathered and the prefetched, or under a pipeline the whole
+  stage gathered for the step). Without a pipeline ZeRO's peak comes as the backward starts, every activation still
+  held: last step's gradient shards are gone (``zero_grad``) and the full gradients then held are the root unit's
+  and the last block's (each block's are reduce-scattered and freed when it is done). The DP gradient buffer at
+  zero=0: DDP's buckets where nothing is split (mp = 1); with split parameters the strategy all-reduces a flat copy
+  of the gradients per 25 MB bucket after the backward (a pipeline: the stage's at once). The activations the
+  profile saves (split ones /mp, token-wise ones /mp with sequence parallelism; with recomputation only each
   recomputed block's input: the first ``k`` of a stage's ``N`` blocks, :attr:`LayoutSpec.recompute_blocks`, plus one
   block's activations while it is recomputed when ``k = N``), times the micro-batches a stage holds in flight (1F1B:
   ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``), the logits and loss on
   the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken where the step holds the
   most: the end of the forward pass, before the old gradients are freed, or the optimizer step (the gradients, and
-  foreach AdamW's float32 temporary of the stepped parameters).
+  AdamW's float32 temporaries: of every stepped parameter with ``foreach``, of the largest one without,
+  :attr:`Device.foreach_step`).
 * **step time**: forward + backward FLOPs (+1 forward of each recomputed block, and its forward MP collectives) at
   the device's calibrated fraction of its dense peak; MP collectives per block (ring formula of
   :func:`lightning_dpmp.planner.cost.ring_s`; on the intra-node link when an MP group fits in a node);
@@ -74,6 +78,9 @@ class Device:
             engines); ``False`` where it competes for the same cores (gloo on CPU).
         idle_bubble: a stage waiting in the pipeline bubble idles its device; ``False`` where processes share
             cores, so that one waiting gives its core to another.
+        foreach_step: torch's optimizers take their ``foreach`` implementation (the default on CUDA), which holds a
+            float32 temporary of every parameter it steps at once; ``False`` (CPU tensors): the per-parameter loop,
+            whose temporaries are those of one parameter at a time.
     """
 
     name: str
@@ -91,6 +98,7 @@ class Device:
     micro_overhead_s: float = 0.0
     overlap_dp: bool = True
     idle_bubble: bool = True
+    foreach_step: bool = True
 
     def sustained(self, dtype: str, hidden: int) -> float:
         """FLOP/s one device sustains on the model's matmuls at width ``hidden``."""
@@ -132,7 +140,7 @@ DEVICES: dict[str, Device] = {
     "cpu": Device("cpu", memory_gib=4.0, peak_flops={"bf16": 64e9, "fp32": 64e9, "fp64": 32e9}, efficiency=0.58,
                   mem_bw=5e9, intra_bw=0.5e9, inter_bw=0.5e9, intra_latency=100e-6, inter_latency=100e-6,
                   devices_per_node=64, overhead_s=0.0, overlap_dp=False, idle_bubble=False,
-                  micro_overhead_s=2 * CPU_MICRO_OVERHEAD_S),
+                  micro_overhead_s=2 * CPU_MICRO_OVERHEAD_S, foreach_step=False),
 }
 
 # precision -> (compute dtype, bytes per parameter, per gradient, optimizer state per parameter (AdamW + master))
@@ -291,6 +299,9 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     block_act = (prof.block_act_split / mp + tokenwise) * act_scale * mb
     block_in = prof.block_input_bytes * act_scale * mb / (mp if sp else 1)
     logits = prof.logits_act * mb / (mp if vocab_split else 1)
+    # a block's backward beside its saved (or recomputed) activations: the gradients of its widest ones, the MLP's
+    # intermediate (two alive at once: the gradient arriving and the one it makes)
+    bwd_work = 2 * mb * prof.seq * (prof.ffn or 4 * prof.hidden) / mp * prof.act_bytes * act_scale
     msg = prof.hidden * prof.seq * mb * prof.act_bytes * act_scale   # one micro-batch's boundary activation
     worst: dict[str, float] = {}
     for s, n in enumerate(_stage_params(prof, spec)):
@@ -304,45 +315,71 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
         else:
             inflight = float(min(m, pp - stage))
         per_micro = k * block_in + (per_stage - k) * block_act
+        rest = prof.rest_act * act_scale * mb if stage == 0 else 0.0
         # the first k blocks recompute, late in the backward, when the later blocks' activations are freed: a
-        # recomputed block's activations add to the peak only when every block recomputes
-        acts = inflight * per_micro + (block_act if k == per_stage and k else 0.0)
-        if stage == 0:
-            acts += inflight * prof.rest_act * act_scale * mb
+        # recomputed block's activations (and its backward's working set) add to the peak only when every block
+        # recomputes
+        acts = inflight * (per_micro + rest) + (block_act + bwd_work if k == per_stage and k else 0.0)
         if stage == pp - 1:
             acts += logits
         held_p, held_g, held_o, extra = n * pb, n * gb, n * ob, 0.0
+        root = max(0.0, n - per_stage * block_params)   # what is not a block: the root ZeRO unit
+        if pp == 1 and k == per_stage and k:
+            # Every block recomputed: the peak is in the backward, one block's activations recomputed, with its
+            # backward's working set, beside the saved block inputs: all of them at the first block recomputed,
+            # when the gradients are the head's only (last step's went at zero_grad), one at the last, when they
+            # are all there. The forward's end holds the inputs, the logits and last step's gradients.
+            bwd = block_act + bwd_work + rest + max(per_stage * block_in + root * gb - n * gb / (dp if zero else 1),
+                                                    block_in)
+            acts = max(per_stage * block_in + rest + logits, bwd)
+        # ZeRO (pp = 1): the peak comes in the backward, as it starts (every activation still held) or, with every
+        # block recomputed, as a block recomputes. Last step's gradient shards went at zero_grad; the full gradients
+        # held then are the root unit's (the head's come first, the embedding's last), the block's and the one
+        # before it (its reduce-scatter in flight, waited for when this block's is issued)
+        full_then = (root + 2 * block_params) * gb
+        # DDP wraps the model where nothing is split and no pipeline runs; otherwise the strategy (or the pipeline)
+        # all-reduces a flat copy of the gradients after the backward: per 25 MB bucket, or the whole stage at once
+        ddp = mp == 1 and pp == 1
+        flat_copy = 0.0 if ddp or zero or dp == 1 else n * gb if pp > 1 else min(n * gb, BUCKET_BYTES)
         if zero == 0:
-            extra = n * gb if dp > 1 else 0.0                      # DDP's buckets / the flat all-reduce copy
+            extra = n * gb if dp > 1 and ddp else 0.0                 # DDP's buckets, held for the run
         elif zero in (1, 2):
             held_p, held_g, held_o = n * pb * (1 + 1 / dp), n * gb / dp, n * ob / dp
-            extra = n * gb - held_g                                   # full gradients before the reduce-scatter
+            extra = max(0.0, full_then - held_g)
         else:
             held_p, held_g, held_o = n * pb / dp, n * gb / dp, n * ob / dp
-            extra = n * gb - held_g + block_params * pb * 2           # + the gathered and the prefetched block
+            # + the root gathered for the step, the gathered and the prefetched block
+            extra = max(0.0, full_then - held_g) + root * pb * (1 - 1 / dp) + block_params * pb * 2
         if pp > 1:
             # the schedule's gradients are new tensors (the previous step's wait aside until the strategy's
             # backward): with a steady phase (more micro-batches than in flight) they coexist with the most
             # activations, otherwise with one micro-batch fewer; zero=3's are the full ones before each reduce-scatter
-            fresh = n * gb
+            # zero=3 (reshard_after_forward) reduce-scatters each unit per micro-batch: the fresh gradients are
+            # shards, accumulating beside last step's; a unit's full ones and the last one's in flight, and two
+            # blocks and the stage's root gathered
+            fresh = n * gb / dp if zero == 3 else n * gb
             steady = spec.schedule != "gpipe" and m > inflight
             acts = acts + fresh if steady else max(acts, acts - per_micro + fresh)
             if zero in (1, 2):
                 extra = 0.0
             elif zero == 3:
-                # the schedule keeps the stage's units gathered from their first use to the step's one
-                # reduce-scatter (ZeroEngine under a pipeline): its parameters whole beside their shards
-                extra = n * pb
-            elif dp > 1:
-                extra = n * gb                                        # the flat all-reduce's copy of the gradients
+                extra = root * pb * (1 - 1 / dp) + 2 * block_params * (pb + gb)
         buffers = 2 * msg if pp > 1 else 0.0                         # the stage's send and receive buffers
         mem = dict(parameters=held_p, gradients=held_g, optimizer=held_o, activations=acts, dp_buffers=extra,
                    comm_buffers=buffers)
         # the optimizer step, activations freed: torch's foreach AdamW holds one float32 temporary per parameter
-        # it steps (sqrt of the second moment); with recomputation this phase is often the peak
-        stepped = n / (dp if zero else 1)
+        # it steps (sqrt of the second moment); with recomputation this phase is often the peak. Its per-parameter
+        # loop (CPU) holds two of the largest one it steps: under ZeRO a unit's flat shard
+        if dev.foreach_step:
+            stepped = n / (dp if zero else 1)
+        else:
+            matrix = max(prof.hidden * max(prof.ffn, prof.hidden) / mp,
+                         prof.hidden * prof.vocab / (mp if vocab_split else 1))
+            largest = max(block_params, root) / dp if zero else matrix
+            stepped = 2 * min(largest, n / (dp if zero else 1))
         grads_at_step = n * gb if zero == 0 else n * gb / dp
-        at_step = held_p + grads_at_step + held_o + (n * gb if zero == 0 and dp > 1 else 0.0) + stepped * 4
+        at_step = held_p + grads_at_step + held_o + (n * gb if zero == 0 and dp > 1 and ddp else 0.0) + stepped * 4
+        at_step = max(at_step, held_p + grads_at_step + held_o + flat_copy)  # the DP average, activations freed
         mem["optimizer_step"] = max(0.0, at_step - sum(mem.values()))
         if sum(mem.values()) > sum(worst.values()):
             worst = mem

@@ -82,6 +82,43 @@ def test_zero_levels_divide_what_they_shard(llama: ModelProfile) -> None:
     assert mem[0]["activations"] == mem[3]["activations"]
 
 
+def test_dp_buffers_and_zero_gradients_as_the_step_holds_them(llama: ModelProfile) -> None:
+    """DDP's buckets exist only where DDP wraps the model (nothing split, no pipeline); with split parameters the DP
+    average is a flat copy after the backward (the optimizer phase). ZeRO's full gradients at the peak are the root
+    unit's and two blocks', not the model's (each unit's reduce-scatter is waited for at the next one's)."""
+    dev = DEVICES["h100"]
+    split = predict(llama, dev, 4, 8, LayoutSpec(2, 1, 2, 0), "32-true").memory
+    assert split and split["dp_buffers"] == 0.0
+    held = split["parameters"] + split["gradients"] + split["optimizer"]
+    flat_phase = held + split["parameters"]  # + the flat copy (one bucket: the model is far below 25 MB)
+    others = sum(v for k, v in split.items() if k != "optimizer_step")
+    assert split["optimizer_step"] == pytest.approx(max(0.0, max(flat_phase, held + split["parameters"]) - others))
+    z1 = predict(llama, dev, 4, 8, LayoutSpec(4, 1, 1, 1), "32-true").memory
+    assert z1
+    n1 = llama.params
+    block = llama.block_split_params + llama.block_replicated_params
+    root = n1 - llama.layers * block
+    # the root's, the block's and the previous block's (its reduce-scatter in flight), less the shards zero_grad freed
+    assert z1["dp_buffers"] == pytest.approx(max(0.0, (root + 2 * block) * 4 - n1 * 4 / 4))
+    z3 = predict(llama, dev, 4, 8, LayoutSpec(4, 1, 1, 3), "32-true").memory
+    assert z3 and z3["dp_buffers"] == pytest.approx(z1["dp_buffers"] + root * 4 * 3 / 4 + 2 * block * 4)
+
+
+def test_optimizer_temporaries_follow_the_implementation(llama: ModelProfile) -> None:
+    """foreach (CUDA) holds a float32 temporary of every stepped parameter; the per-parameter loop (CPU) two of the
+    largest one: with recomputation the step's phase is the peak only with foreach."""
+    spec = LayoutSpec(1, 1, 1, recompute=True)
+    gpu = predict(llama, DEVICES["h100"], 1, 1, spec, "32-true")
+    cpu = predict(llama, replace(DEVICES["h100"], foreach_step=False), 1, 1, spec, "32-true")
+    assert gpu.memory and cpu.memory
+    held = sum(gpu.memory[k] for k in ("parameters", "gradients", "optimizer"))
+    assert held + gpu.memory["dp_buffers"] + llama.params * 4 == pytest.approx(gpu.peak_mem_gib * 2**30)
+    largest = max(llama.hidden * llama.ffn, llama.hidden * llama.vocab)
+    others = sum(v for k, v in cpu.memory.items() if k != "optimizer_step")
+    assert cpu.memory["optimizer_step"] == pytest.approx(max(0.0, held + 2 * largest * 4 - others))
+    assert cpu.peak_mem_gib < gpu.peak_mem_gib
+
+
 def test_mp_sp_and_recompute_divide_activations(llama: ModelProfile) -> None:
     dev = DEVICES["h100"]
     one = predict(llama, dev, 2, 8, LayoutSpec(1, 1, 2), "32-true").memory
