@@ -436,7 +436,8 @@ def _shard_dp_with_fsdp2() -> None:
     from lightning_dpmp.parallel.zero_engine import find_units
 
     def shard_dp(module: Any, optimizers: Any, scheduler_configs: Any, grid: Any, split: Any, zero: int,
-                 mixed_precision: Any = None, pipeline: Any = None) -> tuple[Any, None]:
+                 mixed_precision: Any = None, pipeline: Any = None,
+                 reshard_after_forward: bool = True) -> tuple[Any, None]:
         strategy = module.trainer.strategy  # (benchmark only: its DP mesh, and configure_optimizers run again)
         mesh = strategy.device_mesh["dp"]
         for _, unit in find_units(module):

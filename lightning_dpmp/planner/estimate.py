@@ -7,15 +7,17 @@ pipeline stage:
 
 * **memory**: parameters, gradients and optimizer state as the engine holds them at each ZeRO level (0: all local;
   1/2: the parameters plus a flat DP shard of them, gradients and AdamW moments 1/dp; 3: everything 1/dp, plus the
-  root unit gathered for the step and two blocks, the gathered and the prefetched, or under a pipeline the whole
-  stage gathered for the step). Without a pipeline ZeRO's peak comes as the backward starts, every activation still
-  held: last step's gradient shards are gone (``zero_grad``) and the full gradients then held are the root unit's
-  and the last block's (each block's are reduce-scattered and freed when it is done). The DP gradient buffer at
+  root unit gathered for the step and two blocks, the gathered and the prefetched). Without a pipeline ZeRO's peak
+  comes in the backward: last step's gradient shards are gone (``zero_grad``) and the full gradients then held are
+  the root unit's (the head's come first), the block's and the previous block's, whose reduce-scatter is in flight
+  (the engine waits for it when the next is issued). Under a pipeline zero 1/2 accumulate the stage's gradients
+  whole, zero=3 reduce-scatters each unit per micro-batch (its fresh gradients are shards). The DP gradient buffer at
   zero=0: DDP's buckets where nothing is split (mp = 1); with split parameters the strategy all-reduces a flat copy
   of the gradients per 25 MB bucket after the backward (a pipeline: the stage's at once). The activations the
   profile saves (split ones /mp, token-wise ones /mp with sequence parallelism; with recomputation only each
-  recomputed block's input: the first ``k`` of a stage's ``N`` blocks, :attr:`LayoutSpec.recompute_blocks`, plus one
-  block's activations while it is recomputed when ``k = N``), times the micro-batches a stage holds in flight (1F1B:
+  recomputed block's input: the first ``k`` of a stage's ``N`` blocks, :attr:`LayoutSpec.recompute_blocks`; when
+  ``k = N`` the peak is in the backward, one block's activations recomputed with its backward's working set, two of
+  its widest activation gradients, beside the saved inputs), times the micro-batches a stage holds in flight (1F1B:
   ``min(pp - stage, M)``, GPipe: ``M``, interleaved: Korthikanti's ``pp (1 + (pp-1)/(pp v))``), the logits and loss on
   the last stage (split by vocabulary), and the stage-to-stage buffers. The peak is taken where the step holds the
   most: the end of the forward pass, before the old gradients are freed, or the optimizer step (the gradients, and
@@ -353,10 +355,9 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
         if pp > 1:
             # the schedule's gradients are new tensors (the previous step's wait aside until the strategy's
             # backward): with a steady phase (more micro-batches than in flight) they coexist with the most
-            # activations, otherwise with one micro-batch fewer; zero=3's are the full ones before each reduce-scatter
-            # zero=3 (reshard_after_forward) reduce-scatters each unit per micro-batch: the fresh gradients are
-            # shards, accumulating beside last step's; a unit's full ones and the last one's in flight, and two
-            # blocks and the stage's root gathered
+            # activations, otherwise with one micro-batch fewer. zero=3 (reshard_after_forward) reduce-scatters each
+            # unit per micro-batch: its fresh gradients are shards, beside a unit's full ones and the last one's in
+            # flight, with two blocks and the stage's root gathered
             fresh = n * gb / dp if zero == 3 else n * gb
             steady = spec.schedule != "gpipe" and m > inflight
             acts = acts + fresh if steady else max(acts, acts - per_micro + fresh)
