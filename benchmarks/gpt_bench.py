@@ -22,8 +22,8 @@ global batch, AdamW, no gradient clipping (ModelParallelStrategy cannot clip by 
   block allocated before it started).
 * MP and DP bytes per step: the collectives that second extra (untimed) step issues from Python/autograd, by group,
   sized as the full tensor of the collective (all-reduce: the tensor; all-gather: the output; reduce-scatter: the
-  input); DDP's C++ reducer is invisible there, so its bucket all-reduce is added analytically (= the local gradient
-  bytes; under a pipeline, without DDP, the flat all-reduce's copy of the stage's gradients).
+  input). DDP's C++ reducer is invisible there: where DDP wraps the model (mp = 1, zero=0, no pipeline) its bucket
+  all-reduces are not counted (the DP columns read 0); the strategy's own flat all-reduce elsewhere is.
 
 Configs: ``dpmp_<dp>x<mp>`` (DPMPStrategy, eager, ``async_grad_allreduce=False``), ``..._sp`` (sequence
 parallel), ``..._async`` (``async_grad_allreduce=True``: the input-gradient all-reduce overlapped with the
