@@ -11,9 +11,10 @@ sequence 128, float32, AdamW) at world 4 and 8 on CPU (gloo, 2 shared cores).
 Measured rows come from ``benchmarks/results/<run>/results.json`` for each run of :data:`RUNS`: ``pipeline``,
 ``pipeline_zero`` (8 layers, world 4, global batch 8: (dp, pp, mp) = (1,2,2) (1,1,4) (2,1,2) (4,1,1) (1,4,1), (2,2,1)
 at zero 0/1/3, (4,1,1) at zero 3), ``hf_llama_zero`` (4 layers, (2,1,2) zero 0..3), ``recompute`` (4 layers,
-(2,1,2) and (1,2,2) with and without every block recomputed) and ``estimator_w8`` (8 layers, world 8, 4 sequences
-per DP rank: every (dp, pp, mp) the heads allow, zero levels, recomputation); one process with and without
-recomputation is measured by this script itself::
+(2,1,2) and (1,2,2) with and without every block recomputed), ``estimator_w8`` (8 layers, world 8, 8 sequences
+per DP rank: every (dp, pp, mp) the heads allow, zero levels, recomputation) and ``estimator_w8_quiet`` (the same
+layouts again on a quiet machine, 2026-12-07, on this stop's code: 6 steps, the median of the last 4; its peaks are
+its own); one process with and without recomputation is measured by this script itself::
 
     python benchmarks/estimator_check.py            # writes benchmarks/results/estimator/results.md
 """
@@ -60,7 +61,7 @@ def parse(config: str, microbatches: int) -> LayoutSpec:
 
 
 #: gpt_bench runs whose peaks are compared (their step times are compared within each run only)
-RUNS = ("pipeline", "pipeline_zero", "hf_llama_zero", "recompute", "estimator_w8")
+RUNS = ("pipeline", "pipeline_zero", "hf_llama_zero", "recompute", "estimator_w8", "estimator_w8_quiet")
 
 
 #: where the peaks come from: every run's layouts again, memory only (one warm-up step, then the profiler's two;
