@@ -14,7 +14,8 @@ at zero 0/1/3, (4,1,1) at zero 3), ``hf_llama_zero`` (4 layers, (2,1,2) zero 0..
 (2,1,2) and (1,2,2) with and without every block recomputed), ``estimator_w8`` (8 layers, world 8, 8 sequences
 per DP rank: every (dp, pp, mp) the heads allow, zero levels, recomputation) and ``estimator_w8_quiet`` (the same
 layouts again on a quiet machine, 2026-12-07, on this stop's code: 6 steps, the median of the last 4; its peaks are
-its own); one process with and without recomputation is measured by this script itself::
+its own), ``pipeline_zero_quiet`` and ``recompute_quiet`` (those two runs' layouts again, quiet, 2 rounds of 8
+steps); one process with and without recomputation is measured by this script itself::
 
     python benchmarks/estimator_check.py            # writes benchmarks/results/estimator/results.md
 """
@@ -61,7 +62,8 @@ def parse(config: str, microbatches: int) -> LayoutSpec:
 
 
 #: gpt_bench runs whose peaks are compared (their step times are compared within each run only)
-RUNS = ("pipeline", "pipeline_zero", "hf_llama_zero", "recompute", "estimator_w8", "estimator_w8_quiet")
+RUNS = ("pipeline", "pipeline_zero", "hf_llama_zero", "recompute", "estimator_w8", "estimator_w8_quiet",
+        "pipeline_zero_quiet", "recompute_quiet")
 
 
 #: where the peaks come from: every run's layouts again, memory only (one warm-up step, then the profiler's two;
