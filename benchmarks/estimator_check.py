@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpt_bench import AllocationPeak  # noqa: E402
 from lightning_dpmp.tools.estimate import DEVICES, LayoutSpec, predict  # noqa: E402
 from lightning_dpmp.tools.profile import ModelProfile, profile_config  # noqa: E402
 
@@ -67,7 +68,7 @@ RUNS = ("pipeline", "pipeline_zero", "hf_llama_zero", "recompute", "estimator_w8
 
 
 #: where the peaks come from: every run's layouts again, memory only (one warm-up step, then the profiler's two;
-#: gpt_bench's corrected window, see its ``_AllocationPeak``); the step times stay those of the runs themselves
+#: gpt_bench's corrected window, see its ``AllocationPeak``); the step times stay those of the runs themselves
 PEAKS = ROOT / "benchmarks" / "results" / "estimator_memory"
 
 
@@ -103,7 +104,6 @@ def measure_one_process(recompute: bool, layers: int = 8, seqs: int = 2) -> floa
     the profiler runs from a step earlier, as in gpt_bench, so that it sees the last step's gradients freed);
     ``recompute``: transformers' ``gradient_checkpointing_enable`` (non-reentrant) on every block."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -126,24 +126,14 @@ def measure_one_process(recompute: bool, layers: int = 8, seqs: int = 2) -> floa
     step()
     held = 2 * sum(p.numel() * p.element_size() for p in net.parameters()) + sum(
         v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0)
-    # the profiler reports no free of a block allocated before it started: it runs from one step earlier, so that
-    # the last step's gradients freed by zero_grad are among its events, and the measured step is marked
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-        with record_function("estimator_check.measured_step"):
-            step()
-    events = list(prof.profiler.kineto_results.events())
-    mark = next(e for e in events if e.name() == "estimator_check.measured_step")
-    lo, hi = mark.start_ns(), mark.start_ns() + mark.duration_ns()
-    running = base = peak = 0
-    for t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        if t > hi:
-            break
-        running += nbytes
-        if t < lo:
-            base = running
-        else:
-            peak = max(peak, running - base)
+    # the profiler runs from one step earlier, so that it sees the last step's gradients freed by zero_grad
+    window = AllocationPeak()
+    window.start()
+    step()
+    window.begin()
+    step()
+    window.end()
+    peak = window.peak
     return (held + peak) / 2**20
 
 

@@ -204,7 +204,7 @@ def _held(trainer: Any, pl_module: Any, kind: str) -> dict[str, int]:
     return out
 
 
-class _AllocationPeak:
+class AllocationPeak:
     """The highest running total of CPU/GPU allocations minus frees inside the measured step, from the profiler's
     memory events (``profile_memory=True``; it sees every allocation through torch's allocators, whoever makes it).
 
@@ -213,7 +213,12 @@ class _AllocationPeak:
     step's gradients go (``zero_grad(set_to_none=True)``) while its own grow: wherever the peak comes after that
     (recomputation, the end of the backward) it counted the gradients twice. The profiler therefore starts a step
     early (:meth:`start`); the measured step is marked (:meth:`begin`, :meth:`end`) and its peak is the highest
-    running total inside the mark less the total when the mark began."""
+    running total inside the mark less the total when the mark began.
+
+    Example:
+        >>> peak = AllocationPeak()  # doctest: +SKIP
+        >>> peak.start(); step(); peak.begin(); step(); peak.end(); peak.peak  # bytes  # doctest: +SKIP
+    """
 
     def __init__(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -277,8 +282,8 @@ def _callback(args: argparse.Namespace, out_dir: Path, kind: str) -> Any:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
             self.starts.append(time.perf_counter())
             self.cpu.append(time.process_time())
-            if batch_idx == args.steps:  # the first untimed step: the allocation events start (see _AllocationPeak)
-                self.profiler = _AllocationPeak()
+            if batch_idx == args.steps:  # the first untimed step: the allocation events start (see AllocationPeak)
+                self.profiler = AllocationPeak()
                 self.profiler.start()
             if batch_idx == args.steps + 1:  # the second untimed step: count its collectives and its memory
                 self.held_start = _held(trainer, pl_module, kind)
