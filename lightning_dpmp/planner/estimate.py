@@ -316,24 +316,8 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
             inflight = min(m, pp) * (1 + (pp - 1) / (pp * v)) if stage == 0 else min(m, pp - stage)
         else:
             inflight = float(min(m, pp - stage))
-        per_micro = k * block_in + (per_stage - k) * block_act
-        rest = prof.rest_act * act_scale * mb if stage == 0 else 0.0
-        # the first k blocks recompute, late in the backward, when the later blocks' activations are freed: a
-        # recomputed block's activations (and its backward's working set) add to the peak only when every block
-        # recomputes
-        acts = inflight * (per_micro + rest) + (block_act + bwd_work if k == per_stage and k else 0.0)
-        if stage == pp - 1:
-            acts += logits
         held_p, held_g, held_o, extra = n * pb, n * gb, n * ob, 0.0
         root = max(0.0, n - per_stage * block_params)   # what is not a block: the root ZeRO unit
-        if pp == 1 and k == per_stage and k:
-            # Every block recomputed: the peak is in the backward, one block's activations recomputed, with its
-            # backward's working set, beside the saved block inputs: all of them at the first block recomputed,
-            # when the gradients are the head's only (last step's went at zero_grad), one at the last, when they
-            # are all there. The forward's end holds the inputs, the logits and last step's gradients.
-            bwd = block_act + bwd_work + rest + max(per_stage * block_in + root * gb - n * gb / (dp if zero else 1),
-                                                    block_in)
-            acts = max(per_stage * block_in + rest + logits, bwd)
         # ZeRO (pp = 1): the peak comes in the backward, as it starts (every activation still held) or, with every
         # block recomputed, as a block recomputes. Last step's gradient shards went at zero_grad; the full gradients
         # held then are the root unit's (the head's come first, the embedding's last), the block's and the one
@@ -352,6 +336,22 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
             held_p, held_g, held_o = n * pb / dp, n * gb / dp, n * ob / dp
             # + the root gathered for the step, the gathered and the prefetched block
             extra = max(0.0, full_then - held_g) + root * pb * (1 - 1 / dp) + block_params * pb * 2
+        per_micro = k * block_in + (per_stage - k) * block_act
+        rest = prof.rest_act * act_scale * mb if stage == 0 else 0.0
+        last_logits = logits if stage == pp - 1 else 0.0
+        if pp == 1 and k == per_stage and k:
+            # Every block recomputed: the peak is in the backward, one block's activations recomputed, with its
+            # backward's working set, beside the saved block inputs: all of them at the first block recomputed,
+            # when the gradients are the head's only (last step's went at zero_grad), one at the last, when they
+            # are all there. The forward's end holds the inputs, the logits and last step's gradients.
+            bwd = block_act + bwd_work + rest + max(per_stage * block_in + root * gb - held_g, block_in)
+            acts = max(per_stage * block_in + rest + last_logits, bwd)
+        else:
+            # the first k blocks recompute, late in the backward, when the later blocks' activations are freed: a
+            # recomputed block's activations (and its backward's working set) add to the peak only when every
+            # block recomputes
+            acts = (inflight * (per_micro + rest) + (block_act + bwd_work if k == per_stage and k else 0.0)
+                    + last_logits)
         if pp > 1:
             # the schedule's gradients are new tensors (the previous step's wait aside until the strategy's
             # backward): with a steady phase (more micro-batches than in flight) they coexist with the most
