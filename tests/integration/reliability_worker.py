@@ -79,6 +79,26 @@ class FailingIO(TorchCheckpointIO):
         _fail(self.out, "checkpoint")
 
 
+class StartTogether(DPMPStrategy):
+    """Rank 0 opens the rendezvous only once every rank has started (written ``pid_<rank>``).
+
+    The process-group timeout also bounds the start-up rendezvous. The stuck-rank case sets it short (45 s) and runs
+    beside other launches, and on a loaded 2-core machine the three children once took longer than that to import
+    torch and Lightning ("Timed out after 46 seconds waiting for clients. 1/4 clients joined"). Waiting here keeps
+    the timeout's subject the stuck step, not the start-up.
+    """
+
+    def __init__(self, out: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def setup_environment(self) -> None:
+        deadline = time.time() + 300
+        while len(list(self.out.glob("pid_*"))) < 4 and time.time() < deadline:
+            time.sleep(0.2)
+        super().setup_environment()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     case, rank, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
@@ -92,7 +112,7 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=FAIL_STEP, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=4,
-        strategy=DPMPStrategy(dp=2, mp=2, timeout=timedelta(seconds=timeout_s), checkpoint_io=io),
+        strategy=StartTogether(out, dp=2, mp=2, timeout=timedelta(seconds=timeout_s), checkpoint_io=io),
         max_steps=12, limit_val_batches=4, val_check_interval=6, callbacks=callbacks, logger=False,
         enable_checkpointing=case == "checkpoint", enable_progress_bar=False, enable_model_summary=False,
     )
