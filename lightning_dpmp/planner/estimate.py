@@ -26,10 +26,13 @@ pipeline stage:
 * **step time**: forward + backward FLOPs (+1 forward of each recomputed block, and its forward MP collectives) at
   the device's calibrated fraction of its dense peak; MP collectives per block (ring formula of
   :func:`lightning_dpmp.planner.cost.ring_s`; on the intra-node link when an MP group fits in a node);
-  the DP gradient reduction (all-reduce, or reduce-scatter + all-gather, zero=3 gathering parameters for forward
-  and backward), exposed where it exceeds the last micro-batch's backward; stage-to-stage sends and the schedule's
-  own work per micro-batch (:attr:`Device.micro_overhead_s`: milliseconds on CPU); the pipeline bubble
-  ``(pp-1)/(v M)`` of the stage time; and the AdamW step at the memory bandwidth.
+  the DP gradient reduction (all-reduce, or reduce-scatter + all-gather, per 25 MB bucket; zero=3 one collective per
+  unit, each paying its ring's latency: a block gathered for its forward and its backward per micro-batch, the root
+  once, a reduce-scatter per unit per step or per micro-batch under a pipeline), exposed where it exceeds the last
+  micro-batch's backward; stage-to-stage sends and the schedule's own work per micro-batch
+  (:attr:`Device.micro_overhead_s`: milliseconds on CPU); the pipeline bubble ``(pp-1)/(v M)`` of the stage time;
+  and the AdamW step at the memory bandwidth (at :attr:`Device.cached_step_fraction` of it where the stepped tensors
+  fit the cache), with ZeRO's own copies (gradients into its flat buffers, the shard into the gathered one).
 
 MFU is Megatron's: model FLOPs (no recomputation) / (step time x devices x dense peak).
 
@@ -83,6 +86,11 @@ class Device:
         foreach_step: torch's optimizers take their ``foreach`` implementation (the default on CUDA), which holds a
             float32 temporary of every parameter it steps at once; ``False`` (CPU tensors): the per-parameter loop,
             whose temporaries are those of one parameter at a time.
+        step_cache_bytes, cached_step_fraction: the per-parameter loop (``foreach_step=False``) makes several
+            passes over each tensor it steps; a tensor of at most ``step_cache_bytes`` stays in cache between them,
+            and its step costs ``cached_step_fraction`` of the memory-bound time. That is what sets ZeRO 1/2 apart
+            on CPU: zero=0 steps the model's own tensors (a matrix of 1 MiB here), ZeRO a unit's flat shard (2 MiB
+            at dp=2, and 8 MiB at dp=1 would be). ``0``: no such effect (the GPU presets).
     """
 
     name: str
@@ -101,6 +109,8 @@ class Device:
     overlap_dp: bool = True
     idle_bubble: bool = True
     foreach_step: bool = True
+    step_cache_bytes: float = 0.0
+    cached_step_fraction: float = 1.0
 
     def sustained(self, dtype: str, hidden: int) -> float:
         """FLOP/s one device sustains on the model's matmuls at width ``hidden``."""
@@ -137,12 +147,15 @@ DEVICES: dict[str, Device] = {
     "b200": _nvidia("b200", 180, 8.0e12, {"bf16": 2.25e15, "fp32": 75e12, "fp64": 37e12}, 720e9, 45e9),
     # This machine (2 cores of an AVX-512 Xeon, 23 GiB, 4 gloo processes): peak = half a core's (2 FMA units x 16
     # float32 lanes x 2 FLOPs at an assumed 2.0 GHz: 128 GFLOP/s per core); memory = 23 GiB / 4 processes less the
-    # runtime; efficiency and link bandwidth fitted on 3 measured layouts (benchmarks/estimator_check.py); a
-    # pipeline micro-batch's schedule work, CPU_MICRO_OVERHEAD_S x 2 processes per core.
-    "cpu": Device("cpu", memory_gib=4.0, peak_flops={"bf16": 64e9, "fp32": 64e9, "fp64": 32e9}, efficiency=0.58,
-                  mem_bw=5e9, intra_bw=0.5e9, inter_bw=0.5e9, intra_latency=100e-6, inter_latency=100e-6,
+    # runtime; link bandwidth measured (benchmarks/gloo_links.py), efficiency and per-ring-step latency fitted on 3
+    # measured layouts (benchmarks/estimator_check.py); a pipeline micro-batch's schedule work,
+    # CPU_MICRO_OVERHEAD_S x 2 processes per core; AdamW's loop over tensors of at most 2 MiB at half the
+    # memory-bound time (measured: 2.4-3.4 ns per parameter up to 2 MiB, 4.5-6.3 from 4 MiB).
+    "cpu": Device("cpu", memory_gib=4.0, peak_flops={"bf16": 64e9, "fp32": 64e9, "fp64": 32e9}, efficiency=0.62,
+                  mem_bw=5e9, intra_bw=1.0e9, inter_bw=1.0e9, intra_latency=1e-3, inter_latency=1e-3,
                   devices_per_node=64, overhead_s=0.0, overlap_dp=False, idle_bubble=False,
-                  micro_overhead_s=2 * CPU_MICRO_OVERHEAD_S, foreach_step=False),
+                  micro_overhead_s=2 * CPU_MICRO_OVERHEAD_S, foreach_step=False, step_cache_bytes=2 * 2**20,
+                  cached_step_fraction=0.5),
 }
 
 # precision -> (compute dtype, bytes per parameter, per gradient, optimizer state per parameter (AdamW + master))
@@ -414,12 +427,39 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     grad_bytes = n_local * (4 if dtype != "fp64" else 8)
     # a DP group's ranks lie pp*mp apart: it spans nodes as soon as the world does (dp > 1)
     bw, lat = (dev.inter_bw, dev.inter_latency) if devices > dev.devices_per_node else (dev.intra_bw, dev.intra_latency)
-    buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
-    dp_s = ring_s(grad_bytes, dp, bw, 0.0) + (buckets * 2 * (dp - 1) * lat if dp > 1 else 0.0)
     if zero == 3:
-        dp_s += m * ring_s(n_local * pb, dp, bw, lat, "all_gather")   # parameters gathered again per micro-batch
+        # one collective per ZeRO unit (each block of the stage, and the root: what is not a block), each paying its
+        # ring steps' latency. A block is gathered for its forward and again for its backward, per micro-batch; the
+        # root once per step (it stays gathered). Gradients are reduce-scattered once per step, or per micro-batch
+        # under a pipeline (1F1B frees them as it goes). Counted at (4,1,1): 17 gathers, 9 reduce-scatters; at
+        # (2,2,1) with 4 micro-batches: 33 and 20
+        block_n = min(prof.block_split_params / mp + prof.block_replicated_params, n_local / max(per_stage, 1))
+        root_n = n_local - per_stage * block_n
+        rs_rounds = m if pp > 1 else 1
+        gw = grad_bytes / n_local if n_local else 0.0
+        dp_s = (m * 2 * per_stage * ring_s(block_n * pb, dp, bw, lat, "all_gather")
+                + ring_s(root_n * pb, dp, bw, lat, "all_gather")
+                + rs_rounds * (per_stage * ring_s(block_n * gw, dp, bw, lat, "reduce_scatter")
+                               + ring_s(root_n * gw, dp, bw, lat, "reduce_scatter")))
+    else:
+        # zero=0: an all-reduce per 25 MB bucket; zero 1/2: a reduce-scatter and an all-gather per bucket (the same
+        # bytes and ring steps)
+        buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
+        dp_s = ring_s(grad_bytes, dp, bw, 0.0) + (buckets * 2 * (dp - 1) * lat if dp > 1 else 0.0)
     dp_exposed = (max(0.0, dp_s - micro_s * 2 / 3) if dev.overlap_dp else dp_s) if dp > 1 else 0.0
     optim_s = n_local / (dp if zero else 1) * 28 / dev.mem_bw        # AdamW: ~7 words read/written per parameter
+    if dev.step_cache_bytes:
+        # the largest tensor stepped: a matrix of the model (zero=0), or a block unit's flat shard (ZeRO)
+        block_n = prof.block_split_params / mp + prof.block_replicated_params
+        stepped_bytes = (block_n / dp if zero else max(prof.hidden * max(prof.ffn, prof.hidden) / mp,
+                                                       prof.hidden * prof.vocab / (mp if vocab_split else 1))) * 4
+        if stepped_bytes <= dev.step_cache_bytes:
+            optim_s *= dev.cached_step_fraction
+    if zero:
+        # ZeRO's own copies, beyond DDP's: the gradients into the engine's flat buffers and the stepped shard into
+        # the gathered buffer, each read and written. On CPU they outweigh what stepping a 1/dp shard saves:
+        # measured zero=1 against zero=0, (2,2,1) +17 ms CPU per step and rank, (4,1,1) +5 ms
+        optim_s += n_local * 2 * 2 * (grad_bytes / max(n_local, 1)) / dev.mem_bw
     step = pipe_s + dp_exposed + optim_s
     tokens = global_batch * prof.seq
     model_flops = prof.model_flops_per_token() * tokens

@@ -120,6 +120,35 @@ def test_optimizer_temporaries_follow_the_implementation(llama: ModelProfile) ->
     assert cpu.peak_mem_gib < gpu.peak_mem_gib
 
 
+def test_zero3_pays_a_latency_per_unit_collective(llama: ModelProfile) -> None:
+    """zero=3 issues one collective per unit: a block gathered for its forward and its backward per micro-batch, the
+    root once; a reduce-scatter per unit per step, per micro-batch under a pipeline (the engine's counts: 17 and 9 at
+    (4,1,1) with 8 layers). With an infinite link only their latencies remain."""
+    lat = 1e-3
+    dev = replace(DEVICES["h100"], intra_bw=float("inf"), inter_bw=float("inf"), intra_latency=lat,
+                  inter_latency=lat, overlap_dp=False)
+    blocks = llama.layers
+    flat = predict(llama, dev, 4, 8, LayoutSpec(4, 1, 1, 3), "32-true").time
+    assert flat and flat["dp_exposed"] == pytest.approx(((2 * blocks + 1) + (blocks + 1)) * 3 * lat)
+    staged = predict(llama, dev, 4, 8, LayoutSpec(2, 2, 1, 3, microbatches=4), "32-true").time
+    per_stage = blocks // 2
+    assert staged and staged["dp_exposed"] == pytest.approx(((4 * 2 * per_stage + 1) + 4 * (per_stage + 1)) * lat)
+
+
+def test_optimizer_step_time_on_cpu_caches_small_tensors_and_pays_zeros_copies(llama: ModelProfile) -> None:
+    """The per-parameter AdamW loop steps a tensor that fits the cache at ``cached_step_fraction`` of the
+    memory-bound time; ZeRO adds its flat copies (gradients in, the shard out: 4 words read or written)."""
+    base = replace(DEVICES["cpu"], step_cache_bytes=0.0)
+    cached = replace(base, step_cache_bytes=2 * 2**20, cached_step_fraction=0.5)
+    n = llama.params
+    t0 = predict(llama, base, 1, 8, LayoutSpec(1, 1, 1), "32-true").time
+    t1 = predict(llama, cached, 1, 8, LayoutSpec(1, 1, 1), "32-true").time
+    assert t0 and t1 and t0["optimizer"] == pytest.approx(n * 28 / base.mem_bw)
+    assert t1["optimizer"] == pytest.approx(0.5 * t0["optimizer"])  # the largest matrix, 256 KiB, fits
+    z1 = predict(llama, base, 2, 8, LayoutSpec(2, 1, 1, 1), "32-true").time
+    assert z1 and z1["optimizer"] == pytest.approx(n / 2 * 28 / base.mem_bw + n * 16 / base.mem_bw)
+
+
 def test_mp_sp_and_recompute_divide_activations(llama: ModelProfile) -> None:
     dev = DEVICES["h100"]
     one = predict(llama, dev, 2, 8, LayoutSpec(1, 1, 2), "32-true").memory
