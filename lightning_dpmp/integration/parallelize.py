@@ -276,7 +276,13 @@ class Parallelized:
                     self.params.forget_grads()
         elif self.params is not None:
             with self.modes_aside():
-                self.params.clear_stale_grads()
+                if self.params.on_locals:
+                    # the DTensor forms only wrap the local gradients: a read outside the layers (an L2 term) must
+                    # reach the DTensor parameter as its own gradient, handed on to the local one, not added into
+                    # last micro-batch's wrapper
+                    self.params.forget_grads()
+                else:
+                    self.params.clear_stale_grads()
 
     def start_schedule(self) -> None:
         """Before a pipeline's schedule (forward and backward inside ``training_step``): the gradients user code was
@@ -328,14 +334,16 @@ class Parallelized:
         if params is None:
             return
         with self.modes_aside():  # (our own work on the shards: no per-call pass through the bridge)
-            params.grads_to_local()
+            if not params.on_locals:
+                params.grads_to_local()
             if self.dp_group is not None and not self._accumulating:
                 # a parameter no DP rank used keeps None (an optimizer skips it, as on one process): one flag each;
                 # in place, so each DTensor gradient still wraps its local one (re-wrapping them was most of the cost)
                 all_reduce_grads([p for p in params.locals if p.requires_grad], self.dp_group, average=True,
                                  keep_unused=True, bucket_bytes=self.dp_bucket_bytes, in_place=True)
-                params.grads_from_local()
             self._sum_partial()  # (in place: each DTensor gradient still wraps its local one)
+            if params.on_locals or (self.dp_group is not None and not self._accumulating):
+                params.grads_from_local()
 
     @contextmanager
     def modes_aside(self) -> Iterator[None]:
@@ -788,6 +796,12 @@ def parallelize(trainer: Any, module: nn.Module, model: nn.Module, grid: Any, de
     parallel = Parallelized(split.applied_plan, split.rng, split_params, split.partial_grads, grid.mp_group,
                             engine, compiled, pipeline, split.params, split.bridge, optimizers=optimizers)
     parallel.partial_in_backward = bool(getattr(module, "automatic_optimization", False))
+    if split.params is not None and engine is None and pipeline is None and fitting:
+        # zero=0 without stages: the forwards compute on the plain local Parameters too (no DTensor op in the
+        # forward or the backward: each parameter's to_local view and its backward, which wrapped every gradient in
+        # a DTensor and accumulated it through DTensor dispatch, were zero=0's CPU cost over plain parameters); the
+        # DTensor forms' gradients wrap the local ones after the backward (finish_backward)
+        split.params.compute_on_locals(_add_grad)
     if split.params is not None and grid.dp > 1 and engine is None and pipeline is None:
         # DP averaged by the strategy (DDP's buckets); a pipeline averages its own
         parallel.dp_group = grid.dp_group

@@ -16,11 +16,13 @@ weight-norm callback, an L2 term in ``training_step``, an EMA callback) gives th
 ``.grad`` (a DTensor with the parameter's placements) the single-process gradient once the DP reduction ran.
 
 The layers never compute on DTensors (no per-op dispatch in forward or backward): while a module's forward runs,
-every parameter of its subtree is swapped for ``p.to_local()``, a view of the local shard that takes the gradient
-back to the DTensor parameter (:meth:`DTensorParams.install_hooks`; the outermost module called swaps for all its
-submodules). Everything of our own that works on shards (checkpoints, clipping, the optimizer step, teardown)
-runs under :meth:`DTensorParams.local`, where the registered parameters are the plain local ``Parameter`` objects
-the split made, unchanged, so that nothing below this module needed to learn about DTensors.
+every parameter of its subtree is swapped for a plain tensor (:meth:`DTensorParams.install_hooks`; the outermost
+module called swaps for all its submodules). In training that is the plain local ``Parameter`` itself
+(:meth:`DTensorParams.compute_on_locals`: the gradients land there, and each DTensor parameter's ``.grad`` wraps
+its local one once the strategy's reduction ran); otherwise ``p.to_local()``, a view of the local shard that takes
+the gradient back to the DTensor parameter. Everything of our own that works on shards (checkpoints, clipping, the
+optimizer step, teardown) runs under :meth:`DTensorParams.local`, where the registered parameters are the plain local
+``Parameter`` objects the split made, unchanged, so that nothing below this module needed to learn about DTensors.
 
 Example:
     >>> params = DTensorParams(model, mesh)             # after the split  # doctest: +SKIP
@@ -215,6 +217,12 @@ class DTensorParams:
                 d.register_post_accumulate_grad_hook(self._hand_over(i, accumulate))
         self.dtensors = rebuilt
         self._register(self.dtensors)
+
+    @property
+    def on_locals(self) -> bool:
+        """Whether forwards compute on the plain local Parameters (:meth:`compute_on_locals`): their gradients land
+        there, and the DTensor forms' ``.grad`` wrap them only once :meth:`grads_from_local` ran."""
+        return self._on_locals
 
     def _hand_over(self, i: int, accumulate: Callable[[nn.Parameter, Tensor], None]) -> Callable[[Tensor], None]:
         def hook(d: Tensor) -> None:
