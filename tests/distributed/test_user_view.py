@@ -1,8 +1,9 @@
 """What user code reads of the parameters equals one process (issue 41): the split model's parameters are DTensors
 on the grid's mesh, so Lightning's ``grad_norm``, a weight-norm callback, gradients in ``on_after_backward``,
-TensorBoard histograms, ``state_dict()``, ``ModelSummary``, an L2 term in ``training_step`` and clipping by hand
-in ``on_before_optimizer_step`` see the dense model, in float64 against a single-process reference
-(``tests/distributed/user_view_worker.py``), at (2,2) with zero 0 (one launch) and zero 1, 2 and 3 (another: the
+TensorBoard histograms, ``state_dict()`` and DCP's ``get_model_state_dict``, ``ModelSummary``, an L2 term in
+``training_step`` and clipping by hand in ``on_before_optimizer_step`` see the dense model, in float64 against a
+single-process reference (``tests/distributed/user_view_worker.py``), at (2,2) with zero 0 (one launch) and zero 1,
+2 and 3 (another: the
 ZeRO engine's sharded gradients are gathered when read, its freed parameters too, an L2 term's gradient goes into
 its update, a clip's write into the shards), at (1,2,2) with pp=2 (a third: the other stage's parameters and
 gradients are brought from the stage that owns them when read), and with pp=2 and ZeRO at (2,2,1) and (2,2,2) (a
@@ -124,6 +125,11 @@ def test_logged_values_equal_one_process_on_every_rank(request, reference, launc
             assert len(got["logged"][key]) == STEPS, (key, got["logged"][key])
             assert _max_diff(got["logged"][key], ref["logged"][key]) < 1e-8, (spec, key)
         assert abs(got["state_sq"] - ref["state_sq"]) < 1e-8 * ref["state_sq"]
+        # torch's DCP reads the same model: get_model_state_dict's sharded values (DTensors reduced over the mesh)
+        # and its full_state_dict form, under the one-process names
+        assert got["dcp_keys"] == ref["dcp_keys"], spec
+        for key in ("dcp_sq", "dcp_full_sq"):
+            assert abs(got[key] - ref["state_sq"]) < 1e-8 * ref["state_sq"], (spec, key, got[key], ref["state_sq"])
         assert got["summary"] == ref["summary"]  # ModelSummary counts the dense model's parameters
         assert got["mode_left"] is None  # no mode of the strategy outlives its teardown (the next fit would trace it)
         # the optimizer's update and zero_grad ran with the modes of user code aside (it holds the plain locals:

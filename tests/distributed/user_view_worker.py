@@ -1,7 +1,7 @@
 """What user code reads of the parameters, under DPMPStrategy and on one process: Lightning's ``grad_norm`` logged
 from ``on_before_optimizer_step``, the gradients' squares in ``on_after_backward``, a callback's weight norm and
-TensorBoard histograms, ``state_dict()``, Lightning's ``ModelSummary``, an L2 term in ``training_step``, and the
-weights trained, in float64.
+TensorBoard histograms, ``state_dict()`` and torch's DCP ``get_model_state_dict`` (sharded and full), Lightning's
+``ModelSummary``, an L2 term in ``training_step``, and the weights trained, in float64.
 
 Run by ``tests/distributed/test_user_view.py`` on pool ranks (``DP MP OUT CASES``) and imported by it for the
 one-process reference (:func:`fit_case` with ``dp = mp = 1``). Each rank writes ``OUT/rank<r>.json``:
@@ -26,6 +26,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.utilities import grad_norm  # noqa: E402
 from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_dpmp import DPMPStrategy, PlanFallbackWarning, compat  # noqa: E402
@@ -101,7 +103,8 @@ class Watch(L.Callback):
     def __init__(self) -> None:
         self.logged: dict[str, dict[int, float]] = {k: {} for k in LOGGED}
         self.histograms: dict[str, list[float]] = {}
-        self.state_sq = 0.0
+        self.state_sq = self.dcp_sq = self.dcp_full_sq = 0.0
+        self.dcp_keys: list[str] = []
         self.summary: list[int] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -124,6 +127,14 @@ class Watch(L.Callback):
             state = pl_module.state_dict()
             self.state_sq = float(sum(getattr(v, "full_tensor", lambda v=v: v)().double().pow(2).sum()
                                       for v in state.values()))
+            # torch's DCP view of the module (torch.distributed.checkpoint.state_dict): its sharded form, each value
+            # a DTensor (reduced over its mesh) or a plain tensor, and its full form, every tensor whole on every rank
+            sharded = get_model_state_dict(pl_module)
+            self.dcp_sq = float(sum(v.double().pow(2).sum() if not isinstance(v, DTensor)
+                                    else v.double().pow(2).sum().full_tensor() for v in sharded.values()))
+            full = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True))
+            self.dcp_full_sq = float(sum(v.double().pow(2).sum() for v in full.values()))
+            self.dcp_keys = sorted(full) if sorted(full) == sorted(sharded) else ["(sharded and full keys differ)"]
 
 
 def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, Any]:
@@ -163,6 +174,7 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
         weights = {k: v.double().reshape(-1).tolist() for k, v in model.state_dict().items()}
     return {
         "logged": watch.logged, "histograms": watch.histograms, "state_sq": watch.state_sq, "weights": weights,
+        "dcp_sq": watch.dcp_sq, "dcp_full_sq": watch.dcp_full_sq, "dcp_keys": watch.dcp_keys,
         "summary": watch.summary, "plan": plan, "micro_sq": model.micro_sq,
         "fallback": [str(w.message) for w in caught if issubclass(w.category, PlanFallbackWarning)],
         "mode_left": type(left).__name__ if left is not None else None,
