@@ -322,6 +322,13 @@ class ZeroEngine:
                 self._finish_in_flight()
                 reduce_scatter_buckets(unit, self.group)  # the unit's buckets in one collective
                 self._in_flight.append(unit)
+                for x in unit:
+                    # counted afresh: a unit whose parameters take part in several backward passes of one step
+                    # (each call under reentrant activation checkpointing, weights shared across depth) is
+                    # reduce-scattered once per pass, when all its parameters fired again; left full, the next
+                    # pass's first gradient reduce-scattered (and at zero=3 freed) the unit while that pass still
+                    # needed its parameters (it crashed reading freed storage)
+                    x.fired.clear()
                 if self.level == 3 and b.unit >= 0:
                     for x in unit:
                         x.free()  # every backward use of these parameters has run

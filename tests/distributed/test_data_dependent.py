@@ -4,7 +4,8 @@ exact DP collectives.
 One 4-process launch of ``moe_worker.py`` at (2, 2): a top-1 mixture of experts in a ``ModuleList`` (some experts
 get tokens on one DP rank and none on the other, some on no rank) at zero=0, 1, 2, 3, and a LayerDrop MLP (whole
 blocks skipped at random in the model's own forward) at zero=3; and activation checkpointing at zero=3 (blocks
-under ``torch.utils.checkpoint`` non-reentrant, transformers' Llama with ``gradient_checkpointing_enable()``).
+under ``torch.utils.checkpoint`` non-reentrant, transformers' Llama with ``gradient_checkpointing_enable()``), and
+one block applied three times under reentrant checkpointing at zero 1 and 3 (its hooks fire in three backward passes).
 20 AdamW steps in float64 with norm clipping must land within 1e-8 of single-process training, where a parameter
 no sample used keeps a ``None`` gradient.
 """
@@ -26,7 +27,7 @@ from tests.support.reference import max_weight_diff, one_process_trainer
 WORKER = "tests/distributed/moe_worker.py"
 TOL = 1e-8
 RUNS = [("moe_list", z) for z in (0, 1, 2, 3)] + [("layerdrop", 3), ("moe_ckpt", 3), ("resmlp_ckpt", 3),
-                                                   ("llama_gc", 3)]
+                                                   ("llama_gc", 3), ("shared_reentrant", 1), ("shared_reentrant", 3)]
 
 
 def _reference(name: str) -> dict:
@@ -91,3 +92,21 @@ def test_activation_checkpointing_at_zero3_matches_single_process(launch):
         for r in ranks:  # recomputing a block's forward gathers nothing more than the backward already does
             counts = r[f"{name}_z3"]["counts"]
             assert counts["dp/all_gather"] == 1 + 2 * 2 and counts["dp/reduce_scatter"] == 3, counts
+
+
+@pytest.mark.slow
+def test_a_block_in_several_backward_passes_matches_single_process(launch):
+    """One block applied three times, each call under reentrant checkpointing: its parameters' hooks fire once per
+    call's backward pass. The engine reduce-scatters the unit once per pass, when all its parameters fired again
+    (before, the second pass's first gradient found the unit complete: it reduce-scattered, and at zero=3 freed, the
+    block while that pass still needed it, and the backward crashed on freed storage)."""
+    out, ranks, _ = launch
+    ref = _reference("shared_reentrant")
+    for zero in (1, 3):
+        worst = max_weight_diff(torch.load(out / f"shared_reentrant_z{zero}.ckpt", weights_only=True), ref)
+        print(f"shared_reentrant zero={zero}: max |w - w_ref| = {worst:.2e}")
+        assert worst <= TOL, (zero, worst)
+    for r in ranks:
+        for zero in (1, 3):
+            # the shared block once per pass (3), the other block and the root once each
+            assert r[f"shared_reentrant_z{zero}"]["counts"]["dp/reduce_scatter"] == 5, (zero, r)

@@ -117,6 +117,21 @@ class CheckpointedMLP(ResMLP):
         return self.head(self.norm(x))
 
 
+class SharedReentrantMLP(ResMLP):
+    """ResMLP whose first block is applied three times (weights shared across depth, as ALBERT does), each call under
+    ``torch.utils.checkpoint`` with ``use_reentrant=True``: each call's backward is its own backward pass, so the
+    block's parameters get their gradients, and their post-accumulate hooks fire, three times in one step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for _ in range(3):
+            x = checkpoint(self.blocks[0], x, use_reentrant=True)
+        x = self.blocks[1](x)
+        return self.head(self.norm(x))
+
+
 class CheckpointedMoE(MoEMLP):
     """:class:`MoEMLP` with each block under ``torch.utils.checkpoint`` (non-reentrant)."""
 
@@ -392,7 +407,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
     fused (one qkv projection),
     gpt_frozen (gpt_untied with frozen attention), gpt_vocab61 (gpt with 61 tokens), moe_list (ResMLP with top-1
     ModuleList experts), layerdrop (ResMLP skipping blocks at random), resmlp_ckpt (blocks under
-    torch.utils.checkpoint), moe_ckpt (moe_list so), resmlp_scaled (4 blocks reading their own
+    torch.utils.checkpoint), moe_ckpt (moe_list so), shared_reentrant (one block applied three times, each call
+    under reentrant checkpointing), resmlp_scaled (4 blocks reading their own
     ``scale`` parameter directly), llama_gc (transformers' Llama with gradient checkpointing)."""
     if name == "resmlp":
         return ResMLP(), make_dataset()
@@ -404,6 +420,8 @@ def build(name: str) -> tuple[L.LightningModule, TensorDataset]:
         return CheckpointedMLP(), make_dataset()
     if name == "moe_ckpt":
         return CheckpointedMoE(), make_dataset()
+    if name == "shared_reentrant":
+        return SharedReentrantMLP(), make_dataset()
     if name == "resmlp_scaled":
         return ScaledMLP(), make_dataset()
     if name == "llama_gc":  # transformers' gradient checkpointing (non-reentrant) on its Llama
