@@ -500,7 +500,19 @@ class DPMPStrategy(GridStrategy):
             self.post_backward(closure_loss)
             return closure_loss
         if pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            try:
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+            except RuntimeError as exc:
+                if "ready only once" not in str(exc):
+                    raise
+                # DDP's own refusal, whose advice (_set_static_graph) a Lightning user cannot follow as written
+                raise RuntimeError(
+                    f"DistributedDataParallel (dp={self.grid.dp}, mp=1, zero=0) refused a parameter whose gradient "
+                    "arrived in more than one backward pass of this step (for example the same weights under "
+                    "several calls of torch.utils.checkpoint(..., use_reentrant=True)). Pass static_graph=True to "
+                    "DPMPStrategy if the step's graph is the same every step, or use zero=1 (the ZeRO engine "
+                    "reduces such a parameter once per pass), or checkpoint with use_reentrant=False."
+                ) from exc
         # the schedule ran every micro-batch's backward inside training_step; its gradients land here, between
         # the hooks that surround a backward (and are reduced over PP and DP before on_after_backward)
         assert self.lightning_module is not None and parallel is not None

@@ -72,6 +72,16 @@ if __name__ == "__main__":
     dp, mp, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     kw = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     runs = [item.split(":") for item in sys.argv[4].split(",")]
-    res = {f"{name}_z{z}": fit(dp, mp, int(z), out, name, **kw) for name, z in runs}
+    res = {}
+    for item in runs:
+        name, z = item[0], item[1]
+        if len(item) > 2 and item[2] == "fails":  # the run must fail: its error's message, from every rank
+            try:
+                fit(dp, mp, int(z), out, name)
+                res[f"{name}_z{z}_fails"] = {"error": None}
+            except RuntimeError as exc:
+                res[f"{name}_z{z}_fails"] = {"error": str(exc)}
+        else:
+            res[f"{name}_z{z}"] = fit(dp, mp, int(z), out, name, **kw)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(res, f, indent=1)

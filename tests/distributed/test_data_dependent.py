@@ -110,3 +110,27 @@ def test_a_block_in_several_backward_passes_matches_single_process(launch):
         for zero in (1, 3):
             # the shared block once per pass (3), the other block and the root once each
             assert r[f"shared_reentrant_z{zero}"]["counts"]["dp/reduce_scatter"] == 5, (zero, r)
+
+
+@pytest.fixture(scope="module")
+def ddp_launch(tmp_path_factory):
+    """(2, 1) at zero=0, where DistributedDataParallel averages the gradients: the shared block under reentrant
+    checkpointing with static_graph=True, then without it (which DDP refuses)."""
+    out = tmp_path_factory.mktemp("data_dependent_ddp")
+    proc = run_ranks(2, [WORKER, "2", "1", str(out), "shared_reentrant:0,shared_reentrant:0:fails",
+                         json.dumps({"static_graph": True})], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_ddp_and_several_backward_passes_static_graph_or_a_clear_error(ddp_launch):
+    """DDP marks each parameter ready once per backward: with static_graph=True (passed through DPMPStrategy) the
+    shared block trains to the single-process weights; without it the refusal names what to do, on every rank."""
+    out, ranks = ddp_launch
+    worst = max_weight_diff(torch.load(out / "shared_reentrant_z0.ckpt", weights_only=True),
+                            _reference("shared_reentrant"))
+    assert worst <= TOL, worst
+    for r in ranks:
+        error = r["shared_reentrant_z0_fails"]["error"]
+        assert error and "more than one backward pass" in error and "static_graph=True" in error, error
