@@ -218,16 +218,20 @@ def plan_module(
     branches = tuple(sorted({m for _, m in trace.data_dependent})) if trace is not None else ()
     # one all-reduce: whether any rank failed to trace or saw a step leave parameters out, and one tolerance
     # (hence one verification decision) on every rank
-    failed_anywhere, conditional_anywhere, tol = _world_max(
-        [float(trace is None), float(bool(conditional)), tolerance(precision, dtype)], device)
+    varies = trace is None or bool(trace.data_dependent) or not grads_ref
+    failed_anywhere, conditional_anywhere, varies_anywhere, tol = _world_max(
+        [float(trace is None), float(bool(conditional)), float(varies), tolerance(precision, dtype)], device)
     trace = None if failed_anywhere else trace
     if conditional_anywhere and not conditional:
         conditional = ("another rank's traced step left parameters out or branched on the data",)
+    # no rank's traced step branched on the data: the parameters it left out are left out by every step
+    unreached = () if varies_anywhere else tuple(
+        n for n, p in module.named_parameters() if p.requires_grad and n not in grads_ref)
     if verify:
         check_mp_agreement(loss_ref, grads_ref, grid, tol, device)
     checkable = verify and trace is not None and loss_ref is not None and bool(grads_ref) and grid.mp > 1
     # rank 0's, as the plan is (and the warning, from rank 0, names them); its branches, which ZeRO's units follow
-    notes, branches = _broadcast((notes, branches))
+    notes, branches, unreached = _broadcast((notes, branches, unreached))
     _warn_if_unverified(run, trace, loss_ref, grads_ref, verify, grid.mp, notes, training)
     fallbacks = {
         1: "pairs through reshapes or attention self-contained",
@@ -251,7 +255,7 @@ def plan_module(
         text = plan.describe(module)
         originals = apply_plan(module, plan, grid.mp_group, rng)
         if not checkable:
-            return PlanResult(plan, text, conditional=conditional, branches=branches)
+            return PlanResult(plan, text, conditional=conditional, branches=branches, unreached=unreached)
         # mypy: checkable implies a traced run with a loss
         assert run is not None and loss_ref is not None
         losses: list[Tensor] = []
@@ -274,7 +278,7 @@ def plan_module(
                     category=PlanFallbackWarning,
                 )
             return PlanResult(plan, text, verified=True, max_error=err, conditional=conditional,
-                              branches=branches, params=params)
+                              branches=branches, params=params, unreached=unreached)
         if params is not None:
             params.release()  # the plain shards again, before the dense layers come back
         if level == 3:  # the same decision on every rank: err is the world's worst

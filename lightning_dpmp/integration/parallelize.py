@@ -393,9 +393,14 @@ class Parallelized:
             # sends to the other stages
             self.grads = ShardedGrads(engine, target, self._grad_of) if engine is not None else None
             staged = [p for p in pipeline.params if id(p) in pipeline.staged_ids]
+            # what no step reaches keeps None, as on one process (the names the plan found; its local parameters)
+            names = set(self.plan.unreached)
+            unreached = frozenset(id(params.local(p) if params is not None and params.owns(p) else p)
+                                  for n, p in module.named_parameters() if n in names)
             self.staged = StagedGrads(staged, pipeline.owner,
                                       {id(p) for p in staged if grid.pp_rank in pipeline.ranks[id(p)]},
-                                      grid.pp_rank, grid.pp_group, target, self._grad_of, source=self.grads)
+                                      grid.pp_rank, grid.pp_group, target, self._grad_of, source=self.grads,
+                                      unreached=unreached)
             # an L2 term at zero=3 reads its stage's freed parameters inside the schedule: its gradient goes into
             # the engine's accumulator, as without a pipeline
             reader = GatherOnRead(watched, self._pipeline_fetches, self._pipeline_values, self._pipeline_refusal,

@@ -15,9 +15,11 @@ Lightning's hooks). The buffer then holds a copy until the next backward, so a n
 broadcast per (stage, dtype) and, for that step, the other stages' gradient bytes.
 
 An in-place write into such a copy (``clip_grad_norm_``) changes the copy only: the owner ran the same write on the
-same values into the gradient its optimizer steps. A parameter whose owner has no gradient (nothing reached it)
-reads as zeros on every rank (where one process shows ``None``): its norm and its share of any sum are those of one
-process. Those zeros are taken back before the optimizer steps, so it is not stepped, as one process would not.
+same values into the gradient its optimizer steps. A parameter that no step reaches (``unreached``: the traced step
+left it out and no traced step branched on the data) keeps ``None`` on every rank, as on one process. One that this
+step's owner has no gradient for, where steps may differ, reads as zeros on every rank (where one process shows
+``None``): its norm and its share of any sum are those of one process. Those zeros are taken back before the
+optimizer steps, so it is not stepped, as one process would not.
 
 Under ZeRO (``source``: the engine's :class:`~lightning_dpmp.parallel.zero_grads.ShardedGrads`) the owner's own
 gradients are themselves views of freed buffers, gathered over its DP group on first read: the owner gathers them
@@ -75,13 +77,16 @@ class StagedGrads:
             the tensor itself).
         source: where this rank's own gradients are brought from on first read (ZeRO's sharded gradients), or
             ``None`` (they hold their values).
+        unreached: ``id`` of those of ``params`` that no step reaches (the traced step's, where no step can
+            differ): they keep ``None``, as on one process, on every rank alike.
     """
 
     def __init__(self, params: list[nn.Parameter], owner: dict[int, int], held: set[int], pp_rank: int,
                  pp_group: Any, target: Callable[[nn.Parameter], nn.Parameter],
-                 wrap: Callable[[nn.Parameter, Tensor], Tensor], source: Optional[GradReads] = None) -> None:
+                 wrap: Callable[[nn.Parameter, Tensor], Tensor], source: Optional[GradReads] = None,
+                 unreached: frozenset[int] = frozenset()) -> None:
         self.pp_rank, self.pp_group, self.target, self.wrap = pp_rank, pp_group, target, wrap
-        self.held, self.source = held, source
+        self.held, self.source, self.unreached = held, source, unreached
         by_key: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
             if p.requires_grad:
@@ -110,6 +115,8 @@ class StagedGrads:
                 self._by_storage[storage_key(g.buffer)] = g
             for i, p in enumerate(g.params):
                 t = self.target(p)
+                if id(p) in self.unreached:
+                    continue  # None on every rank, as on one process: no rank reads it, so no broadcast is missed
                 if id(p) in self.held:  # its own gradient, which this rank steps
                     if t.grad is None:
                         # nothing reached it: zeros, as the ranks that do not hold it will read, so that a read

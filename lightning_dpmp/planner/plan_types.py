@@ -254,5 +254,8 @@ class PlanResult:
     # every trainable parameter, with no data-dependent op in forward); the same truth value on every rank.
     conditional: tuple[str, ...] = ()
     branches: tuple[str, ...] = ()  # modules whose forward ran a data-dependent op in the traced step ("": the root)
+    # trainable parameters that nothing reaches in any step: no gradient in the traced step, on a rank of a world
+    # where no traced step ran a data-dependent op (so the set cannot change); rank 0's, the same on every rank
+    unreached: tuple[str, ...] = ()
     # the split module's parameters as DTensors (made to verify the plan on them); None when not distributed here
     params: Optional[DTensorParams] = None

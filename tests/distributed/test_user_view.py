@@ -21,8 +21,8 @@ import pytest
 from tests.distributed.user_view_worker import LOGGED, STEPS, fit_case
 
 CASES = ("watched", "l2", "clip")
-# "unused": a parameter nothing reaches (no gradient on one process, never stepped); under a pipeline the other
-# stage reads zeros for it, and the stage that owns it must join that read's broadcast without stepping it
+# "unused": a parameter nothing reaches (no gradient on one process, never stepped): None on every rank, at every
+# zero level and under a pipeline (the traced step left it out and branched on no data, so no step reaches it)
 REFERENCE_CASES = (*CASES, "unused", "gpt", "acc")
 # "acc": 2 accumulated micro-batches per step: on the last one every rank reads one process's gradients; before it,
 # zero 0-2 show each rank's local accumulation (as DDP inside no_sync), zero=3 (reduce-scattered every micro-batch)
@@ -32,7 +32,8 @@ ACCUMULATED = ("acc:zero=2", "acc:zero=3")
 # MP rank until their MP sum, which runs before on_after_backward (its logged grad_sq equals one process), once per
 # step
 SEQUENCE = "gpt:sp=1"
-ZEROS = tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES) + ("gpt:zero=2;sp=1",)
+ZEROS = (tuple(f"{case}:zero={zero}" for zero in (1, 2, 3) for case in CASES)
+         + ("gpt:zero=2;sp=1", "unused:zero=1", "unused:zero=3"))
 PIPELINED = tuple(f"{case}:pp=2" for case in (*CASES, "unused")) + ("gpt:pp=2;sp=1",)
 # a pipeline with ZeRO (each stage's gradients are its buckets' DP shards, gathered over the stage's DP group when
 # read and then sent over PP to the stages that read them; an L2 term at zero=3 gathers its stage's freed parameters
@@ -131,6 +132,8 @@ def test_logged_values_equal_one_process_on_every_rank(request, reference, launc
         for key in ("dcp_sq", "dcp_full_sq"):
             assert abs(got[key] - ref["state_sq"]) < 1e-8 * ref["state_sq"], (spec, key, got[key], ref["state_sq"])
         assert got["summary"] == ref["summary"]  # ModelSummary counts the dense model's parameters
+        # a parameter nothing reached has no gradient, as on one process (not zeros)
+        assert got["no_grad"] == ref["no_grad"], (spec, got["no_grad"], ref["no_grad"])
         assert got["mode_left"] is None  # no mode of the strategy outlives its teardown (the next fit would trace it)
         # the optimizer's update and zero_grad ran with the modes of user code aside (it holds the plain locals:
         # before, each of AdamW's ops passed through the bridge), and the schedule's wrapper of

@@ -67,6 +67,7 @@ class Watched(LMModule):
     def __init__(self, net: Any) -> None:
         super().__init__(net)
         self.micro_sq: list[float] = []
+        self.no_grad: list[str] = []
         self.in_optimizer: list[Optional[str]] = []
 
     def configure_optimizers(self) -> Any:
@@ -91,6 +92,8 @@ class Watched(LMModule):
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip)
 
     def on_after_backward(self) -> None:
+        # which parameters have no gradient (None, as on one process for a parameter nothing reached)
+        self.no_grad = sorted(n for n, p in self.named_parameters() if p.grad is None)
         grad_sq = sum(p.grad.pow(2).sum() for p in self.parameters() if p.grad is not None)
         self.log("grad_sq", grad_sq)
         self.micro_sq.append(float(grad_sq))  # every backward's, micro-batches under accumulation included
@@ -174,7 +177,7 @@ def fit_case(case: str, dp: int, mp: int, **strategy_kwargs: Any) -> dict[str, A
         weights = {k: v.double().reshape(-1).tolist() for k, v in model.state_dict().items()}
     return {
         "logged": watch.logged, "histograms": watch.histograms, "state_sq": watch.state_sq, "weights": weights,
-        "dcp_sq": watch.dcp_sq, "dcp_full_sq": watch.dcp_full_sq, "dcp_keys": watch.dcp_keys,
+        "no_grad": model.no_grad, "dcp_sq": watch.dcp_sq, "dcp_full_sq": watch.dcp_full_sq, "dcp_keys": watch.dcp_keys,
         "summary": watch.summary, "plan": plan, "micro_sq": model.micro_sq,
         "fallback": [str(w.message) for w in caught if issubclass(w.category, PlanFallbackWarning)],
         "mode_left": type(left).__name__ if left is not None else None,
