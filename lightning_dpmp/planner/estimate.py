@@ -310,6 +310,8 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
 
     # ---- memory, per rank, of each stage; the worst counts
     block_params = prof.block_split_params / mp + prof.block_replicated_params
+    # the model's largest matrix on a rank (what AdamW's CPU loop steps at once, at zero=0)
+    matrix = max(prof.hidden * max(prof.ffn, prof.hidden) / mp, prof.hidden * prof.vocab / (mp if vocab_split else 1))
     tokenwise = prof.block_act_tokenwise / (mp if sp else 1)
     block_act = (prof.block_act_split / mp + tokenwise) * act_scale * mb
     block_in = prof.block_input_bytes * act_scale * mb / (mp if sp else 1)
@@ -387,8 +389,6 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
         if dev.foreach_step:
             stepped = n / (dp if zero else 1)
         else:
-            matrix = max(prof.hidden * max(prof.ffn, prof.hidden) / mp,
-                         prof.hidden * prof.vocab / (mp if vocab_split else 1))
             largest = max(block_params, root) / dp if zero else matrix
             stepped = 2 * min(largest, n / (dp if zero else 1))
         grads_at_step = n * gb if zero == 0 else n * gb / dp
@@ -424,7 +424,8 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     pipe_s = m * micro_s + bubble + (m * head_s if pp > 1 else 0.0)
     # DP: gradients of the largest stage, over dp ranks; inter-node once the DP group spans nodes
     n_local = max(_stage_params(prof, spec))
-    grad_bytes = n_local * (4 if dtype != "fp64" else 8)
+    gw = 4 if dtype != "fp64" else 8  # bytes of a gradient element
+    grad_bytes = n_local * gw
     # a DP group's ranks lie pp*mp apart: it spans nodes as soon as the world does (dp > 1)
     bw, lat = (dev.inter_bw, dev.inter_latency) if devices > dev.devices_per_node else (dev.intra_bw, dev.intra_latency)
     if zero == 3:
@@ -433,10 +434,9 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
         # root once per step (it stays gathered). Gradients are reduce-scattered once per step, or per micro-batch
         # under a pipeline (1F1B frees them as it goes). Counted at (4,1,1): 17 gathers, 9 reduce-scatters; at
         # (2,2,1) with 4 micro-batches: 33 and 20
-        block_n = min(prof.block_split_params / mp + prof.block_replicated_params, n_local / max(per_stage, 1))
+        block_n = min(block_params, n_local / max(per_stage, 1))
         root_n = n_local - per_stage * block_n
         rs_rounds = m if pp > 1 else 1
-        gw = grad_bytes / n_local if n_local else 0.0
         dp_s = (m * 2 * per_stage * ring_s(block_n * pb, dp, bw, lat, "all_gather")
                 + ring_s(root_n * pb, dp, bw, lat, "all_gather")
                 + rs_rounds * (per_stage * ring_s(block_n * gw, dp, bw, lat, "reduce_scatter")
@@ -450,16 +450,14 @@ def predict(prof: ModelProfile, dev: Device, devices: int, global_batch: int, sp
     optim_s = n_local / (dp if zero else 1) * 28 / dev.mem_bw        # AdamW: ~7 words read/written per parameter
     if dev.step_cache_bytes:
         # the largest tensor stepped: a matrix of the model (zero=0), or a block unit's flat shard (ZeRO)
-        block_n = prof.block_split_params / mp + prof.block_replicated_params
-        stepped_bytes = (block_n / dp if zero else max(prof.hidden * max(prof.ffn, prof.hidden) / mp,
-                                                       prof.hidden * prof.vocab / (mp if vocab_split else 1))) * 4
+        stepped_bytes = (block_params / dp if zero else matrix) * 4
         if stepped_bytes <= dev.step_cache_bytes:
             optim_s *= dev.cached_step_fraction
     if zero:
         # ZeRO's own copies, beyond DDP's: the gradients into the engine's flat buffers and the stepped shard into
         # the gathered buffer, each read and written. On CPU they outweigh what stepping a 1/dp shard saves:
         # measured zero=1 against zero=0, (2,2,1) +17 ms CPU per step and rank, (4,1,1) +5 ms
-        optim_s += n_local * 2 * 2 * (grad_bytes / max(n_local, 1)) / dev.mem_bw
+        optim_s += n_local * 2 * 2 * gw / dev.mem_bw
     step = pipe_s + dp_exposed + optim_s
     tokens = global_batch * prof.seq
     model_flops = prof.model_flops_per_token() * tokens
