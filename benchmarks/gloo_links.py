@@ -2,8 +2,8 @@
 calibration holds (``benchmarks/estimator_check.py``'s ``LINK_BW``) and a cross-check of the latency it fits.
 
 Each size is all-reduced 3 times to warm up, then 10 times after a barrier each; the median is printed, with the
-bandwidth and per-ring-step latency that a ring all-reduce's time ``2 (n-1)/n bytes / bw + 2 (n-1) latency`` gives
-from the smallest and the largest size::
+bandwidth and per-ring-step latency the strategy's own link measurement derives
+(:func:`lightning_dpmp.integration.autolayout.link_figures`) from the smallest and the largest size::
 
     python benchmarks/gloo_links.py --world 4
 """
@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lightning_dpmp.integration.autolayout import link_figures
 
 SIZES_MIB = (1 / 1024, 0.25, 1.0, 4.0, 32.0)
 
@@ -54,9 +56,7 @@ def main() -> None:
     for mib, t in times.items():
         print(f"all-reduce {mib * 1024:>8.0f} KiB over {a.world}: {t * 1e3:7.2f} ms")
     small, large = min(times), max(times)
-    n = a.world
-    latency = times[small] / (2 * (n - 1))
-    bw = 2 * (n - 1) / n * large * 2**20 / (times[large] - times[small])
+    bw, latency = link_figures(times[small], times[large], a.world, int(small * 2**20), int(large * 2**20))
     print(f"bandwidth {bw / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms per ring step")
 
 

@@ -149,10 +149,12 @@ def _together(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def link_figures(t_small: float, t_large: float, n: int) -> tuple[float, float]:
-    """``(bandwidth, latency)`` of a ring of ``n`` ranks from the times of an all-reduce of :data:`SMALL` and of
-    :data:`LARGE` bytes. The large one's transfer is taken as at least a tenth of its time: where noise makes the
-    two times nearly equal, the difference alone would give any bandwidth (6e6 GB/s was seen on a loaded CPU).
+def link_figures(t_small: float, t_large: float, n: int, small: int = SMALL, large: int = LARGE
+                 ) -> tuple[float, float]:
+    """``(bandwidth, latency)`` of a ring of ``n`` ranks from the times of an all-reduce of ``small`` and of
+    ``large`` bytes (:data:`SMALL`, :data:`LARGE`). The large one's transfer is taken as at least a tenth of its
+    time: where noise makes the two times nearly equal, the difference alone would give any bandwidth (6e6 GB/s was
+    seen on a loaded CPU).
 
     Example:
         >>> bw, lat = link_figures(6e-3, 18e-3, 4)   # 6 ring steps of 1 ms, 12 ms to move 4 MiB
@@ -162,7 +164,7 @@ def link_figures(t_small: float, t_large: float, n: int) -> tuple[float, float]:
         8.3
     """
     latency = t_small / (2 * (n - 1))
-    bw = 2 * (n - 1) / n * (LARGE - SMALL) / max(t_large - t_small, t_large / 10, 1e-9)
+    bw = 2 * (n - 1) / n * (large - small) / max(t_large - t_small, t_large / 10, 1e-9)
     return bw, latency
 
 
