@@ -186,13 +186,22 @@ def clear_dtensor_sharding_cache() -> None:
     their process groups (``DeviceMesh.__eq__``: ranks, layout, device, dim names), so a mesh built over new groups
     (the next job in one process: a Hydra multirun, a test pool) would get an earlier mesh's cached output specs and
     run collectives on that mesh's destroyed groups ("Could not resolve the process group registered under the name
-    ...")."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    ...").
+
+    The redistribution's transform steps (``_redistribute._gen_transform_infos``, unbounded) and the tensor-meta
+    propagation (``ShardingPropagator._propagate_tensor_meta_cached``) are cached by specs too, and their keys hold
+    the mesh: cleared as well, so that a finished job's mesh, and with it its process groups and their gloo threads,
+    can be freed."""
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     torch._C._clear_DTensor_sharding_propagator_cache()
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    clear_redistribute_planner_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+                   getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None)):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -194,6 +195,7 @@ class DTensorParams:
         for slot in self._slots:
             self._by_module.setdefault(id(slot.module), []).append(slot)
         self._handles: list[Any] = []
+        self._grad_handles: list[Any] = []  # compute_on_locals' hand-over hooks, removed by release()
         self._depth = 0
         self._localized = 0  # inside local(): the hooks leave the registration alone
         self._on_enter: Optional[Callable[[], object]] = None
@@ -214,7 +216,7 @@ class DTensorParams:
         for i, d in enumerate(rebuilt):
             self._index[id(d)] = i
             if d.requires_grad:
-                d.register_post_accumulate_grad_hook(self._hand_over(i, accumulate))
+                self._grad_handles.append(d.register_post_accumulate_grad_hook(self._hand_over(i, accumulate)))
         self.dtensors = rebuilt
         self._register(self.dtensors)
 
@@ -225,11 +227,18 @@ class DTensorParams:
         return self._on_locals
 
     def _hand_over(self, i: int, accumulate: Callable[[nn.Parameter, Tensor], None]) -> Callable[[Tensor], None]:
+        # A weak reference: the hook lives in the parameter's C++ autograd metadata, which the garbage collector
+        # cannot see, so a strong one would make parameter -> hook -> self -> parameter a cycle it never frees (and
+        # with it the mesh and its process groups: 9 gloo threads per rank per job at (2, 2), woken by gloo's
+        # timers, in a process that runs jobs one after another)
+        owner = weakref.ref(self)
+
         def hook(d: Tensor) -> None:
+            params = owner()
             g = d.grad
             d.grad = None
-            if g is not None:
-                accumulate(*self.local_grad(d, g))
+            if g is not None and params is not None:
+                accumulate(*params.local_grad(d, g))
         return hook
 
     def like(self, p: Tensor, local: Tensor) -> Tensor:
@@ -299,6 +308,8 @@ class DTensorParams:
     def release(self) -> None:
         """The plain local parameters, registered for good (teardown): no hooks, no DTensor left in the module."""
         self.remove_hooks()
+        while self._grad_handles:
+            self._grad_handles.pop().remove()
         self.grads_to_local()
         self._register(self.locals)
 

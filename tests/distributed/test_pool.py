@@ -68,3 +68,14 @@ def test_state_a_case_leaves_behind_does_not_reach_the_next(pool, tmp_path):
         assert report == {"initialized": False, "leftover": None, "dtype": "torch.float32", "argv": ["check",
                           str(tmp_path)], "sum": 2.0}
     assert pool.starts == starts  # the same processes ran both cases
+
+
+def test_a_case_leaving_threads_running_gets_a_fresh_pool(pool, tmp_path):
+    _check(pool, tmp_path)  # a pool that is up
+    starts, restarts = pool.starts, pool.thread_restarts
+    assert max(pool.thread_counts()) < 20  # the last case's process group's loops at most
+    result = pool.run([CASES, "threads", str(tmp_path)], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert pool.thread_restarts == restarts + 1 and not pool.alive and pool.most_threads > 60
+    assert all(r["sum"] == 2.0 for r in _check(pool, tmp_path))
+    assert pool.starts == starts + 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -48,9 +47,11 @@ def test_spawn_launcher_hands_back_a_dense_trained_model(tmp_path):
 
 @pytest.mark.slow
 def test_wrong_process_count_under_torchrun_fails_fast(tmp_path):
-    start = time.monotonic()
-    proc = run_script(_torchrun(3, "popen", "3", "2", "2", str(tmp_path)), timeout=120)
-    elapsed = time.monotonic() - start
+    # "fast" as in before any collective: every rank raises while the Trainer is built, none joins a process group
+    # (so none can wait for a peer); a hang fails the test at run_script's timeout. Wall-clock time is not asserted:
+    # three ranks importing torch on a loaded 2-core host took 58-119 s before the first line of the job
+    proc = run_script(_torchrun(3, "popen", "3", "2", "2", str(tmp_path)), timeout=240)
     assert proc.returncode != 0
     assert "DPMPStrategy(dp=2, mp=2) needs dp*mp = 4 processes, but devices=3 x num_nodes=1 = 3" in proc.stderr
-    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert "in set_world_ranks" in proc.stderr  # raised in Trainer(...), before the launcher runs anything
+    assert "Initializing distributed" not in proc.stdout + proc.stderr

@@ -24,7 +24,9 @@ Failures stay with their case:
   each has left the case and reset its state as after a passing case, and the pool keeps running;
 - a case that passes its timeout is killed with its whole pool (every process group, so forked DataLoader
   workers too); the next case starts a new pool;
-- a rank that dies (a segfault, ``os._exit``) fails the case with its exit code.
+- a rank that dies (a segfault, ``os._exit``) fails the case with its exit code;
+- a rank left with more than ``MAX_THREADS`` threads after a case (threads the case left running, such as the gloo
+  loops of a process group something still holds) is restarted with its pool before the next case.
 
 Example (from a test)::
 
@@ -54,6 +56,11 @@ ROOT = Path(__file__).resolve().parents[2]
 FAILURE_GRACE_S = 10.0
 #: How long a new pool may take to import everything and report ready.
 START_TIMEOUT_S = 180.0
+#: A rank with more threads than this after a case is restarted before the next one. A fresh rank has 1; a case's
+#: process groups leave ~10 (gloo's loops) until the next case frees them. Threads that outlive their case (a
+#: process group something still holds) accumulate, and gloo's wake on timers: before the DTensor parameters' hook
+#: was fixed, 9 per rank per case, and a 4-rank pool idle after 3 cases used 4x the CPU of one after 1 case.
+MAX_THREADS = 48
 
 
 @dataclass
@@ -89,6 +96,8 @@ class RankPool:
         self._log: Optional[IO[bytes]] = None
         self.starts = 0  # how many times the pool was (re)started: the pool's own tests read it
         self.cases = 0  # how many cases it ran
+        self.thread_restarts = 0  # restarts because a rank kept more than MAX_THREADS threads after a case
+        self.most_threads = 0  # the most threads a rank kept after a case
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     @property
@@ -211,6 +220,12 @@ class RankPool:
                 # a rank still inside the case (maybe inside a collective) or dead: the next case gets a new pool.
                 # A case that failed on ranks that all came back keeps it: each left the case and reset its state.
                 self.close()
+            else:
+                threads = max(self.thread_counts(), default=0)
+                self.most_threads = max(self.most_threads, threads)
+                if threads > MAX_THREADS:  # threads the case left running: a fresh pool for the next case
+                    self.thread_restarts += 1
+                    self.close()
             stdout = "".join(_read(out) for out, _ in outs)
             stderr = "".join(_read(err) for _, err in outs)
         # The first failing rank's code (rank 0 first); 1 when the only failures are ranks that never answered.
@@ -219,6 +234,16 @@ class RankPool:
         if timed_out:
             stderr += f"\n[pool] case {args} did not finish in {timeout} s; the pool was killed\n"
         return CaseResult(list(args), code, stdout, stderr, codes, timed_out)
+
+    def thread_counts(self) -> list[int]:
+        """How many threads each rank has now (Linux's ``/proc``; empty where there is none)."""
+        counts = []
+        for proc in self.procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{proc.pid}/task")))
+            except OSError:
+                return []
+        return counts
 
     def _collect(self, timeout: float) -> tuple[list[Optional[int]], bool]:
         codes: list[Optional[int]] = [None] * self.world_size
@@ -271,7 +296,8 @@ def rank_pool(world_size: int) -> RankPool:
 
 def pool_summary() -> str:
     """One line for the end of a test session: cases run and (re)starts per pool size."""
-    parts = [f"{n} ranks: {p.cases} cases, {p.starts} starts" for n, p in sorted(_POOLS.items()) if p.starts]
+    parts = [f"{n} ranks: {p.cases} cases, {p.starts} starts ({p.thread_restarts} for threads left running; at most "
+             f"{p.most_threads} threads after a case)" for n, p in sorted(_POOLS.items()) if p.starts]
     return "rank pools: " + ("; ".join(parts) if parts else "none used")
 
 

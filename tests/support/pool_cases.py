@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -34,6 +35,9 @@ def main(case: str, out: str) -> None:
         dist.barrier()
         torch.set_default_dtype(torch.float64)
         raise SystemExit(f"failed on rank {rank}")
+    elif case == "threads":  # leaves threads running (as a process group something still holds would)
+        for _ in range(60):
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     elif case == "hang":
         time.sleep(3600)
     elif case == "leave":  # leaves a process group, an environment variable and a default dtype behind

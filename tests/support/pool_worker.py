@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import lightning_dpmp  # noqa: F401
 import tests.support.models  # noqa: F401
+from lightning_dpmp import compat
 from tests.support.pool import connect_worker
 
 try:  # the real-model and pretrained cases use it; optional like in the package
@@ -119,6 +120,8 @@ def _reset_state() -> None:
             dist.destroy_process_group()
         except Exception:  # a group broken by the case: the next init makes a new one anyway
             pass
+    # DTensor's caches hold a finished case's mesh, and with it its destroyed groups' gloo threads
+    compat.clear_dtensor_sharding_cache()
     try:
         import torch._dynamo
 
