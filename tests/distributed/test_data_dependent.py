@@ -12,6 +12,7 @@ no sample used keeps a ``None`` gradient.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import lightning as L
@@ -30,6 +31,7 @@ RUNS = [("moe_list", z) for z in (0, 1, 2, 3)] + [("layerdrop", 3), ("moe_ckpt",
                                                    ("llama_gc", 3), ("shared_reentrant", 1), ("shared_reentrant", 3)]
 
 
+@functools.lru_cache(maxsize=None)  # one training per model and session (two tests compare with shared_reentrant)
 def _reference(name: str) -> dict:
     L.seed_everything(SEED, workers=True)
     model, dataset = build(name)
