@@ -57,9 +57,10 @@ FAILURE_GRACE_S = 10.0
 #: How long a new pool may take to import everything and report ready.
 START_TIMEOUT_S = 180.0
 #: A rank with more threads than this after a case is restarted before the next one. A fresh rank has 1; a case's
-#: process groups leave ~10 (gloo's loops) until the next case frees them. Threads that outlive their case (a
-#: process group something still holds) accumulate, and gloo's wake on timers: before the DTensor parameters' hook
-#: was fixed, 9 per rank per case, and a 4-rank pool idle after 3 cases used 4x the CPU of one after 1 case.
+#: process groups leave 10-26 (gloo's loops, measured over the suite) until the next case frees them. Threads that
+#: outlive their case (a process group something still holds) accumulate, and gloo's wake on timers: before the
+#: DTensor parameters' hook was fixed, 9 per rank per (2, 2) case, and a 4-rank pool idle after 3 cases used 14 CPU
+#: ticks per 10 s per rank against 3 after 1 case.
 MAX_THREADS = 48
 
 
