@@ -5,13 +5,10 @@ pool) must not keep each job's gloo threads alive."""
 from __future__ import annotations
 
 import gc
-import os
-import tempfile
 import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -20,21 +17,15 @@ from lightning_dpmp import compat
 from lightning_dpmp.parallel.dtensor_params import DTensorParams
 
 
-@pytest.fixture
-def world1():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
 
 
 def _job(release: bool) -> tuple[weakref.ref, weakref.ref, list[float]]:
     """Parameters read outside the layers (an L2 term) while the forwards compute on the local parameters, as under
     the ZeRO engine: the gradient of each DTensor parameter is handed over to its local one."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    net = _net()
     mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "mp"))
     params = DTensorParams(net, mesh, 1)
     handed: list[float] = []
@@ -55,8 +46,7 @@ def _job(release: bool) -> tuple[weakref.ref, weakref.ref, list[float]]:
 @pytest.mark.parametrize("release", [True, False], ids=["released", "not_released"])
 def test_parameters_hand_over_their_gradients_and_are_freed_after_the_job(world1, release):
     params, mesh, handed = _job(release)
-    torch.manual_seed(0)
-    dense = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    dense = _net()
     # each DTensor parameter's gradient reached its local parameter once (backward order): 2e-3 p, squared and summed
     assert sorted(handed) == sorted(float((2e-3 * p.detach()).pow(2).sum()) for p in dense.parameters())
     compat.clear_dtensor_sharding_cache()  # as the next job does: DTensor's caches hold the meshes they saw

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_dpmp.parallel.zero_engine import ZeroEngine, find_units
@@ -61,16 +58,6 @@ class Net(nn.Module):
 
 def test_units_are_the_parameterised_children_of_module_lists():
     assert [n for n, _ in find_units(Net())] == ["blocks.0", "blocks.1", "blocks.2"]
-
-
-@pytest.fixture
-def world1():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("level", [2, 3])
