@@ -198,8 +198,10 @@ def test_module_hooks_dispatch_modes_and_compile_accept_the_shard():
 def test_float32_loss_rounds_as_torch_does(vocab):
     """A float32 loss (transformers' ``labels=`` upcasts the logits) computed op for op as torch's log_softmax +
     nll_loss, with the row sums accumulated in float64: the loss and the logits' gradient equal torch's bit for bit
-    on most entries (measured: 85% of the gradient's entries at V=128, 83% at V=16384, where probabilities computed
-    as ``exp(x - max) / sum`` matched 19% and 9%), and the float64 loss equals torch's to rounding."""
+    on most entries, and the float64 loss equals torch's to rounding. Measured, gradient entries equal at V=128 and
+    V=16384: 85% and 83% on one host, 83% and 72% on an AMD EPYC host (torch's own kernels vectorise differently
+    by CPU); probabilities computed as ``exp(x - max) / sum`` matched 18-19% and 8-9%. The bound, 60%, holds on
+    both and stays far above the naive formula's."""
     from lightning_dpmp.parallel.loss import vocab_parallel_cross_entropy
 
     torch.manual_seed(0)
@@ -211,8 +213,8 @@ def test_float32_loss_rounds_as_torch_does(vocab):
     loss.sum().backward()
     ref = F.cross_entropy(logits, target, reduction="none")
     equal = (ours_in.grad == ref_in.grad).float().mean().item()
-    assert equal >= 0.75, equal
-    assert (loss == ref).float().mean().item() >= 0.75
+    assert equal >= 0.6, equal
+    assert (loss == ref).float().mean().item() >= 0.6
     assert torch.allclose(ours_in.grad, ref_in.grad, rtol=0, atol=1e-6)
     wide = logits.double()
     assert torch.allclose(vocab_parallel_cross_entropy(wide, target, None), F.cross_entropy(wide, target),
