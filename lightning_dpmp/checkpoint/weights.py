@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from lightning_dpmp.checkpoint.consolidated import dense_shapes
 from lightning_dpmp.checkpoint.files import load_file
 from lightning_dpmp.parallel.comm import group_rank, group_size
+from lightning_dpmp.parallel.freed_reads import storage_freed
 from lightning_dpmp.parallel.sharding import (
     MATERIALIZED_ATTR,
     Blocks,
@@ -42,7 +43,6 @@ from lightning_dpmp.parallel.sharding import (
     shard_dims,
     shard_tensor,
 )
-from lightning_dpmp.parallel.zero_shard import storage_freed
 
 __all__ = [
     "DEFERRED_ATTR",

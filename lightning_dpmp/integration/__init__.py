@@ -18,6 +18,7 @@ Modules, one line each:
 * ``teardown``: what a run leaves at its end (the dense model gathered back, from ZeRO's shards too).
 * ``pipeline``: the Lightning side of pipeline parallelism (stages planned at setup, the step by torch's schedule).
 * ``zero``: ZeRO over the DP group through the ZeRO engine.
+* ``staged_zero``: ZeRO under a pipeline: the engine's buckets divided by stage, behind the stages' interface.
 * ``hooks``: the optimizer step's changes (global-norm clipping, sequence-parallel gradient sums).
 * ``strategy_checkpoint``: the checkpoint collaborator, consolidated and sharded saves and loads.
 * ``pretrained``: pretrained Hugging Face models built on meta, each rank reading only its slices.

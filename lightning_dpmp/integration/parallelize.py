@@ -93,6 +93,7 @@ from lightning_dpmp.integration.pipeline import (
     stage_ranges,
 )
 from lightning_dpmp.integration.split import Split, split_model, unsplit_model
+from lightning_dpmp.integration.staged_zero import StagedShards
 from lightning_dpmp.integration.teardown import consolidate_engine, keep_on_rank0
 from lightning_dpmp.integration.zero import release_engine, shard_optimizers
 from lightning_dpmp.parallel.bridge import DTensorBridge
@@ -100,16 +101,16 @@ from lightning_dpmp.parallel.clipping import sync_partial_grads
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import compile_blocks, repeated_blocks, uncompile_blocks
 from lightning_dpmp.parallel.dtensor_params import DTensorParams, local_tensor
-from lightning_dpmp.parallel.freed_reads import GatherOnRead, outermost_forward_hooks
+from lightning_dpmp.parallel.freed_reads import GatherOnRead, outermost_forward_hooks, storage_freed
 from lightning_dpmp.parallel.layers import set_async_grad_allreduce
 from lightning_dpmp.parallel.recompute import uncheckpoint_blocks
 from lightning_dpmp.parallel.rng import RNGTracker
 from lightning_dpmp.parallel.sharding import shard_dims
+from lightning_dpmp.parallel.stage_runner import stood_in
 from lightning_dpmp.parallel.staged_grads import StagedGrads
 from lightning_dpmp.parallel.topology import Topology
 from lightning_dpmp.parallel.zero_engine import ZeroEngine, find_units
 from lightning_dpmp.parallel.zero_grads import ShardedGrads, storage_key
-from lightning_dpmp.parallel.zero_shard import storage_freed
 from lightning_dpmp.planner.plan_types import PlanResult
 from lightning_dpmp.planner.stages import StackProfile
 from lightning_dpmp.planner.user_plan import PlanOverrides
@@ -715,15 +716,17 @@ def shard_dp(module: nn.Module, optimizers: list[Any], scheduler_configs: list[A
              zero: int, mixed_precision: Optional[Any] = None, pipeline: Optional[Pipeline] = None,
              reshard_after_forward: bool = True) -> tuple[list[Any], Optional[ZeroEngine]]:
     """Step 7 (zero >= 1, dp > 1): shard over DP and rebuild ``optimizers`` over the shards (the LR schedulers of
-    ``scheduler_configs`` re-pointed), with ``mixed_precision`` (zero >= 2) and ``reshard_after_forward`` (zero=3);
-    with a ``pipeline``, buckets by stage and the engine attached to it. Returns the optimizers to step and the
-    engine (``None`` when there is nothing to shard)."""
+    ``scheduler_configs`` re-pointed), with ``mixed_precision`` (zero >= 2) and ``reshard_after_forward`` (zero=3).
+    With a ``pipeline`` (its stages already cut) the engine keeps the stages apart and skips the blocks that stand
+    in for other stages, and the pipeline gets its shards through
+    :class:`~lightning_dpmp.integration.staged_zero.StagedShards`: the one place the two meet. Returns the
+    optimizers to step and the engine (``None`` when there is nothing to shard)."""
     optimizers, engine = shard_optimizers(module, optimizers, scheduler_configs, zero, grid, split.split_params,
                                           split.partial_grads, split.applied_plan, mixed_precision,
                                           pipeline.keys if pipeline is not None else None,
-                                          reshard_after_forward)
+                                          reshard_after_forward, stood_in if pipeline is not None else None)
     if engine is not None and pipeline is not None:
-        pipeline.attach_engine(engine)
+        pipeline.attach_shards(StagedShards(engine, pipeline.ranks, pipeline.local, grid.pp))
     return optimizers, engine
 
 

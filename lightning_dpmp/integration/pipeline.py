@@ -16,9 +16,11 @@ torch's schedule, and what the rest of the strategy needs around it.
   stage (tied embeddings and head) gets its gradients summed over the PP group, then every gradient this rank
   computed is averaged over the DP group in flat buckets (no DDP: its reducer cannot follow a schedule's
   interleaved micro-batches). Clipping counts each parameter once, on the rank that owns it, and sums over PP.
-* **ZeRO** (:meth:`Pipeline.attach_engine`): the engine's buckets never mix stages; each rank gathers and
-  reduce-scatters its own stages' buckets only (zero=1/2: once per step, after the schedule), the shards of a
-  bucket read on several stages are summed over PP, and a stage sync sends DP shards.
+* **ZeRO** (:meth:`Pipeline.attach_shards`): the stages are cut first and sharded over DP after, by whatever
+  implements :class:`DPShards` (:class:`~lightning_dpmp.integration.staged_zero.StagedShards` over the ZeRO
+  engine); this module knows nothing else of ZeRO. Each rank gathers and reduce-scatters its own stages' shards
+  only (zero=1/2: once per step, after the schedule), the shards read on several stages are summed over PP, and a
+  stage sync sends DP shards.
 * **Evaluation** (:meth:`Pipeline.evaluation_step`): ``validation_step``, ``test_step`` and ``predict_step`` pass
   the micro-batches through the stages' blocks, forward only, each rank holding its stages' parameters only; the
   last stage runs the rest of the step once on the whole batch, and what it logs, adds to metrics and returns
@@ -42,7 +44,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -54,11 +56,10 @@ from lightning_dpmp.parallel.bridge import plain_value
 from lightning_dpmp.parallel.comm import all_reduce_grads
 from lightning_dpmp.parallel.compiled import repeated_blocks
 from lightning_dpmp.parallel.embeddings import VocabParallelEmbedding
+from lightning_dpmp.parallel.freed_reads import storage_freed
 from lightning_dpmp.parallel.grid import Grid
 from lightning_dpmp.parallel.stage_runner import PipelineRunner, bubble_fraction
 from lightning_dpmp.parallel.topology import Topology
-from lightning_dpmp.parallel.zero_engine import ZeroEngine
-from lightning_dpmp.parallel.zero_shard import Bucket, gather_buckets, storage_freed
 from lightning_dpmp.planner.stages import (
     BETWEEN,
     POST,
@@ -70,6 +71,7 @@ from lightning_dpmp.planner.stages import (
 )
 
 __all__ = [
+    "DPShards",
     "Pipeline",
     "batch_rows",
     "batch_shapes",
@@ -157,6 +159,36 @@ def evaluation_microbatches(rows: int, microbatches: int) -> int:
     return max(n for n in range(1, min(rows, microbatches) + 1) if rows % n == 0)
 
 
+class DPShards(Protocol):
+    """What the stages need of a DP sharding of their parameters (ZeRO), and all they know of it: the tensors it
+    steps in place of the parameters it holds, and the verbs a stage calls
+    (:class:`~lightning_dpmp.integration.staged_zero.StagedShards` implements them over the ZeRO engine).
+    Every rank of a DP group holds the same stages, so it names the same shards in the same order."""
+
+    held: frozenset[int]  # id() of the parameters it holds: their gradients, storage and sync are its
+    owner: dict[int, int]  # id(shard) -> the PP rank that owns it
+    synced: list[nn.Parameter]  # the shards a stage sync sends (some stage does not read them)
+    shared: list[nn.Parameter]  # trainable shards read on several stages: gradients summed over PP
+    local_shards: frozenset[int]  # id() of this rank's stages' shards
+    remote_shards: list[nn.Parameter]  # the other stages' shards
+    grad_holders: list[nn.Parameter]  # where this rank's step leaves the gradients of what it holds
+    compute_dtype: Optional[torch.dtype]  # the one compute dtype of a mixed-precision policy
+
+    @property
+    def has_remote(self) -> bool: ...  # whether some shard belongs to another stage only
+    def no_sync(self) -> AbstractContextManager[Any]: ...  # the schedule's micro-batches keep gradients local
+    def finish_backward(self) -> None: ...  # after the schedule: reduce over DP, once per step
+    def release(self) -> None: ...  # train this rank's stages' shards only; free the others'
+    def allocate(self) -> None: ...  # the others' shards' storage back, without values
+    def restore(self, gather: bool) -> None: ...  # the others' shards take part again (gathered: whole again)
+    def released_bytes(self) -> int: ...  # bytes :meth:`release` frees beside the shards
+    def refresh(self) -> None: ...  # after a sync wrote shards: the parameters from them
+    def whole(self) -> AbstractContextManager[Any]: ...  # every parameter whole for the duration
+    def frees(self, param: Tensor) -> bool: ...  # ``param``'s storage is freed between uses now
+    def value_of(self, param: Tensor) -> Tensor: ...  # a copy of ``param``'s current values
+    def read_dtype(self, param: Tensor) -> torch.dtype: ...  # the dtype its values are read in
+
+
 class Pipeline:
     """The stages of one model over one PP group, their schedule, and the step-time operations around it.
 
@@ -210,13 +242,11 @@ class Pipeline:
         # the remote parameters' storage is freed (from the first step, or from the start for a meta-device model,
         # whose other stages' parameters were never allocated for longer than their initialisation, until a sync)
         self.staged = any(storage_freed(p) for p in self.remote)
-        # What a stage sync sends: each tensor the optimizers step (a parameter; under ZeRO, a bucket's DP shard)
+        # What a stage sync sends: each tensor the optimizers step (a parameter; under ZeRO, a DP shard)
         # that some stage does not read, from the PP rank that owns it (the first that reads it)
         self.owner = {id(p): min(self.ranks[id(p)]) for p in self.params}
         self.synced = [p for p in self.params if len(self.ranks[id(p)]) < grid.pp]
-        self.engine: Optional[ZeroEngine] = None
-        self.local_buckets: list[Bucket] = []
-        self.remote_buckets: list[Bucket] = []
+        self.shards: Optional[DPShards] = None  # attach_shards: ZeRO over DP
         self.shared_shards: list[nn.Parameter] = []
         self._eval_streams: set[Any] = set()  # (hook, batch shapes) whose stream evaluation checked
         self.active = True  # until teardown: the stages hold the model (checkpoints are written from them)
@@ -229,28 +259,23 @@ class Pipeline:
         # our own reads of the parameters run outside the reader of user code (set with it: the reader's aside())
         self.quiet: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
-    def attach_engine(self, engine: ZeroEngine) -> None:
-        """ZeRO over the DP group (built after the stages, with :attr:`keys` as its ``stage_of``, so no bucket mixes
-        stages): this rank trains its stages' buckets only and frees the others' buffers and DP shards while it
-        trains; a stage sync sends each bucket's DP shard from its owner instead of whole parameters."""
-        self.engine = engine
-        held = {id(p) for b in engine.buckets for p in b.params}
+    def attach_shards(self, shards: DPShards) -> None:
+        """ZeRO over the DP group, built after the stages (keyed by :attr:`keys`, so no shard mixes stages): this
+        rank trains its stages' shards only and frees the others' while it trains; a stage sync sends each shard
+        from its owner instead of whole parameters."""
+        self.shards = shards
+        held = shards.held
         self.remote = [p for p in self.remote if id(p) not in held]
-        self.local_buckets = [b for b in engine.buckets if id(b.params[0]) in self.local]
-        self.remote_buckets = [b for b in engine.buckets if id(b.params[0]) not in self.local]
-        ranks_of = {id(b): self.ranks[id(b.params[0])] for b in engine.buckets}
-        self.owner.update({id(b.shard): min(ranks_of[id(b)]) for b in engine.buckets})
-        self.synced = [p for p in self.synced if id(p) not in held] + [
-            b.shard for b in engine.buckets if len(ranks_of[id(b)]) < self.grid.pp]
-        self.shared_shards = [b.shard for b in engine.buckets if b.trainable and len(ranks_of[id(b)]) > 1]
-        self.local |= {id(b.shard) for b in self.local_buckets}
+        self.owner.update(shards.owner)
+        self.synced = [p for p in self.synced if id(p) not in held] + shards.synced
+        self.shared_shards = shards.shared
+        self.local |= shards.local_shards
         self.shared = [p for p in self.shared if id(p) not in held]
         self.computed = [p for p in self.computed if id(p) not in held]
         mine = self.grid.pp_rank
         self.owned = {i for i, r in self.owner.items() if r == mine}
-        compute = {b.full.dtype for b in engine.buckets if b.mixed}
-        if len(compute) == 1:  # a mixed-precision policy: the blocks compute, and the stages send, in its dtype
-            self.runner.stream_dtype = compute.pop()
+        if shards.compute_dtype is not None:  # a mixed-precision policy: the blocks compute, and the stages send,
+            self.runner.stream_dtype = shards.compute_dtype  # in its dtype
         self.staged = False
         self.stage()
 
@@ -320,7 +345,7 @@ class Pipeline:
         for p in holders:
             p.grad = None
         try:
-            with self.engine.no_sync() if self.engine is not None else contextlib.nullcontext(), self._schedule():
+            with self.shards.no_sync() if self.shards is not None else contextlib.nullcontext(), self._schedule():
                 losses = self.runner.step(micro, micro_size, step_fn, 1.0 / (self.config.microbatches * accumulate))
             self._pending = [p.grad for p in holders]
         finally:
@@ -413,8 +438,7 @@ class Pipeline:
     def fetches(self, param: Tensor) -> bool:
         """Whether user code reading ``param`` reads it from elsewhere: a parameter some stage does not read (from
         the stage that owns it, alike on every rank), or at zero=3 one whose storage is freed (gathered over DP)."""
-        engine = self.engine
-        freed = engine is not None and engine.level == 3 and storage_freed(param)
+        freed = self.shards is not None and self.shards.frees(param)
         if self._scheduling:  # (each rank runs its own stages' step: what they read is here; the rest is refused)
             return freed or (id(param) in self.staged_ids and id(param) not in self.local)
         return id(param) in self.staged_ids or freed
@@ -440,15 +464,10 @@ class Pipeline:
 
     def _read_dtype(self, param: Tensor) -> torch.dtype:
         """The dtype its owner reads ``param`` in: under a ZeRO mixed-precision policy, the master one."""
-        found = self.engine.locate(param) if self.engine is not None else None
-        return found[0].shard.dtype if found is not None and found[0].mixed else param.dtype
+        return self.shards.read_dtype(param) if self.shards is not None else param.dtype
 
     def _own_value(self, param: Tensor) -> Tensor:
-        engine = self.engine
-        if engine is not None and engine.level == 3 and storage_freed(param):  # its buckets for this read only
-            with engine.gathered([param]):
-                return param.detach().clone()
-        return param.detach().clone()
+        return self.shards.value_of(param) if self.shards is not None else param.detach().clone()
 
     def _check_eval_stream(self, shapes: list[tuple[int, ...]], hook: str, first: Any, micro_size: int,
                            step_fn: Callable[[Any], Any]) -> None:
@@ -526,21 +545,21 @@ class Pipeline:
                     p.grad = g if p.grad is None else p.grad.add_(g)
 
     def _grad_holders(self) -> list[nn.Parameter]:
-        """Where a step's gradients land: the parameters, and under ZeRO the DP shards of this rank's buckets."""
-        return self.params + [b.shard for b in self.local_buckets if b.trainable]
+        """Where a step's gradients land: the parameters, and under ZeRO the DP shards of this rank's stages."""
+        return self.params + (self.shards.grad_holders if self.shards is not None else [])
 
     def reduce_grads(self) -> None:
         """Sum the gradients of parameters read on several stages over PP, then average this rank's gradients over
         DP (flat, one all-reduce per dtype). Every rank of a DP group holds the same stages, so the same list.
-        Under ZeRO the engine reduce-scatters over DP instead, and the shards of parameters read on several stages
+        Under ZeRO the shards are reduce-scattered over DP instead, and the shards of parameters read on several stages
         (sliced alike on every stage) are summed over PP: the same sums, on 1/dp of the bytes."""
         with self.quiet():
             self._reduce_grads()
 
     def _reduce_grads(self) -> None:
         grid = self.grid
-        if self.engine is not None:
-            self.engine.finish_backward()
+        if self.shards is not None:
+            self.shards.finish_backward()
         # (keep_unused: a parameter no rank had a gradient for keeps None, so AdamW skips it as on one process; an
         # expert no token chose in this step, anywhere)
         for shared in (self.shared, self.shared_shards):
@@ -549,7 +568,7 @@ class Pipeline:
                 for p in shared:
                     if id(p) not in self.local:
                         p.grad = None  # not read here: its storage may be freed, and the stages reading it step it
-        if grid.dp > 1 and self.engine is None:
+        if grid.dp > 1 and self.shards is None:
             # in place: a new tensor per gradient held the schedule's beside it (they are referenced until the step's
             # end), a second copy of the stage's gradients beside the flat one (measured: the peak of a recomputed
             # stage, hf_llama (2,2,2) at world 8, 15.5 MB above the step's start, twice the 7.8 MB of gradients)
@@ -561,12 +580,14 @@ class Pipeline:
 
     # ------------------------------------------------------------------ stage sync
     def stage(self, optimizers: Sequence[Any] = ()) -> None:
-        """Free the storage of the parameters no stage of this rank reads (under ZeRO: the full buffers of the other
-        stages' buckets, and the engine then gathers and reduce-scatters this rank's buckets only), with their
-        optimizer state (a sync brings both back); a no-op while they are freed."""
-        if self.staged or not (self.remote or self.remote_buckets):
+        """Free the storage of the parameters no stage of this rank reads (under ZeRO: the other stages' shards, and
+        this rank then gathers and reduce-scatters its own only), with their optimizer state (a sync brings both
+        back); a no-op while they are freed."""
+        shards = self.shards
+        if self.staged or not (self.remote or (shards is not None and shards.has_remote)):
             return
-        remote = {id(p) for p in self.remote} | {id(b.shard) for b in self.remote_buckets}
+        remote = {id(p) for p in self.remote} | (
+            {id(p) for p in shards.remote_shards} if shards is not None else set())
         for optimizer in optimizers:
             inner = compat.unwrap_optimizer(optimizer)
             for p in [p for p in inner.state if id(p) in remote]:
@@ -574,58 +595,38 @@ class Pipeline:
         for p in self.remote:
             p.grad = None
             p.untyped_storage().resize_(0)  # shape, dtype and identity stay: names, optimizer, checkpoints
-        if self.engine is not None:
-            self.engine.set_active(self.local_buckets)
-            for b in self.remote_buckets:
-                b.shard.grad = None
-                b.free()
-                b.shard.untyped_storage().resize_(0)  # (its owner's shard comes back at a stage sync)
+        if shards is not None:
+            shards.release()  # (its owner's shards come back at a stage sync)
         self.staged = True
 
     @contextmanager
     def whole(self) -> Iterator[None]:
         """Every parameter current on this rank inside (collective); the next training step frees them again
-        (zero=3 gathers every bucket for the duration, and frees them after)."""
+        (zero=3 gathers every shard for the duration, and frees them after)."""
         self.sync(with_state=False)
-        if self.engine is not None and self.engine.level == 3:
-            with self.engine.gathered():
-                yield
-        else:
+        with self.shards.whole() if self.shards is not None else contextlib.nullcontext():
             yield
 
     def allocate(self) -> None:
         """Give the freed parameters their storage back, without values (a checkpoint load fills them: under ZeRO
-        the load writes the shards and regathers every bucket held whole)."""
+        the load writes the shards and regathers every parameter held whole)."""
         if self.staged:
             self._allocate_remote()
-            self._unstage_engine(gather=False)
+            if self.shards is not None:
+                self.shards.restore(gather=False)
             self.staged = False
 
     def _allocate_remote(self) -> None:
-        for p in self.remote + [b.shard for b in self.remote_buckets]:
+        for p in self.remote:
             p.untyped_storage().resize_(p.numel() * p.element_size())
-
-    def _unstage_engine(self, gather: bool) -> None:
-        """The engine's step may use every bucket again; zero=1/2 hold the other stages' buckets whole again
-        (``gather``: their current shards gathered over DP; else only allocated)."""
-        engine = self.engine
-        if engine is None:
-            return
-        engine.set_active(None)
-        if engine.level < 3:
-            if gather:
-                gather_buckets(self.remote_buckets, self.grid.dp_group, async_op=False)
-            else:
-                for b in self.remote_buckets:
-                    b.begin_gather()
+        if self.shards is not None:
+            self.shards.allocate()
 
     def memory_freed(self) -> int:
         """Bytes of parameters this rank frees while it trains (the other stages' own; under ZeRO-1/2 their
-        buckets' gathered buffers)."""
+        gathered buffers)."""
         freed = sum(p.numel() * p.element_size() for p in self.remote)
-        if self.engine is not None and self.engine.level < 3:
-            freed += sum(b.layout.total * b.full.element_size() for b in self.remote_buckets)
-        return freed
+        return freed + (self.shards.released_bytes() if self.shards is not None else 0)
 
     def sync(self, optimizers: Sequence[Any] = (), with_state: bool = True) -> None:
         """Every rank of the PP group gets the parameters (and with ``with_state`` the optimizer state) the others
@@ -636,7 +637,7 @@ class Pipeline:
             self._sync_state(optimizers)
 
     def _sync_params(self) -> None:
-        # one broadcast per owning PP rank and dtype: the whole parameters, or under ZeRO the buckets' DP shards
+        # one broadcast per owning PP rank and dtype: the whole parameters, or under ZeRO their DP shards
         # (each DP rank of a stage sends its slice to the same slice's holders on the other stages)
         grid = self.grid
         was_staged = self.staged
@@ -656,10 +657,11 @@ class Pipeline:
                         for t in ps:
                             t.copy_(flat[offset: offset + t.numel()].view_as(t))
                             offset += t.numel()
-        if was_staged:
-            self._unstage_engine(gather=True)
-        elif self.engine is not None and self.engine.level < 3:
-            self.engine.refresh()  # the received shards into the buckets held whole
+        if self.shards is not None:
+            if was_staged:
+                self.shards.restore(gather=True)
+            else:
+                self.shards.refresh()  # the received shards into the parameters held whole
         self.staged = self.stale_params = False
 
     def _sync_state(self, optimizers: Sequence[Any]) -> None:

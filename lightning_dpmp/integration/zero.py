@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -46,16 +46,17 @@ def repoint_schedulers(old: Sequence[Any], new: Sequence[Any], scheduler_configs
 def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, dp_group: Any,
                  split_params: set[int], partial_grads: Sequence[nn.Parameter], conditional: bool = False,
                  branches: tuple[str, ...] = (), mixed_precision: Optional[Any] = None,
-                 stage_of: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True) -> ZeroEngine:
+                 apart: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True,
+                 skip: Optional[Callable[[nn.Module], bool]] = None) -> ZeroEngine:
     """Shard ``module`` and its optimizers over ``dp_group`` (zero=``level``), schedulers re-pointed. ``split_params``
     (ids of the MP shards) is read, not changed: the engine's own shards of them are ``engine.shard_params("split")``.
-    ``conditional``, ``branches``: a step may leave parameters out (see :class:`ZeroEngine`); ``stage_of``: the
-    pipeline stages reading each parameter (no bucket mixes them); ``reshard_after_forward``: zero=3's trade (see
-    :class:`ZeroEngine`)."""
+    ``conditional``, ``branches``: a step may leave parameters out (see :class:`ZeroEngine`); ``apart``: keys of
+    parameters no bucket mixes, and ``skip``: modules whose forward takes no part (a pipeline's stages and stand-ins);
+    ``reshard_after_forward``: zero=3's trade (see :class:`ZeroEngine`)."""
     plain = [compat.unwrap_optimizer(o) for o in optimizers]
     engine = ZeroEngine(module, plain, level, dp_group, split_params, {id(p) for p in partial_grads},
                         conditional=conditional, branches=branches, mixed_precision=mixed_precision,
-                        stage_of=stage_of, reshard_after_forward=reshard_after_forward)
+                        apart=apart, reshard_after_forward=reshard_after_forward, skip=skip)
     repoint_schedulers(plain, engine.optimizers, scheduler_configs)
     return engine
 
@@ -63,8 +64,8 @@ def build_engine(module: nn.Module, optimizers: list[Any], scheduler_configs: li
 def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs: list[Any], level: int, grid: Any,
                      split_params: set[int], partial_grads: Sequence[nn.Parameter],
                      applied: Optional[PlanResult] = None, mixed_precision: Optional[Any] = None,
-                     stage_of: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True
-                     ) -> tuple[list[Any], Optional[ZeroEngine]]:
+                     apart: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True,
+                     skip: Optional[Callable[[nn.Module], bool]] = None) -> tuple[list[Any], Optional[ZeroEngine]]:
     """The optimizers for ZeRO level ``level`` over ``grid``'s DP group, and the engine: rebuilt over the DP shards
     (:func:`build_engine`, in its conditional mode where the ``applied`` plan's trace saw a step leave parameters out);
     unchanged at zero=0 or dp=1."""
@@ -72,7 +73,7 @@ def shard_optimizers(module: nn.Module, optimizers: list[Any], scheduler_configs
         return optimizers, None
     conditional, branches = (bool(applied.conditional), applied.branches) if applied is not None else (False, ())
     engine = build_engine(module, optimizers, scheduler_configs, level, grid.dp_group, split_params, partial_grads,
-                          conditional, branches, mixed_precision, stage_of, reshard_after_forward)
+                          conditional, branches, mixed_precision, apart, reshard_after_forward, skip)
     return engine.optimizers, engine
 
 

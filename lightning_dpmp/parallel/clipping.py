@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_dpmp.parallel.comm import all_reduce_sum
-from lightning_dpmp.parallel.zero_shard import storage_freed
+from lightning_dpmp.parallel.freed_reads import storage_freed
 
 __all__ = ["clip_grad_norm_", "grad_norm", "sync_partial_grads"]
 

@@ -216,7 +216,7 @@ class DTensorParams:
         for i, d in enumerate(rebuilt):
             self._index[id(d)] = i
             if d.requires_grad:
-                self._grad_handles.append(d.register_post_accumulate_grad_hook(self._hand_over(i, accumulate)))
+                self._grad_handles.append(d.register_post_accumulate_grad_hook(self._hand_over(accumulate)))
         self.dtensors = rebuilt
         self._register(self.dtensors)
 
@@ -226,7 +226,7 @@ class DTensorParams:
         there, and the DTensor forms' ``.grad`` wrap them only once :meth:`grads_from_local` ran."""
         return self._on_locals
 
-    def _hand_over(self, i: int, accumulate: Callable[[nn.Parameter, Tensor], None]) -> Callable[[Tensor], None]:
+    def _hand_over(self, accumulate: Callable[[nn.Parameter, Tensor], None]) -> Callable[[Tensor], None]:
         # A weak reference: the hook lives in the parameter's C++ autograd metadata, which the garbage collector
         # cannot see, so a strong one would make parameter -> hook -> self -> parameter a cycle it never frees (and
         # with it the mesh and its process groups: 9 gloo threads per rank per job at (2, 2), woken by gloo's

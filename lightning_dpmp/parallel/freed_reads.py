@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from lightning_dpmp.parallel.modes import AsideMode, writes_in_place
 
-__all__ = ["GatherOnRead", "GradReads", "outermost_forward_hooks"]
+__all__ = ["GatherOnRead", "GradReads", "outermost_forward_hooks", "storage_freed"]
 
 # Calls that read no element of their tensors: metadata, storage handles, attributes and hooks.
 _METADATA = {
@@ -74,6 +74,18 @@ def _swap(x: Any, copies: dict[int, Tensor]) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(_swap(v, copies) for v in x)
     return x
+
+
+def storage_freed(t: Tensor) -> bool:
+    """Whether ``t`` has elements but its storage was released (``resize_(0)``: ZeRO-3 between uses, a pipeline's
+    other stage).
+
+    Example:
+        >>> t = torch.ones(3)
+        >>> storage_freed(t), t.untyped_storage().resize_(0) is not None, storage_freed(t)
+        (False, True, True)
+    """
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
 class _Read(torch.autograd.Function):

@@ -40,11 +40,14 @@
   (MAX) of a used-here flag per bucket tells which shards get a gradient. Units are never the children of a
   container whose enclosing forward branches on the data (LayerDrop could skip them on one rank): those join the
   root.
-* **Under a pipeline** (``stage_of``, :meth:`ZeroEngine.set_active`). Buckets never mix parameters of different
-  pipeline stages, so a bucket is either this rank's or another stage's. While training only this rank's buckets
-  are gathered and reduce-scattered (the others' are freed); the pipeline's schedule runs its micro-batches with
-  gradients kept local, and :meth:`ZeroEngine.finish_backward` reduce-scatters them once per step. A stage sync
-  (evaluation, checkpoints) brings the other stages' shards, which every stage's DP group slices alike.
+* **Training part of the buckets** (``apart``, ``skip``, :meth:`ZeroEngine.set_active`). A caller that trains
+  only some of the parameters on this rank (a pipeline's stages) keys them with ``apart``: parameters of different
+  keys never share a bucket, so each bucket is wholly in or out. :meth:`ZeroEngine.set_active` then restricts the
+  step's gathers and reduce-scatters to the buckets it names (:meth:`ZeroEngine.release_buckets` frees the others'
+  buffers and shards, :meth:`ZeroEngine.restore_buckets` brings them back), and ``skip`` names the modules whose
+  forward stands in for work done elsewhere (their hooks do nothing). Such a caller runs its micro-batches under
+  :meth:`ZeroEngine.no_sync`, and :meth:`ZeroEngine.finish_backward` reduce-scatters once per step. The engine
+  knows nothing of why: the caller's keys are opaque to it.
 
 Example:
     >>> engine = ZeroEngine(module, optimizers, 3, grid.dp_group, split_ids, partial_ids)  # doctest: +SKIP
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,14 +66,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dpmp.compat import queue_backward_callback, storage_identity
-from lightning_dpmp.parallel.stage_runner import stood_in
+from lightning_dpmp.parallel.freed_reads import storage_freed
 from lightning_dpmp.parallel.zero_shard import (
     Bucket,
     gather_buckets,
     optimizer_defaults,
     rebuild_optimizer,
     reduce_scatter_buckets,
-    storage_freed,
 )
 
 __all__ = ["ZeroEngine", "find_units"]
@@ -172,9 +174,11 @@ class ZeroEngine:
             parameters are gathered and computed with in ``param_dtype`` (each module's floating inputs cast to
             it), gradients reduce-scattered in ``reduce_dtype``, and the shards the optimizer steps, checkpoints and
             teardown keep the parameters' own dtype (FSDP2's semantics).
-        stage_of: ``id(parameter) -> a key`` (a pipeline: which stages read it); parameters of different keys never
-            share a bucket. A parameter whose storage is freed (another stage's, on a meta-device model) enters its
-            bucket as zeros.
+        apart: ``id(parameter) -> a key`` (opaque here; a pipeline's: which stages read it): parameters of different
+            keys never share a bucket. A parameter whose storage is freed (on a meta-device model, one this rank
+            does not train) enters its bucket as zeros.
+        skip: ``skip(module)`` true for a unit module whose forward now takes no part (it stands in for work done
+            elsewhere): its hooks neither gather, free nor wrap anything.
         reshard_after_forward: zero=3 only: ``False`` keeps each unit gathered from its forward to its backward,
             and while accumulating until the synchronised end of the backward (see the module's docstring).
     """
@@ -182,11 +186,13 @@ class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: list[Optimizer], level: int, dp_group: Any,
                  split: set[int], partial: set[int], conditional: bool = False,
                  branches: tuple[str, ...] = (), mixed_precision: Optional[Any] = None,
-                 stage_of: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True) -> None:
+                 apart: Optional[dict[int, Any]] = None, reshard_after_forward: bool = True,
+                 skip: Optional[Callable[[nn.Module], bool]] = None) -> None:
         if not reshard_after_forward and level != 3:
             raise ValueError(f"reshard_after_forward=False applies to zero=3 (zero={level} never frees the parameters)")
         self.level, self.group, self.conditional = level, dp_group, conditional
         self.reshard_after_forward = reshard_after_forward
+        self._skip: Callable[[nn.Module], bool] = skip if skip is not None else _never
         param_dtype = getattr(mixed_precision, "param_dtype", None)
         reduce_dtype = getattr(mixed_precision, "reduce_dtype", None)
         self.dp, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
@@ -214,15 +220,15 @@ class ZeroEngine:
             if kind == "frozen" and level < 3:
                 continue  # zero=2 leaves parameters nobody steps as they are
             own = id(p) if conditional and kind != "frozen" else 0  # its own shard: its own optimizer state
-            stage = stage_of.get(id(p)) if stage_of is not None else None
-            keyed.setdefault((unit_of.get(id(p), -1), key_opt, kind, p.dtype, p.device, own, stage), []).append(p)
+            part = apart.get(id(p)) if apart is not None else None
+            keyed.setdefault((unit_of.get(id(p), -1), key_opt, kind, p.dtype, p.device, own, part), []).append(p)
         self.buckets = [Bucket(ps, key[2], key[0], key[1], dp_group, self.dp, self.rank,
                                param_dtype if ps[0].is_floating_point() else None, reduce_dtype)
                         for key, ps in keyed.items()]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}  # parameter -> place
         self.by_unit: dict[int, list[Bucket]] = {}
         self._trainable_by_unit: dict[int, list[Bucket]] = {}
-        self.active: Optional[set[int]] = None  # set_active: id() of the buckets a pipeline stage trains here
+        self.active: Optional[set[int]] = None  # set_active: id() of the buckets this rank trains now
         self._index_units()
         self.plain_groups = [[dict(g) for g in opt.param_groups] for opt in optimizers]
         self.optimizers = [
@@ -271,11 +277,41 @@ class ZeroEngine:
         return self.buckets if self.active is None else [b for b in self.buckets if id(b) in self.active]
 
     def set_active(self, buckets: Optional[list[Bucket]]) -> None:
-        """Restrict the step's gathers and reduce-scatters to ``buckets`` (a pipeline stage's own, while it
-        trains), or lift the restriction (``None``: evaluation and checkpoints use every bucket). Every rank of the
-        DP group must name the same buckets (the ranks of one stage do)."""
+        """Restrict the step's gathers and reduce-scatters to ``buckets`` (the ones this rank trains now), or lift
+        the restriction (``None``: every bucket again). Every rank of the DP group must name the same buckets."""
         self.active = None if buckets is None else {id(b) for b in buckets}
         self._index_units()
+
+    def release_buckets(self, buckets: Sequence[Bucket]) -> None:
+        """Free the storage of ``buckets``' gathered buffers and DP shards, their gradients dropped: parameters this
+        rank does not train now (their shapes, identities and the optimizers' references stay). Call
+        :meth:`set_active` with the others first; :meth:`allocate_shards` and :meth:`restore_buckets` undo it."""
+        for b in buckets:
+            b.shard.grad = None
+            b.free()
+            b.shard.untyped_storage().resize_(0)
+
+    def allocate_shards(self, buckets: Sequence[Bucket]) -> None:
+        """Give the DP shards of ``buckets`` (released) their storage back, without values: what writes them next
+        (a sync from another rank, a checkpoint load) fills them."""
+        for b in buckets:
+            b.shard.untyped_storage().resize_(b.shard.numel() * b.shard.element_size())
+
+    def restore_buckets(self, buckets: Sequence[Bucket], gather: bool) -> None:
+        """Every bucket takes part in the step again; zero=1/2 hold ``buckets`` (released) whole again: with
+        ``gather`` their current shards gathered over DP (one collective), else only allocated."""
+        self.set_active(None)
+        if self.level < 3:
+            if gather:
+                gather_buckets(list(buckets), self.group, async_op=False)
+            else:
+                for b in buckets:
+                    b.begin_gather()
+
+    def released_bytes(self, buckets: Sequence[Bucket]) -> int:
+        """Bytes :meth:`release_buckets` frees of ``buckets`` beside their shards: the buffers zero=1/2 keep
+        gathered (zero=3 frees them anyway)."""
+        return sum(b.layout.total * b.full.element_size() for b in buckets) if self.level < 3 else 0
 
     def _assign_units(self, module: nn.Module) -> dict[int, int]:
         """Parameter id -> unit index; one reachable from two units (a tied weight) goes to the root (absent)."""
@@ -294,7 +330,7 @@ class ZeroEngine:
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for t in list(_unique_params(module)) + list(module.buffers()):
-                if t.device.type != "meta" and not storage_freed(t):  # (a pipeline's other stage: synced later)
+                if t.device.type != "meta" and not storage_freed(t):  # (freed: not trained here; its caller syncs it)
                     dist.broadcast(t.data, src=src, group=self.group)
 
     # ------------------------------------------------------------------ hooks
@@ -362,9 +398,9 @@ class ZeroEngine:
 
     def _wrap_inputs(self, u: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            if not torch.is_grad_enabled() or self._in_backward or stood_in(module):
-                return None  # no graph, a recompute in the backward (its original call was wrapped), or another
-                # pipeline stage's block standing in
+            if not torch.is_grad_enabled() or self._in_backward or self._skip(module):
+                return None  # no graph, a recompute in the backward (its original call was wrapped), or a module
+                # standing in for work done elsewhere
             keys = [("a", i) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
             keys += [("k", k) for k, v in kwargs.items() if isinstance(v, Tensor) and v.requires_grad]
             if not keys:
@@ -464,8 +500,8 @@ class ZeroEngine:
 
     def _pre_forward(self, u: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            if stood_in(module):
-                return  # another pipeline stage's block, standing in: its parameters take no part
+            if self._skip(module):
+                return  # standing in for work done elsewhere: its parameters take no part
             self._gather(u)
             # prefetch: overlaps this unit's compute; not when activation checkpointing recomputes this forward in
             # the backward, where the next unit is done (and freed) already
@@ -475,7 +511,7 @@ class ZeroEngine:
 
     def _post_forward(self, u: int) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if stood_in(module):
+            if self._skip(module):
                 return
             _on_output_grads(out, self._pre_backward(u))
             if self.reshard_after_forward or not torch.is_grad_enabled():
@@ -501,8 +537,9 @@ class ZeroEngine:
             self.sync = old
 
     def finish_backward(self) -> None:
-        """End a backward that ran with gradients kept local (a pipeline's schedule runs its micro-batches under
-        :meth:`no_sync`): reduce-scatter what the active buckets hold, as the end of a synchronised backward
+        """End a backward that ran with gradients kept local (a caller that runs a step's micro-batches under
+        :meth:`no_sync`, as a pipeline's schedule does): reduce-scatter what the active buckets hold, as the end of a
+        synchronised backward
         would (in one collective), and at zero=3 with ``reshard_after_forward=False`` free the units kept
         gathered. zero=3 otherwise has nothing left: it reduce-scatters at the end of every backward."""
         if self.level == 3 and self.reshard_after_forward:
@@ -656,6 +693,10 @@ class ZeroEngine:
     def shard_params(self, kind: Optional[str] = None) -> list[nn.Parameter]:
         """The shards (of one ``kind``) that the optimizers step."""
         return [b.shard for b in self.buckets if b.trainable and (kind is None or b.kind == kind)]
+
+
+def _never(module: nn.Module) -> bool:
+    return False
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:

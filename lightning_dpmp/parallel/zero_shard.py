@@ -37,10 +37,11 @@ from torch.optim import Optimizer
 import lightning_dpmp.compat as compat
 from lightning_dpmp.parallel import comm
 from lightning_dpmp.parallel.comm import tensor_collectives_supported
+from lightning_dpmp.parallel.freed_reads import storage_freed
 
 __all__ = [
     "Bucket", "FlatLayout", "all_gather_flat", "gather_buckets", "optimizer_defaults", "rebuild_optimizer",
-    "reduce_scatter_buckets", "reduce_scatter_flat", "storage_bytes", "storage_freed",
+    "reduce_scatter_buckets", "reduce_scatter_flat", "storage_bytes",
 ]
 
 KINDS = ("split", "replicated", "partial", "frozen")
@@ -95,18 +96,6 @@ def all_gather_flat(full: Tensor, shard: Tensor, group: Any, async_op: bool) -> 
     if tensor_collectives_supported(group, shard.device):
         return comm.all_gather_single(full, shard, group=group, async_op=async_op)
     return dist.all_gather(list(full.chunk(dist.get_world_size(group))), shard, group=group, async_op=async_op)
-
-
-def storage_freed(t: Tensor) -> bool:
-    """Whether ``t`` has elements but its storage was released (``resize_(0)``: ZeRO-3 between uses, a pipeline's
-    other stage).
-
-    Example:
-        >>> t = torch.ones(3)
-        >>> storage_freed(t), t.untyped_storage().resize_(0) is not None, storage_freed(t)
-        (False, True, True)
-    """
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
 def storage_bytes(tensors: list[Tensor], seen: Optional[set[int]] = None) -> int:

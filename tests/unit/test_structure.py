@@ -201,3 +201,36 @@ def test_private_torch_and_lightning_names_go_through_compat() -> None:
     known = _private_attributes_of_their_objects()
     bad = [t for p in sorted(PKG.rglob("*.py")) if p.name != "compat.py" for t in _private_touches(p, known)]
     assert not bad, f"private torch/Lightning names outside lightning_dpmp/compat.py (add a compat function): {bad}"
+
+
+def _reach(start: str) -> set[str]:
+    """The package modules ``start`` imports, directly or through others."""
+    graph = {m: {t for t, _ in e} for m, e in _package_edges().items()}
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_pipeline_and_zero_know_nothing_of_each_other() -> None:
+    """Stages are cut first and sharded over DP after: the ZeRO engine reaches no pipeline module, and the
+    pipeline reaches no ZeRO module, nor names the engine's buckets; ``integration.staged_zero`` alone holds both
+    (the pipeline calls it through its ``DPShards`` protocol)."""
+    zero = {"lightning_dpmp.parallel.zero_engine", "lightning_dpmp.parallel.zero_shard",
+            "lightning_dpmp.parallel.zero_grads", "lightning_dpmp.integration.zero",
+            "lightning_dpmp.integration.staged_zero"}
+    stages = {"lightning_dpmp.parallel.stage_runner", "lightning_dpmp.parallel.staged_grads",
+              "lightning_dpmp.integration.pipeline", "lightning_dpmp.planner.stages",
+              "lightning_dpmp.integration.staged_zero"}
+    assert not _reach("lightning_dpmp.parallel.zero_engine") & stages
+    assert not _reach("lightning_dpmp.integration.zero") & stages
+    assert not _reach("lightning_dpmp.integration.pipeline") & zero
+    tree = ast.parse((PKG / "integration" / "pipeline.py").read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
+        a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args + n.kwonlyargs}
+    assert not [n for n in names if "engine" in n.lower() or "bucket" in n.lower()]
