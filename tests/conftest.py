@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -45,6 +46,16 @@ def run_script(
     except subprocess.TimeoutExpired as exc:
         out, err = (exc.stdout or "")[-3000:], (exc.stderr or "")[-3000:]
         pytest.fail(f"{args} did not finish in {timeout} s:\n{out}\n{err}")
+
+
+def failure_text(stderr: str, tail: int = 6000) -> str:
+    """What a failed launch's assertion shows: each distinct exception line of ``stderr`` (a chained error's root
+    cause is printed first, often more than ``tail`` characters before the end, and every rank prints its own),
+    then the last ``tail`` characters."""
+    causes = dict.fromkeys(line.strip() for line in stderr.splitlines()
+                           if re.match(r"^\s*[\w.]*(Error|Exception|Timeout)\b.*:", line))
+    head = "exception lines, in order:\n" + "\n".join(list(causes)[:20]) + "\n--- tail ---\n" if causes else ""
+    return head + stderr[-tail:]
 
 
 @pytest.fixture

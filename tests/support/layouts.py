@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_ranks
+from tests.conftest import failure_text, run_ranks
 from tests.support.reference import LOGGED, reference_run
 
 #: (dp, pp, mp)
@@ -48,7 +48,7 @@ def layout_launches(
             if specs is not None:
                 args.append(",".join(specs[layout]))
             proc = run_ranks(world, args, timeout=timeout)
-            assert proc.returncode == 0, proc.stderr[-6000:]
+            assert proc.returncode == 0, failure_text(proc.stderr)
             done[layout] = out, [json.loads((out / results.format(rank=r)).read_text()) for r in range(world)]
         return done[layout]
 
