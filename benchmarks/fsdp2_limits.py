@@ -23,13 +23,19 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import socket
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_checks import free_port  # noqa: E402
 
 
 class Net(nn.Module):
@@ -95,12 +101,6 @@ def worker(rank: int, case: str, port: int, out: str) -> None:
         torch.save(weights, out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(case: str, timeout: float, tmp: pathlib.Path) -> tuple[str, float]:

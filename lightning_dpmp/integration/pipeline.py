@@ -174,8 +174,6 @@ class DPShards(Protocol):
     grad_holders: list[nn.Parameter]  # where this rank's step leaves the gradients of what it holds
     compute_dtype: Optional[torch.dtype]  # the one compute dtype of a mixed-precision policy
 
-    @property
-    def has_remote(self) -> bool: ...  # whether some shard belongs to another stage only
     def no_sync(self) -> AbstractContextManager[Any]: ...  # the schedule's micro-batches keep gradients local
     def finish_backward(self) -> None: ...  # after the schedule: reduce over DP, once per step
     def release(self) -> None: ...  # train this rank's stages' shards only; free the others'
@@ -584,10 +582,10 @@ class Pipeline:
         this rank then gathers and reduce-scatters its own only), with their optimizer state (a sync brings both
         back); a no-op while they are freed."""
         shards = self.shards
-        if self.staged or not (self.remote or (shards is not None and shards.has_remote)):
+        remote_shards = shards.remote_shards if shards is not None else []
+        if self.staged or not (self.remote or remote_shards):
             return
-        remote = {id(p) for p in self.remote} | (
-            {id(p) for p in shards.remote_shards} if shards is not None else set())
+        remote = {id(p) for p in self.remote + remote_shards}
         for optimizer in optimizers:
             inner = compat.unwrap_optimizer(optimizer)
             for p in [p for p in inner.state if id(p) in remote]:

@@ -75,10 +75,6 @@ class StagedShards:
         self.engine.finish_backward()
 
     # ------------------------------------------------------------------ the other stages' buckets
-    @property
-    def has_remote(self) -> bool:
-        return bool(self._remote)
-
     def release(self) -> None:
         """While training: gather and reduce-scatter this rank's stages' buckets only; free the others'."""
         self.engine.set_active(self._local)
